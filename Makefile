@@ -1,0 +1,30 @@
+# Two entry points that work on a fresh machine: `make demo` (the main job on the real
+# example pair) and `make test` (the test suite, as CI runs it).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch unless a CUDA GPU is present (then bring your own CUDA torch).
+EXTRAS ?= $(if $(shell command -v nvidia-smi 2>/dev/null),test,cpu,test)
+
+.PHONY: install demo test test-fast clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/flashdraft models pull qwen2.5-coder
+	$(VENV)/bin/flashdraft demo
+
+test: install
+	$(VENV)/bin/flashdraft models pull qwen2.5-coder
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not example_pair"
+
+clean:
+	rm -rf $(VENV) build *.egg-info

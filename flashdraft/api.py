@@ -1,0 +1,244 @@
+"""The Python API, in the style users know from vLLM.
+
+    from flashdraft import LLM, SamplingParams
+    llm = LLM(model="example:qwen2.5-coder-1.5b", draft="example:qwen2.5-coder-0.5b")
+    out = llm.generate("def fib(n):", SamplingParams(temperature=0.0, max_tokens=64))[0]
+    print(out.text, out.metrics.tau)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+
+from .config import DRAFT_NGRAM, EngineConfig, SamplingParams
+from .drafters import DraftModelDrafter, Drafter, NgramDrafter
+from .engine import Engine, RequestMetrics
+from .loading import Loaded, load_model
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_DEFAULT = object()  # "the drafter this LLM was created with"
+
+
+@dataclass
+class RequestOutput:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS, a stop token or a stop string) or "length"
+    metrics: RequestMetrics
+
+
+@dataclass
+class StreamDelta:
+    text: str  # text added since the previous delta
+    token_ids: list[int]  # tokens added since the previous delta
+    finish_reason: str | None = None
+    output: RequestOutput | None = None  # the whole result, on the last delta only
+
+
+def pick_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.device, torch.dtype]:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for, but this PyTorch sees no CUDA GPU; "
+                         f"use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not supported; use cpu or cuda[:N]")
+    if dtype is None:
+        dtype = "bfloat16" if dev.type == "cuda" else "float32"
+    return dev, DTYPES[dtype]
+
+
+def check_same_tokenizer(target: Loaded, draft: Loaded) -> None:
+    """Refuse a draft whose tokens mean something else than the target's."""
+    a, b = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if a == b:
+        return
+    only_t = sorted(set(a) - set(b))[:5]
+    only_d = sorted(set(b) - set(a))[:5]
+    moved = sorted(t for t in set(a) & set(b) if a[t] != b[t])[:5]
+    details = []
+    if only_t:
+        details.append(f"tokens only in the target's: {only_t}")
+    if only_d:
+        details.append(f"tokens only in the draft's: {only_d}")
+    if moved:
+        details.append(f"tokens with different ids: {moved}")
+    raise ValueError(
+        f"the draft model {draft.source} does not share the target's tokenizer: target "
+        f"{target.source} has {len(a)} tokens, draft has {len(b)}; " + "; ".join(details)
+        + ". Use a draft from the same model family, or --draft ngram.")
+
+
+def make_drafter(name: str, target: Loaded, cfg: EngineConfig, device, dtype) -> Drafter:
+    """The one place that knows the drafters' names."""
+    if name == DRAFT_NGRAM:
+        return NgramDrafter(cfg.ngram_sizes, device)
+    draft = load_model(name, dtype, device)
+    check_same_tokenizer(target, draft)
+    return DraftModelDrafter(draft.model, device, dtype, target.config.vocab_size)
+
+
+class Detokenizer:
+    """Incremental decoding: text grows by whole characters only (no half UTF-8 sequences)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = 0  # decode windows start here, so merges across steps stay right
+        self._read = 0
+
+    def add(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        decode = lambda a, b: self.tokenizer.decode(self.ids[a:b], skip_special_tokens=True)
+        before = decode(self._prefix, self._read)
+        window = decode(self._prefix, len(self.ids))
+        if window.endswith("\ufffd"):
+            return ""  # a character split across tokens: wait for the rest
+        new = window[len(before):]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += new
+        return new
+
+
+class LLM:
+    def __init__(self, model: str, draft: str | None = None, num_speculative_tokens: int = 5,
+                 dtype: str | None = None, device: str | None = None,
+                 max_model_len: int | None = None, ngram_sizes: Iterable[int] = (4, 3, 2)):
+        self.config = EngineConfig(model=model, draft=draft,
+                                   num_speculative_tokens=num_speculative_tokens,
+                                   ngram_sizes=tuple(ngram_sizes), dtype=dtype, device=device,
+                                   max_model_len=max_model_len)
+        self.device, self.dtype = pick_device_dtype(device, dtype)
+        self.target = load_model(model, self.dtype, self.device)
+        self.tokenizer = self.target.tokenizer
+        limit = self.target.config.max_position_embeddings
+        if max_model_len is not None and max_model_len > limit:
+            raise ValueError(f"max_model_len={max_model_len} is beyond the model's context of "
+                             f"{limit} tokens; use at most {limit}")
+        self.max_model_len = max_model_len or limit
+        self.engine = Engine(self.target.model, self.device, self.dtype, self.max_model_len,
+                             self.target.config.eos_token_ids)
+        self._drafters: dict[str, Drafter] = {}
+        self.num_speculative_tokens = num_speculative_tokens
+        self.drafter = self.get_drafter(draft) if draft else None
+
+    def get_drafter(self, name: str) -> Drafter:
+        """A drafter by name ("ngram", or a draft model's path / id / alias), loaded once."""
+        if name not in self._drafters:
+            self._drafters[name] = make_drafter(name, self.target, self.config, self.device,
+                                                self.dtype)
+        return self._drafters[name]
+
+    # -- prompts ---------------------------------------------------------------------------
+    def encode(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty; give at least one character")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = [int(t) for t in prompt["prompt_token_ids"]]
+            bad = [t for t in ids if not 0 <= t < self.target.config.vocab_size]
+            if not ids or bad:
+                raise ValueError(f"prompt_token_ids must be a non-empty list of ids in "
+                                 f"[0, {self.target.config.vocab_size}); bad: {bad[:5] or 'empty'}")
+            return None, ids
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self.encode(prompt["prompt"])
+        raise TypeError(f"a prompt is a str, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, "
+                        f"got {type(prompt).__name__}")
+
+    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(f"the model {self.target.source} has no chat template; "
+                             f"use generate() with a plain prompt")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def check_fits(self, prompt_ids: list[int]) -> None:
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens but max_model_len is "
+                             f"{self.max_model_len}: at most {self.max_model_len - 1} prompt "
+                             f"tokens fit (one position is needed to generate). Shorten the "
+                             f"prompt or raise --max-model-len.")
+
+    # -- generation --------------------------------------------------------------------------
+    def stream(self, prompt, params: SamplingParams | None = None, draft=_DEFAULT,
+               num_speculative_tokens: int | None = None) -> Iterator[StreamDelta]:
+        """Generate for one prompt, yielding text as it is committed.
+
+        draft: None for plain decoding, a drafter name, or (default) the one the LLM was built
+        with. Closing the iterator stops the generation between two steps.
+        """
+        params = params or SamplingParams()
+        text_prompt, ids = self.encode(prompt)
+        self.check_fits(ids)
+        drafter = self.drafter if draft is _DEFAULT else self.get_drafter(draft) if draft else None
+        k = num_speculative_tokens or self.num_speculative_tokens
+        metrics = RequestMetrics()
+        detok = Detokenizer(self.tokenizer)
+        longest_stop = max((len(s) for s in params.stop), default=0)
+        emitted = 0  # characters of detok.text already handed out
+        out_ids: list[int] = []
+        steps = self.engine.run(ids, params, drafter, k if drafter else 0, metrics)
+        try:
+            for step in steps:
+                out_ids.extend(step.token_ids)
+                detok.add(step.token_ids)
+                text, finish = detok.text, step.finish_reason
+                if params.stop:
+                    # Look only where a stop string could newly end.
+                    lo = max(0, emitted - longest_stop)
+                    hits = [(i, s) for s in params.stop if (i := text.find(s, lo)) >= 0]
+                    if hits:
+                        text, finish = text[:min(hits)[0]], "stop"
+                if finish is None:
+                    # Hold back a tail that might be the start of a stop string.
+                    safe = len(text) - max((n for s in params.stop for n in range(len(s), 0, -1)
+                                            if text.endswith(s[:n])), default=0)
+                    delta, emitted = text[emitted:safe], max(emitted, safe)
+                    if delta or step.token_ids:
+                        yield StreamDelta(delta, step.token_ids)
+                    continue
+                steps.close()  # a stop string may end the request before the engine would
+                out = RequestOutput(text_prompt, ids, text, out_ids, finish, metrics)
+                yield StreamDelta(text[emitted:], step.token_ids, finish, out)
+                return
+        finally:
+            steps.close()
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 *, draft=_DEFAULT, num_speculative_tokens: int | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """prompts: a str, a list of str, or {"prompt_token_ids": [...]} items (or a list of them)."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        for p in prompts:  # refuse bad input before spending time on any prompt
+            self.check_fits(self.encode(p)[1])
+        outputs = []
+        iterator = prompts
+        if use_tqdm:
+            from tqdm import tqdm
+            iterator = tqdm(prompts, desc="generate")
+        for prompt, sp in zip(iterator, params):
+            *_, last = self.stream(prompt, sp, draft, num_speculative_tokens)
+            outputs.append(last.output)
+        return outputs
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, **kwargs) -> list[RequestOutput]:
+        """messages: one conversation (a list of {"role", "content"}) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.chat_prompt_ids(c)} for c in conversations]
+        return self.generate(prompts, sampling_params, **kwargs)

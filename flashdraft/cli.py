@@ -1,0 +1,166 @@
+"""`flashdraft generate | chat | models | serve | bench`: the command line.
+
+argparse lives here and nowhere else; each flag maps onto one field of EngineConfig or
+SamplingParams (or of the subcommand's own settings).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
+    """Flags of every command that loads a model."""
+    p.add_argument("--model", required=True,
+                   help="HF model directory, hub id in the local HF cache, .gguf file, or an "
+                        "example alias (example:qwen2.5-coder-1.5b)")
+    if draft:
+        p.add_argument("--draft", default=None,
+                       help="draft model (path, id or alias) of the same tokenizer, or 'ngram'")
+        p.add_argument("--num-speculative-tokens", type=int, default=5, metavar="K",
+                       help="tokens drafted per step (default 5)")
+        p.add_argument("--ngram-sizes", default="4,3,2",
+                       help="n-gram sizes for --draft ngram, tried longest first (default 4,3,2)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when present)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's context)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def parse_ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"error: {flag} takes comma-separated whole numbers, got {text!r}")
+
+
+def build_llm(args):
+    from .api import LLM
+
+    return LLM(model=args.model, draft=getattr(args, "draft", None),
+               num_speculative_tokens=getattr(args, "num_speculative_tokens", 5),
+               ngram_sizes=parse_ints(getattr(args, "ngram_sizes", "4,3,2"), "--ngram-sizes"),
+               dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+
+
+def sampling_from(args):
+    from .config import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_tokens=args.max_tokens, seed=args.seed, stop=args.stop,
+                          ignore_eos=args.ignore_eos)
+
+
+def stats_line(m) -> str:
+    line = (f"[{m.generated_tokens} tokens, {m.decode_tokens_per_s:.1f} tokens/s decode, "
+            f"TTFT {m.ttft_s * 1000:.0f} ms, tau {m.tau:.2f}")
+    if m.drafted_tokens:
+        line += f", acceptance {m.acceptance_rate:.1%} ({m.accepted_tokens}/{m.drafted_tokens})"
+    return line + "]"
+
+
+def cmd_generate(args) -> None:
+    params = sampling_from(args)
+    llm = build_llm(args)
+    for prompt in args.prompt:
+        if args.chat:
+            ids = llm.chat_prompt_ids([{"role": "user", "content": prompt}])
+            stream = llm.stream({"prompt_token_ids": ids}, params)
+        else:
+            stream = llm.stream(prompt, params)
+        for delta in stream:
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+            if delta.output is not None:
+                print()
+                print(stats_line(delta.output.metrics), file=sys.stderr)
+
+
+def cmd_chat(args) -> None:
+    params = sampling_from(args)
+    llm = build_llm(args)
+    messages = []
+    print("flashdraft chat: an empty line or Ctrl-D ends the conversation", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        reply = ""
+        for delta in llm.stream({"prompt_token_ids": llm.chat_prompt_ids(messages)}, params):
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+            reply += delta.text
+            if delta.output is not None:
+                print()
+                print(stats_line(delta.output.metrics), file=sys.stderr)
+        messages.append({"role": "assistant", "content": reply})
+
+
+def cmd_models(args) -> None:
+    from . import models
+
+    if args.models_cmd == "pull":
+        for name in args.names:
+            for path in models.pull(name, progress=not args.quiet):
+                print(path)
+    else:
+        print(models.format_list())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashdraft", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    add_model_args(g)
+    add_sampling_args(g)
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    g.add_argument("prompt", nargs="+")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="an interactive chat on the terminal")
+    add_model_args(c)
+    add_sampling_args(c)
+    c.set_defaults(func=cmd_chat)
+
+    m = sub.add_parser("models", help="the example models: pull, list")
+    msub = m.add_subparsers(dest="models_cmd", required=True)
+    pull = msub.add_parser("pull", help="download, assemble and verify example models")
+    pull.add_argument("names", nargs="+", help="qwen2.5-coder, or an alias such as "
+                                               "example:qwen2.5-coder-1.5b")
+    pull.add_argument("--quiet", action="store_true", help="no progress bars")
+    msub.add_parser("list", help="what is in the cache")
+    m.set_defaults(func=cmd_models)
+
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    from .models import ModelError
+
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError, ModelError) as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Configuration: the model's shape, the engine's settings, and per-request sampling.
+
+All three are frozen dataclasses checked in ``__post_init__``; a bad value is refused
+with a message that names it and says what to do instead.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str  # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # Llama 3: {"rope_type": "llama3", "factor", ...}
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 / Qwen2.5
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"model architecture {self.arch!r} is not supported; "
+                             f"flashdraft runs {', '.join(SUPPORTED_ARCHS)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ("llama3", "default", None):
+                raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: llama3)")
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> "ModelConfig":
+        """From a Hugging Face ``config.json`` dictionary."""
+        arch = d.get("model_type")
+        if arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"model_type {arch!r} in config.json is not supported; "
+                             f"flashdraft runs {', '.join(SUPPORTED_ARCHS)}")
+        heads = d["num_attention_heads"]
+        eos = d.get("eos_token_id")
+        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        rope_theta = d.get("rope_theta")
+        rope_scaling = d.get("rope_scaling")
+        # transformers 5 folds rope_theta into rope_parameters.
+        params = d.get("rope_parameters")
+        if params:
+            rope_theta = params.get("rope_theta", rope_theta)
+            if params.get("rope_type", "default") != "default":
+                rope_scaling = params
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+            rope_scaling = None
+        return cls(
+            arch=arch,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=dict(rope_scaling) if rope_scaling else None,
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2" or bool(d.get("attention_bias", False)),
+            qk_norm=arch == "qwen3",
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos,
+        )
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling, named as in vLLM. temperature=0 is greedy."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    max_tokens: int = 16
+    seed: int | None = None
+    stop: tuple[str, ...] | list[str] | str | None = None
+    stop_token_ids: tuple[int, ...] | list[int] | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) \
+                or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be a whole number >= 1, or 0 / -1 to turn it off; "
+                             f"got {self.top_k!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a whole number >= 1, got {self.max_tokens!r}")
+        stop = self.stop
+        stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
+        ids = tuple(self.stop_token_ids or ())
+        if any(not isinstance(t, int) or t < 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", ids)
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+DRAFT_NGRAM = "ngram"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What `LLM(...)` was asked for; flags of the CLI map 1:1 onto these fields."""
+    model: str
+    draft: str | None = None  # None, "ngram", or a path / hub id / example alias
+    num_speculative_tokens: int = 5
+    ngram_sizes: tuple[int, ...] = (4, 3, 2)  # tried longest first
+    dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None: bf16 on CUDA, fp32 on CPU
+    device: str | None = None  # "cpu" | "cuda" | "cuda:N"; None: cuda when present
+    max_model_len: int | None = None  # None: the model's own context length (capped at 32768)
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 64:
+            raise ValueError(f"num_speculative_tokens must be between 1 and 64, "
+                             f"got {self.num_speculative_tokens!r}")
+        if self.dtype not in (None, "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
+            raise ValueError(f"dtype {self.dtype!r} is not one of float32, bfloat16, float16")
+        sizes = tuple(sorted(set(self.ngram_sizes), reverse=True))
+        if not sizes or any(not isinstance(n, int) or n < 1 for n in sizes):
+            raise ValueError(f"ngram_sizes must be whole numbers >= 1, got {self.ngram_sizes!r}")
+        object.__setattr__(self, "ngram_sizes", sizes)
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")

@@ -1,0 +1,76 @@
+"""A small model of the same tokenizer, run autoregressively k times per step.
+
+It keeps its own cache. After proposing d_1 … d_k its cache holds the context and
+d_1 … d_{k-1} (d_k was sampled, never fed); when the target keeps n of them, the first
+len(context) + min(n, k-1) cached positions are still right, and the next proposal feeds
+the rest of the committed sequence (one or two tokens) before drafting again.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kv_cache import KVCache
+from ..model import Transformer
+from ..sampling import probs_from_logits, sample
+from .base import Draft, DraftContext
+
+
+class DraftModelDrafter:
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, model: Transformer, device: torch.device, dtype: torch.dtype,
+                 target_vocab: int):
+        self.model, self.device, self.dtype = model, device, dtype
+        # Checkpoints of one family pad their embeddings differently (e.g. 151,936 vs 152,064
+        # rows for one tokenizer): q is cut or padded to the target's width, and sampled from
+        # in that form, so that q is exactly the distribution the drafts came from.
+        self.target_vocab = target_vocab
+        self.cache: KVCache | None = None
+        self.n_cached = 0  # positions of the committed sequence that the cache holds correctly
+        self._proposed = (0, 0)  # (context length, k) of the last proposal
+
+    def ensure_capacity(self, max_len: int) -> None:
+        if self.cache is None or self.cache.max_len < max_len:
+            self.cache = KVCache.for_model(self.model.cfg, 1, max_len, self.dtype, self.device)
+
+    def begin(self, prompt: list[int]) -> None:
+        self.n_cached = 0
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext, k: int) -> Draft:
+        if k == 0:
+            return Draft(torch.empty(1, 0, dtype=torch.long, device=self.device))
+        params = ctx.params
+        feed = torch.tensor([ctx.tokens[self.n_cached:]], device=self.device)
+        start = self.n_cached
+        tokens, probs = [], []
+        for i in range(k):
+            positions = torch.arange(start, start + feed.shape[1], device=self.device).unsqueeze(0)
+            logits, _ = self.model(feed, positions, self.cache, kv_len=start + feed.shape[1],
+                                   last_only=True)
+            logits = self._fit_vocab(logits[:, -1])  # [1, target vocab]
+            if params.greedy:
+                token = logits.argmax(-1)
+            else:
+                q = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)
+                token = sample(q, ctx.generator)
+                probs.append(q)
+            tokens.append(token)
+            start += feed.shape[1]
+            feed = token.view(1, 1)
+        self._proposed = (len(ctx.tokens), k)
+        q = torch.stack(probs, dim=1) if probs else None  # [1, k, vocab]
+        return Draft(torch.stack(tokens, dim=1), q)
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        extra = self.target_vocab - logits.shape[-1]
+        if extra < 0:
+            return logits[..., :self.target_vocab]
+        if extra > 0:
+            return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
+        return logits
+
+    def commit(self, num_accepted: int) -> None:
+        context, k = self._proposed
+        if k:
+            self.n_cached = context + min(num_accepted, k - 1)

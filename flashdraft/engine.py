@@ -1,0 +1,210 @@
+"""The speculative loop: prefill -> propose -> verify -> commit -> stop.
+
+Plain decoding is the same loop with nothing proposed (k = 0): one target pass per token.
+The sequence invariant: `tokens` is prompt + generated, and the target's cache holds the
+keys and values of all of `tokens` but the last, so every verification pass runs over
+`[tokens[-1], d_1 … d_k]` at positions len - 1 … len - 1 + k.
+
+One host synchronisation per step: the accepted count, the next token and the draft come
+back together in one transfer.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import SamplingParams
+from .drafters.base import Draft, DraftContext, Drafter
+from .kv_cache import KVCache
+from .model import Transformer
+from .sampling import probs_from_logits, sample
+from .verify import verify_greedy, verify_sampled
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request figures, named as in BENCHMARKS.md."""
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    target_passes: int = 0  # prefill included: plain decoding has tau = 1
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_step: list[int] = field(default_factory=list)  # n of each speculative step
+    drafted_per_step: list[int] = field(default_factory=list)  # k of each speculative step
+    ttft_s: float = 0.0
+    decode_time_s: float = 0.0  # from the first generated token to the last
+    total_time_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean accepted length: generated tokens / target passes (bonus token included)."""
+        return self.generated_tokens / self.target_passes if self.target_passes else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """For draft position i, the fraction of steps that drafted it and accepted it."""
+        width = max(self.drafted_per_step, default=0)
+        out = []
+        for i in range(width):
+            drafted = sum(1 for k in self.drafted_per_step if k > i)
+            accepted = sum(1 for n in self.accepted_per_step if n > i)
+            out.append(accepted / drafted if drafted else 0.0)
+        return out
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first, over the time after the first (= 1 / TPOT)."""
+        n = self.generated_tokens - 1
+        return n / self.decode_time_s if n > 0 and self.decode_time_s > 0 else 0.0
+
+    @property
+    def tpot_s(self) -> float:
+        n = self.generated_tokens - 1
+        return self.decode_time_s / n if n > 0 else 0.0
+
+    @property
+    def e2e_tokens_per_s(self) -> float:
+        return self.generated_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        for name in ("tau", "acceptance_rate", "per_position_acceptance", "decode_tokens_per_s",
+                     "tpot_s", "e2e_tokens_per_s"):
+            d[name] = getattr(self, name)
+        return d
+
+
+@dataclass
+class StepOutput:
+    """What one step committed: new token ids, the finish reason once finished."""
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | None while running
+    stop_string: str | None = None  # the stop string that ended the request, if any
+
+
+def _sync(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Engine:
+    """Runs one sequence at a time through a target model and an optional drafter."""
+
+    def __init__(self, model: Transformer, device: torch.device, dtype: torch.dtype,
+                 max_model_len: int, eos_token_ids: tuple[int, ...]):
+        self.model, self.device, self.dtype = model, device, dtype
+        self.max_model_len = max_model_len
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.cache: KVCache | None = None
+
+    def ensure_capacity(self, length: int, drafter: Drafter | None = None) -> None:
+        """Size the caches for a request before it starts; never on the hot path."""
+        # Round up so that similar requests reuse one allocation.
+        length = min(-(-length // 256) * 256, self.max_model_len + 64)
+        if self.cache is None or self.cache.max_len < length:
+            self.cache = None  # free the old one first
+            self.cache = KVCache.for_model(self.model.cfg, 1, length, self.dtype, self.device)
+        if drafter is not None and hasattr(drafter, "ensure_capacity"):
+            drafter.ensure_capacity(length)
+
+    def _forward(self, tokens: list[int] | torch.Tensor, start: int, hidden_layers, last_only=False):
+        ids = torch.as_tensor(tokens, device=self.device).view(1, -1)
+        positions = torch.arange(start, start + ids.shape[1], device=self.device).unsqueeze(0)
+        return self.model(ids, positions, self.cache, kv_len=start + ids.shape[1],
+                          hidden_layers=hidden_layers, last_only=last_only)
+
+    @torch.inference_mode()
+    def run(self, prompt: list[int], params: SamplingParams, drafter: Drafter | None = None,
+            k: int = 0, metrics: RequestMetrics | None = None):
+        """Generate for one prompt; yields a StepOutput per step, the last with a finish_reason.
+
+        Closing the generator (e.g. a client went away) stops the request between steps.
+        """
+        metrics = metrics if metrics is not None else RequestMetrics()
+        metrics.prompt_tokens = len(prompt)
+        max_new = min(params.max_tokens, self.max_model_len - len(prompt))
+        if max_new < 1:
+            raise ValueError(f"the prompt has {len(prompt)} tokens, which leaves no room to "
+                             f"generate within max_model_len={self.max_model_len}")
+        self.ensure_capacity(len(prompt) + max_new + (k if drafter else 0) + 1, drafter)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(self.device).manual_seed(params.seed)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        hidden_layers = drafter.hidden_layers if drafter is not None else ()
+        if drafter is not None:
+            drafter.begin(prompt)
+
+        start = time.perf_counter()
+        logits, hidden = self._forward(prompt, 0, hidden_layers, last_only=True)
+        first = self._pick(logits[:, -1], params, generator)
+        tokens = list(prompt) + [int(first)]  # the one sync of the prefill
+        metrics.target_passes = 1
+        metrics.generated_tokens = 1
+        metrics.ttft_s = time.perf_counter() - start
+        decode_start = time.perf_counter()
+
+        def finish(new: list[int]) -> StepOutput:
+            generated = len(tokens) - len(prompt)
+            if new and new[-1] in stop_ids:
+                return StepOutput(new, "stop")
+            if generated >= max_new:
+                return StepOutput(new, "length")
+            return StepOutput(new)
+
+        step = finish([tokens[-1]])
+        try:
+            yield step
+            while step.finish_reason is None:
+                # Leave room for the bonus token within the budget and the context.
+                budget = min(k, max_new - (len(tokens) - len(prompt)) - 1) if drafter else 0
+                draft = self._propose(drafter, tokens, params, generator, hidden, budget)
+                n_draft = draft.tokens.shape[1]
+                verify_in = torch.cat([draft.tokens.new_tensor([[tokens[-1]]]), draft.tokens], dim=1)
+                logits, hidden = self._forward(verify_in, len(tokens) - 1, hidden_layers)
+                if params.greedy:
+                    num_accepted, next_token = verify_greedy(draft.tokens, logits)
+                else:
+                    p = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)
+                    num_accepted, next_token = verify_sampled(draft.tokens, draft.q, p, generator)
+                result = torch.cat([num_accepted, next_token, draft.tokens[0]]).tolist()
+                n, new = result[0], result[2:2 + result[0]] + [result[1]]
+                metrics.target_passes += 1
+                if budget > 0:
+                    drafter.commit(n)
+                if n_draft:
+                    metrics.drafted_tokens += n_draft
+                    metrics.accepted_tokens += n
+                    metrics.drafted_per_step.append(n_draft)
+                    metrics.accepted_per_step.append(n)
+                # A stop token inside the accepted block ends the request there.
+                for i, t in enumerate(new):
+                    if t in stop_ids:
+                        new = new[:i + 1]
+                        break
+                tokens.extend(new)
+                metrics.generated_tokens += len(new)
+                step = finish(new)
+                yield step
+        finally:
+            _sync(self.device)
+            metrics.decode_time_s = time.perf_counter() - decode_start
+            metrics.total_time_s = time.perf_counter() - start
+
+    def _pick(self, logits: torch.Tensor, params: SamplingParams, generator) -> torch.Tensor:
+        # logits: [1, vocab] -> [1]
+        if params.greedy:
+            return logits.argmax(-1)
+        return sample(probs_from_logits(logits, params.temperature, params.top_k, params.top_p),
+                      generator)
+
+    def _propose(self, drafter, tokens, params, generator, hidden, k) -> Draft:
+        if k <= 0:
+            return Draft(torch.empty(1, 0, dtype=torch.long, device=self.device))
+        return drafter.propose(DraftContext(tokens, params, generator, hidden), k)

@@ -1,0 +1,85 @@
+"""Hugging Face checkpoints: a local directory, or a hub id found in the local hub cache.
+
+There is no download here: a model that is not on disk is an error that lists where we
+looked. Tensors are renamed onto our fused layout (wqkv, w_gate_up) by `to_ours`, which the
+GGUF loader shares.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+
+def resolve_hf(ref: str) -> Path:
+    """A directory holding config.json: `ref` itself, or the hub cache's snapshot of `ref`."""
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is a directory but has no config.json; a model "
+                                    f"directory needs config.json, *.safetensors and tokenizer files")
+        return path
+    looked = [f"{path} (no such file or directory)"]
+    if ref.count("/") == 1 and not path.exists():
+        from huggingface_hub import constants, snapshot_download
+        try:
+            return Path(snapshot_download(ref, local_files_only=True))
+        except Exception:  # any failure means: not in the cache
+            looked.append(f"the Hugging Face cache {constants.HF_HUB_CACHE} (no snapshot of {ref})")
+    raise FileNotFoundError(
+        f"model {ref!r} was not found. Looked in: " + "; ".join(looked) + ". flashdraft does "
+        f"not download weights: pass a local directory, a .gguf file, a hub id already in "
+        f"the Hugging Face cache, or an example alias such as example:qwen2.5-coder-1.5b "
+        f"(see `flashdraft models list`).")
+
+
+def read_hf(path: Path, dtype: torch.dtype) -> tuple[dict, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    config = json.loads((path / "config.json").read_text())
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} holds no *.safetensors files (other weight formats "
+                                f"are not supported; convert them to safetensors)")
+    generation = path / "generation_config.json"
+    if generation.is_file():
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        if eos is not None:
+            config["generation_eos_token_id"] = eos
+    state = {}
+    for f in files:
+        for name, t in load_file(f).items():
+            state[name] = t.to(dtype)
+    return config, state
+
+
+def to_ours(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """Hugging Face tensor names -> ours, fusing q/k/v and gate/up."""
+    out = {"embed.weight": state["model.embed_tokens.weight"],
+           "norm.weight": state["model.norm.weight"],
+           "lm_head.weight": state.get("lm_head.weight", state["model.embed_tokens.weight"])}
+    for i in range(num_layers):
+        hf, us = f"model.layers.{i}.", f"layers.{i}."
+        attn = hf + "self_attn."
+        out[us + "attn.wqkv.weight"] = torch.cat([state[attn + f"{x}_proj.weight"] for x in "qkv"])
+        if attn + "q_proj.bias" in state:
+            out[us + "attn.wqkv.bias"] = torch.cat([state[attn + f"{x}_proj.bias"] for x in "qkv"])
+        out[us + "attn.wo.weight"] = state[attn + "o_proj.weight"]
+        for norm in ("q_norm", "k_norm"):
+            if attn + norm + ".weight" in state:
+                out[us + f"attn.{norm}.weight"] = state[attn + norm + ".weight"]
+        out[us + "mlp.w_gate_up.weight"] = torch.cat([state[hf + "mlp.gate_proj.weight"],
+                                                      state[hf + "mlp.up_proj.weight"]])
+        out[us + "mlp.w_down.weight"] = state[hf + "mlp.down_proj.weight"]
+        out[us + "attn_norm.weight"] = state[hf + "input_layernorm.weight"]
+        out[us + "mlp_norm.weight"] = state[hf + "post_attention_layernorm.weight"]
+    return out
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,70 @@
+"""The acceptance rule: which drafted tokens the target keeps, and the one token it adds.
+
+Notation, fixed across the project: p = target probabilities, q = draft probabilities,
+k = number of drafted tokens. The target has scored `[last token, d_1 … d_k]` in one pass, so
+it holds k + 1 distributions: p_1 … p_k for the drafted positions and p_{k+1} after them.
+
+Outputs:
+- num_accepted n: the length of the accepted prefix d_1 … d_n (0 <= n <= k);
+- next token: the *recovered* token, drawn from norm(max(p_{n+1} - q_{n+1}, 0)), when d_{n+1}
+  was rejected; the *bonus* token, drawn from p_{k+1}, when all k were accepted.
+
+At temperature 0 the rule is prefix matching against the target's argmax, and the next token
+is the argmax at position n + 1. Everything stays on the device: the caller reads n (and the
+tokens) back in one transfer per step.
+"""
+from __future__ import annotations
+
+import torch
+
+from .sampling import sample
+
+
+def verify_greedy(draft: torch.Tensor, target_logits: torch.Tensor):
+    """draft: [batch, k] token ids; target_logits: [batch, k+1, vocab].
+    Returns num_accepted [batch] and next_token [batch] (int64)."""
+    best = target_logits.argmax(-1)  # [batch, k+1]
+    k = draft.shape[1]
+    num_accepted = (draft == best[:, :k]).int().cumprod(-1).sum(-1).long()
+    next_token = best.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
+    return num_accepted, next_token
+
+
+def verify_sampled(draft: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
+                   generator: torch.Generator | None = None):
+    """Lossless rejection sampling.
+
+    draft: [batch, k] token ids, drawn from q.
+    q: [batch, k, vocab] draft probabilities, or None for a drafter without probabilities
+       (n-gram lookup, argmax drafts): a one-hot q, under which d_i is accepted with
+       probability p_i(d_i) and the residual is p_i with d_i removed.
+    p: [batch, k+1, vocab] target probabilities (after temperature / top-k / top-p).
+    Returns num_accepted [batch] and next_token [batch] (int64).
+    """
+    batch, k = draft.shape
+    rows = torch.arange(batch, device=p.device)
+    p_draft = p[:, :k].gather(-1, draft.unsqueeze(-1)).squeeze(-1)  # [batch, k]
+    q_draft = (torch.ones_like(p_draft) if q is None
+               else q.gather(-1, draft.unsqueeze(-1)).squeeze(-1))
+    # Accept d_i with probability min(1, p/q): u * q < p for u ~ U[0, 1). The strict '<' never
+    # accepts a token the target gives zero mass, and always accepts when q = 0 < p.
+    u = torch.rand(p_draft.shape, device=p.device, generator=generator)
+    accepted = u * q_draft < p_draft  # [batch, k]
+    num_accepted = accepted.int().cumprod(-1).sum(-1).long()  # [batch]
+
+    # Only the distribution at position n + 1 is needed: gather it instead of building k.
+    p_next = p[rows, num_accepted]  # [batch, vocab]
+    rejected = num_accepted < k  # [batch]; False: all accepted, draw the bonus from p_{k+1}
+    if q is None:
+        q_next = torch.zeros_like(p_next)
+        if k:
+            d_next = draft.gather(1, num_accepted.clamp(max=k - 1).unsqueeze(1))  # [batch, 1]
+            q_next.scatter_(1, d_next, rejected.unsqueeze(1).to(q_next.dtype))
+    else:
+        q_pad = torch.cat([q, q.new_zeros(batch, 1, q.shape[-1])], dim=1)  # [batch, k+1, vocab]
+        q_next = q_pad[rows, num_accepted]
+    residual = (p_next - q_next).clamp_min(0)
+    mass = residual.sum(-1, keepdim=True)
+    # mass = 0 only when p_{n+1} = q_{n+1}, where a rejection has probability 0: fall back to p.
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_next)
+    return num_accepted, sample(residual, generator)

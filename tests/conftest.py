@@ -1,0 +1,32 @@
+import pytest
+import torch
+
+from tests.tiny import build_model
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Tiny random checkpoints: one per architecture, plus a second qwen2 of the same
+    tokenizer (a poor draft) and a llama with Llama 3 rope scaling."""
+    root = tmp_path_factory.mktemp("tiny")
+    paths = {arch: build_model(root / arch, arch, seed=1) for arch in ("llama", "qwen2", "qwen3")}
+    paths["qwen2-draft"] = build_model(root / "qwen2-draft", "qwen2", seed=7, layers=1,
+                                       tokenizer_from=paths["qwen2"])
+    paths["llama3-scaled"] = build_model(
+        root / "llama3-scaled", "llama", seed=3,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    paths["qwen2-tied"] = build_model(root / "qwen2-tied", "qwen2", seed=5, tie=True)
+    return {k: str(v) for k, v in paths.items()}
+
+
+@pytest.fixture(scope="session")
+def device():
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,69 @@
+"""Our logits against transformers' on the same tiny checkpoints (fp32)."""
+import pytest
+import torch
+import transformers
+
+from flashdraft import LLM
+from flashdraft.kv_cache import KVCache
+
+ARCHS = ["llama", "qwen2", "qwen3", "llama3-scaled", "qwen2-tied"]
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_match_transformers(tiny_models, arch, device):
+    path = tiny_models[arch]
+    llm = LLM(path, device=device, dtype="float32")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    # Long enough that the scaled rope differs from the plain one (original context 32).
+    ids = llm.tokenizer.encode("def add(a, b):\n    return a + b\n" * 3)
+    assert len(ids) > 40
+    x = torch.tensor([ids], device=device)
+    with torch.no_grad():
+        want = ref(x).logits
+        cache = KVCache.for_model(llm.target.config, 1, 128, torch.float32, device)
+        n = len(ids) - 6
+        # Prefill all but the last 6 tokens, then decode them one at a time through the cache,
+        # then once more re-verify 3 positions (overwriting, as after a rejected draft).
+        got, _ = llm.target.model(x[:, :n], torch.arange(n, device=device)[None], cache)
+        assert rel_err(got, want[:, :n]) <= 1e-4
+        for i in range(n, len(ids)):
+            step, _ = llm.target.model(x[:, i:i + 1], torch.tensor([[i]], device=device), cache)
+            assert rel_err(step, want[:, i:i + 1]) <= 1e-4
+        again, _ = llm.target.model(x[:, n:n + 3], torch.arange(n, n + 3, device=device)[None], cache)
+        assert rel_err(again, want[:, n:n + 3]) <= 1e-4
+
+
+def test_hidden_states_match_transformers(tiny_models, device):
+    path = tiny_models["qwen3"]
+    llm = LLM(path, device=device, dtype="float32")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    ids = torch.tensor([llm.tokenizer.encode("hello world, how are you")], device=device)
+    with torch.no_grad():
+        want = ref(ids, output_hidden_states=True).hidden_states
+        cache = KVCache.for_model(llm.target.config, 1, 64, torch.float32, device)
+        pos = torch.arange(ids.shape[1], device=device)[None]
+        _, hidden = llm.target.model(ids, pos, cache, hidden_layers=(0, 1))
+        _, none = llm.target.model(ids, pos, cache)
+    assert none == []
+    assert rel_err(hidden[0], want[0]) <= 1e-5
+    assert rel_err(hidden[1], want[1]) <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_plain_greedy_equals_transformers_generate(tiny_models, arch, device):
+    from flashdraft import SamplingParams
+
+    path = tiny_models[arch]
+    llm = LLM(path, device=device, dtype="float32")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    for prompt in ["def add(a, b):", "The quick brown fox"]:
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+        ids = torch.tensor([out.prompt_token_ids], device=device)
+        want = ref.generate(ids, max_new_tokens=24, do_sample=False, min_new_tokens=24,
+                            attention_mask=torch.ones_like(ids))
+        assert out.token_ids == want[0, ids.shape[1]:].tolist()
+        assert out.finish_reason == "length"

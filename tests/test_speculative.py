@@ -1,0 +1,105 @@
+"""Losslessness end to end: greedy speculative output equals plain greedy output, token for token."""
+import pytest
+
+from flashdraft import LLM, SamplingParams
+
+PROMPTS = ["def add(a, b):", "The quick brown fox jumps", "for i in range(10):\n    print(i)\nfor"]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_models):
+    return LLM(tiny_models["qwen2"], device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    return [o.token_ids for o in target.generate(PROMPTS, params, draft=None)]
+
+
+def check_counts(m):
+    # Every pass but the prefill commits its accepted tokens plus one; the prefill commits one.
+    assert m.generated_tokens <= 1 + sum(n + 1 for n in m.accepted_per_step) + \
+        (m.target_passes - 1 - len(m.accepted_per_step))
+    assert m.accepted_tokens == sum(m.accepted_per_step) <= m.drafted_tokens
+    assert m.tau == pytest.approx(m.generated_tokens / m.target_passes)
+
+
+@pytest.mark.parametrize("drafter", ["perfect", "poor", "ngram"])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_greedy_speculative_equals_plain(target, plain, tiny_models, drafter, k):
+    name = {"perfect": tiny_models["qwen2"], "poor": tiny_models["qwen2-draft"],
+            "ngram": "ngram"}[drafter]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs = target.generate(PROMPTS, params, draft=name, num_speculative_tokens=k)
+    for out, want in zip(outs, plain):
+        assert out.token_ids == want
+        assert out.finish_reason == "length"
+        check_counts(out.metrics)
+    if drafter == "perfect":  # everything accepted: k + 1 tokens per pass
+        m = outs[0].metrics
+        assert m.acceptance_rate == 1.0
+        assert m.target_passes == 1 + -(-(40 - 1) // (k + 1))
+    if drafter == "poor":
+        assert sum(o.metrics.acceptance_rate for o in outs) / len(outs) < 0.5
+
+
+@pytest.mark.parametrize("k", [3, 8])
+def test_max_tokens_and_stop_token_inside_accepted_block(target, plain, tiny_models, k):
+    # max_tokens that do not fall on a step boundary
+    for max_tokens in (5, 13):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        out = target.generate(PROMPTS[0], params, draft=tiny_models["qwen2"],
+                              num_speculative_tokens=k)[0]
+        assert out.token_ids == plain[0][:max_tokens] and out.finish_reason == "length"
+    # A stop token that the perfect draft proposes in the middle of a block.
+    want = plain[0]
+    stop = next(t for i, t in enumerate(want) if i >= 4 and t not in want[:i])
+    cut = want.index(stop) + 1
+    for draft in (tiny_models["qwen2"], "ngram", None):
+        params = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop])
+        out = target.generate(PROMPTS[0], params, draft=draft, num_speculative_tokens=k)[0]
+        assert out.token_ids == want[:cut]
+        assert out.finish_reason == "stop"
+
+
+def test_stop_string_and_eos(target, plain):
+    text = target.tokenizer.decode(plain[1], skip_special_tokens=True)
+    stop = text[8:11]
+    assert stop and stop in text
+    out = target.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=40, stop=[stop]),
+                          draft="ngram")[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[:text.index(stop)]
+    # EOS ends generation (and is not stopped on when ignore_eos is set).
+    eos_engine = target.engine
+    saved = eos_engine.eos_token_ids
+    eos_engine.eos_token_ids = (plain[1][6],)
+    try:
+        out = target.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=40))[0]
+        assert out.token_ids == plain[1][:plain[1].index(plain[1][6]) + 1]
+        assert out.finish_reason == "stop"
+    finally:
+        eos_engine.eos_token_ids = saved
+
+
+def test_streaming_text_equals_final_text(target):
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    deltas = list(target.stream(PROMPTS[2], params, draft="ngram", num_speculative_tokens=4))
+    assert "".join(d.text for d in deltas) == deltas[-1].output.text
+    assert sum(len(d.token_ids) for d in deltas) == len(deltas[-1].output.token_ids) == 30
+
+
+def test_sampling_is_reproducible_with_a_seed(target, tiny_models):
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=20, seed=123)
+    for draft in (None, "ngram", tiny_models["qwen2-draft"]):
+        a = target.generate(PROMPTS[0], params, draft=draft)[0].token_ids
+        b = target.generate(PROMPTS[0], params, draft=draft)[0].token_ids
+        assert a == b and len(a) == 20 or a[-1] in target.engine.eos_token_ids
+
+
+def test_chat_uses_the_template(target):
+    out = target.chat([{"role": "user", "content": "hello"}],
+                      SamplingParams(temperature=0, max_tokens=8))[0]
+    text = target.tokenizer.decode(out.prompt_token_ids)
+    assert text.startswith("<|im_start|>user\nhello<|im_end|>") and text.endswith("assistant\n")

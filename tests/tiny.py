@@ -1,0 +1,102 @@
+"""Tiny random checkpoints in Hugging Face format, built by the tests themselves.
+
+A byte-level BPE tokenizer of a few hundred tokens with a ChatML template, and Llama / Qwen2 /
+Qwen3 models of two layers saved as safetensors, so that our loader, transformers (the
+reference) and the engine all read the same files.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "for i in range(10):\n    print(i * i)\n",
+    "Speculative decoding drafts tokens and verifies them in one pass.",
+    "import numpy as np\nx = np.zeros((3, 4))\n",
+    "Hello, world! How are you today? I am fine, thank you.",
+    "投机解码是一种加速大语言模型推理的方法。",
+]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(out: Path, vocab_size: int = 384):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    return fast
+
+
+def build_model(out: str | Path, arch: str = "qwen2", seed: int = 0, *, layers: int = 2,
+                hidden: int = 64, heads: int = 4, kv_heads: int = 2, tie: bool = False,
+                rope_scaling: dict | None = None, tokenizer_from: str | Path | None = None,
+                dtype=torch.float32) -> Path:
+    """Save a random `arch` model with our tiny tokenizer to `out`; returns `out`."""
+    import transformers
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if tokenizer_from is None:
+        tokenizer = build_tokenizer(out)
+    else:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_from)
+        tokenizer.save_pretrained(out)
+    vocab = len(tokenizer)
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3,
+                  num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, max_position_embeddings=512,
+                  tie_word_embeddings=tie, rms_norm_eps=1e-6,
+                  eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
+    if arch == "llama":
+        rope = {"rope_type": "default", "rope_theta": 500000.0}
+        if rope_scaling:
+            rope = {**rope_scaling, "rope_theta": 500000.0}
+        cfg = transformers.LlamaConfig(**common, rope_parameters=rope)
+        cls = transformers.LlamaForCausalLM
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(**common, rope_parameters={"rope_type": "default",
+                                                                   "rope_theta": 1000000.0})
+        cls = transformers.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        cfg = transformers.Qwen3Config(**common, head_dim=hidden // heads,
+                                       rope_parameters={"rope_type": "default",
+                                                        "rope_theta": 1000000.0})
+        cls = transformers.Qwen3ForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(cfg).to(dtype)
+    # Random init gives near-uniform logits; larger weights give peaked, varied distributions,
+    # which exercise acceptance and rejection far better.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.3 if "embed" in name or "lm_head" in name else 0.12)
+            elif "bias" in name:
+                p.normal_(0.0, 0.1)
+            else:  # norm weights
+                p.uniform_(0.8, 1.2)
+    model.save_pretrained(out)
+    return out
+
+
+def save_config_json(path: Path) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())
