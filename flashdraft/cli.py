@@ -122,6 +122,38 @@ def cmd_models(args) -> None:
         print(models.format_list())
 
 
+def cmd_bench(args) -> None:
+    import shlex
+
+    from .bench import BenchSettings, run_bench
+
+    try:
+        temperatures = tuple(float(t) for t in args.temperature.split(",") if t.strip())
+    except ValueError:
+        raise SystemExit(f"error: --temperature takes comma-separated numbers, e.g. 0,0.7; "
+                         f"got {args.temperature!r}")
+    run_bench(BenchSettings(
+        model=args.model, drafts=tuple(args.draft or ()),
+        num_speculative_tokens=parse_ints(args.num_speculative_tokens, "--num-speculative-tokens"),
+        prompts=args.prompts, raw_prompts=args.raw_prompts, num_prompts=args.num_prompts,
+        max_tokens=args.max_tokens, temperatures=temperatures, seed=args.seed,
+        warmup=args.warmup, output=args.output, peer=args.peer,
+        ngram_sizes=parse_ints(args.ngram_sizes, "--ngram-sizes"), device=args.device,
+        dtype=args.dtype, max_model_len=args.max_model_len, note=args.note,
+        command=shlex.join(sys.argv), progress=not args.no_progress))
+
+
+def cmd_serve(args) -> None:
+    import os
+
+    from .server import ServerSettings, serve
+
+    settings = ServerSettings(served_model_name=args.served_model_name or args.model,
+                              api_key=args.api_key or os.environ.get("FLASHDRAFT_API_KEY") or None,
+                              max_queue=args.max_queue)
+    serve(build_llm(args), settings, host=args.host, port=args.port)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashdraft", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -146,6 +178,55 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--quiet", action="store_true", help="no progress bars")
     msub.add_parser("list", help="what is in the cache")
     m.set_defaults(func=cmd_models)
+
+    b = sub.add_parser("bench", help="plain decoding vs speculative configurations on the same "
+                                     "prompts: tokens/s, TTFT, TPOT, tau, acceptance, speedup")
+    add_model_args(b, draft=False)
+    b.add_argument("--draft", action="append", default=None, metavar="DRAFT",
+                   help="a draft model (path, id or alias) or 'ngram'; repeatable")
+    b.add_argument("--num-speculative-tokens", default="5", metavar="K[,K...]",
+                   help="values of k to sweep, e.g. 1,3,5,7,10,16 (default 5)")
+    b.add_argument("--ngram-sizes", default="4,3,2",
+                   help="n-gram sizes for --draft ngram, tried longest first (default 4,3,2)")
+    b.add_argument("--prompts", default="humaneval", metavar="humaneval|seed|FILE.jsonl",
+                   help="HumanEval through the chat template (default), the shipped seed "
+                        "prompts, or a JSONL file of {\"prompt\": ...} or {\"messages\": [...]}")
+    b.add_argument("--raw-prompts", action="store_true",
+                   help="send HumanEval prompts as raw text, without the chat template (as "
+                        "BENCHMARKS.md's reference figures were measured)")
+    b.add_argument("--num-prompts", type=int, default=None, metavar="N",
+                   help="the first N prompts of the set (default: all)")
+    b.add_argument("--max-tokens", type=int, default=128)
+    b.add_argument("--temperature", default="0", metavar="T[,T...]",
+                   help="temperatures to run, e.g. 0,0.7 (default 0: greedy)")
+    b.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i is SEED + i")
+    b.add_argument("--warmup", type=int, default=1, metavar="N",
+                   help="untimed requests before each configuration (default 1)")
+    b.add_argument("--output", default=None, metavar="DIR",
+                   help="write results.json, results.md and PNG plots here")
+    b.add_argument("--peer", default=None, choices=["transformers"],
+                   help="also time transformers' generate on the same weights and prompts "
+                        "(plain, assisted with each draft model, prompt lookup)")
+    b.add_argument("--note", default=None,
+                   help="a line recorded with the results, e.g. 'random weights: speed only'")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, "
+                                     "streaming, /metrics)")
+    add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on every /v1 route (default: "
+                        "$FLASHDRAFT_API_KEY, else no key)")
+    s.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name clients send and /v1/models lists (default: --model)")
+    s.add_argument("--max-queue", type=int, default=64, metavar="N",
+                   help="requests that may wait behind the running one; more get 503 "
+                        "(default 64)")
+    s.set_defaults(func=cmd_serve)
 
     return parser
 
