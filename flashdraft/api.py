@@ -81,7 +81,8 @@ def make_drafter(name: str, target: Loaded, cfg: EngineConfig, device, dtype) ->
         return NgramDrafter(cfg.ngram_sizes, device)
     draft = load_model(name, dtype, device)
     check_same_tokenizer(target, draft)
-    return DraftModelDrafter(draft.model, device, dtype, target.config.vocab_size)
+    return DraftModelDrafter(draft.model, device, dtype, target.config.vocab_size,
+                             cuda_graphs=cfg.cuda_graphs)
 
 
 class Detokenizer:
@@ -110,13 +111,20 @@ class Detokenizer:
 class LLM:
     def __init__(self, model: str, draft: str | None = None, num_speculative_tokens: int = 5,
                  dtype: str | None = None, device: str | None = None,
-                 max_model_len: int | None = None, ngram_sizes: Iterable[int] = (4, 3, 2)):
+                 max_model_len: int | None = None, ngram_sizes: Iterable[int] = (4, 3, 2),
+                 cuda_graphs: bool = True, compile: bool = False,
+                 quantization: str | None = None):
         self.config = EngineConfig(model=model, draft=draft,
                                    num_speculative_tokens=num_speculative_tokens,
                                    ngram_sizes=tuple(ngram_sizes), dtype=dtype, device=device,
-                                   max_model_len=max_model_len)
+                                   max_model_len=max_model_len, cuda_graphs=cuda_graphs,
+                                   compile=compile, quantization=quantization)
         self.device, self.dtype = pick_device_dtype(device, dtype)
         self.target = load_model(model, self.dtype, self.device)
+        if quantization:
+            from .quant import quantize_model
+
+            quantize_model(self.target.model, quantization)
         self.tokenizer = self.target.tokenizer
         limit = self.target.config.max_position_embeddings
         if max_model_len is not None and max_model_len > limit:
@@ -124,7 +132,8 @@ class LLM:
                              f"{limit} tokens; use at most {limit}")
         self.max_model_len = max_model_len or limit
         self.engine = Engine(self.target.model, self.device, self.dtype, self.max_model_len,
-                             self.target.config.eos_token_ids)
+                             self.target.config.eos_token_ids, cuda_graphs=cuda_graphs,
+                             compile=compile)
         self._drafters: dict[str, Drafter] = {}
         self.num_speculative_tokens = num_speculative_tokens
         self.drafter = self.get_drafter(draft) if draft else None

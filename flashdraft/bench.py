@@ -80,6 +80,9 @@ class BenchSettings:
     device: str | None = None
     dtype: str | None = None
     max_model_len: int | None = None
+    cuda_graphs: bool = True
+    compile: bool = False
+    quantization: str | None = None  # of the target: None | "int8" | "int4"
     note: str | None = None  # printed with the results, e.g. "random weights: speed only"
     command: str | None = None  # the exact command line, recorded in results.json
     progress: bool = True
@@ -663,7 +666,8 @@ def run_bench(s: BenchSettings, out=None) -> dict:
     torch.manual_seed(s.seed)
     log(f"loading {s.model}")
     llm = LLM(s.model, dtype=s.dtype, device=s.device, max_model_len=s.max_model_len,
-              ngram_sizes=s.ngram_sizes)
+              ngram_sizes=s.ngram_sizes, cuda_graphs=s.cuda_graphs, compile=s.compile,
+              quantization=s.quantization)
     for d in s.drafts:  # load (and check) every drafter before anything is timed
         log(f"loading drafter {d}")
         llm.get_drafter(d)

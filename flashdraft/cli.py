@@ -9,9 +9,10 @@ import argparse
 import sys
 
 
-def add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
+def add_model_args(p: argparse.ArgumentParser, draft: bool = True,
+                   model_required: bool = True) -> None:
     """Flags of every command that loads a model."""
-    p.add_argument("--model", required=True,
+    p.add_argument("--model", required=model_required,
                    help="HF model directory, hub id in the local HF cache, .gguf file, or an "
                         "example alias (example:qwen2.5-coder-1.5b)")
     if draft:
@@ -26,6 +27,13 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
                    help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run every step eagerly on CUDA (for debugging; slower)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the forward before graph capture (faster steps, "
+                        "a minute or two of start-up)")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="weight-only quantization of the target, applied at load")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -51,7 +59,9 @@ def build_llm(args):
     return LLM(model=args.model, draft=getattr(args, "draft", None),
                num_speculative_tokens=getattr(args, "num_speculative_tokens", 5),
                ngram_sizes=parse_ints(getattr(args, "ngram_sizes", "4,3,2"), "--ngram-sizes"),
-               dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+               dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+               cuda_graphs=args.cuda_graphs, compile=args.compile,
+               quantization=args.quantization)
 
 
 def sampling_from(args):
@@ -127,6 +137,19 @@ def cmd_bench(args) -> None:
 
     from .bench import BenchSettings, run_bench
 
+    if args.random_weights:
+        from .shapes import SHAPES, format_shape_bench, run_shape_bench
+
+        if args.shape not in SHAPES:
+            raise SystemExit(f"error: --random-weights needs --shape, one of {', '.join(SHAPES)}")
+        print("random weights: this measures speed only; acceptance is not measured")
+        print(format_shape_bench(run_shape_bench(
+            args.shape, args.dtype or "bfloat16", args.quantization, args.device or "cuda",
+            context=args.context, cuda_graphs=args.cuda_graphs, compile=args.compile)))
+        return
+    if not args.model:
+        raise SystemExit("error: --model is required (or --random-weights --shape NAME)")
+
     try:
         temperatures = tuple(float(t) for t in args.temperature.split(",") if t.strip())
     except ValueError:
@@ -140,6 +163,7 @@ def cmd_bench(args) -> None:
         warmup=args.warmup, output=args.output, peer=args.peer,
         ngram_sizes=parse_ints(args.ngram_sizes, "--ngram-sizes"), device=args.device,
         dtype=args.dtype, max_model_len=args.max_model_len, note=args.note,
+        cuda_graphs=args.cuda_graphs, compile=args.compile, quantization=args.quantization,
         command=shlex.join(sys.argv), progress=not args.no_progress))
 
 
@@ -152,6 +176,15 @@ def cmd_serve(args) -> None:
                               api_key=args.api_key or os.environ.get("FLASHDRAFT_API_KEY") or None,
                               max_queue=args.max_queue)
     serve(build_llm(args), settings, host=args.host, port=args.port)
+
+
+def cmd_demo(args) -> None:
+    from .demo import DemoSettings, run_demo
+
+    run_demo(DemoSettings(
+        num_speculative_tokens=parse_ints(args.num_speculative_tokens, "--num-speculative-tokens"),
+        num_humaneval=args.num_humaneval, max_tokens=args.max_tokens, device=args.device,
+        dtype=args.dtype, output=args.output))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,7 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="plain decoding vs speculative configurations on the same "
                                      "prompts: tokens/s, TTFT, TPOT, tau, acceptance, speedup")
-    add_model_args(b, draft=False)
+    add_model_args(b, draft=False, model_required=False)
+    b.add_argument("--random-weights", action="store_true",
+                   help="synthetic weights of a real model's shape (--shape): step cost curve "
+                        "and roofline fraction; speed only, no acceptance")
+    b.add_argument("--shape", default=None, help="with --random-weights: qwen2.5-1.5b, "
+                                                 "qwen3-8b, qwen3-32b, dense-27b, ...")
+    b.add_argument("--context", type=int, default=512,
+                   help="with --random-weights: tokens in the cache while timing (default 512)")
     b.add_argument("--draft", action="append", default=None, metavar="DRAFT",
                    help="a draft model (path, id or alias) or 'ngram'; repeatable")
     b.add_argument("--num-speculative-tokens", default="5", metavar="K[,K...]",
@@ -227,6 +267,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait behind the running one; more get 503 "
                         "(default 64)")
     s.set_defaults(func=cmd_serve)
+
+    d = sub.add_parser("demo", help="plain vs speculative decoding on the real example pair")
+    d.add_argument("--num-speculative-tokens", default="5", metavar="K[,K...]",
+                   help="draft lengths to run, e.g. 3,5,8 (default 5)")
+    d.add_argument("--num-humaneval", type=int, default=None,
+                   help="HumanEval prompts before the seed prompts (default 4 on CUDA, 2 on CPU)")
+    d.add_argument("--max-tokens", type=int, default=None,
+                   help="new tokens per prompt (default 128 on CUDA, 48 on CPU)")
+    d.add_argument("--device", default=None)
+    d.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    d.add_argument("--output", default=None, help="directory for results.json")
+    d.set_defaults(func=cmd_demo)
 
     return parser
 

@@ -6,7 +6,7 @@ with a message that names it and says what to do instead.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
@@ -137,8 +137,10 @@ class EngineConfig:
     ngram_sizes: tuple[int, ...] = (4, 3, 2)  # tried longest first
     dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None: bf16 on CUDA, fp32 on CPU
     device: str | None = None  # "cpu" | "cuda" | "cuda:N"; None: cuda when present
-    max_model_len: int | None = None  # None: the model's own context length (capped at 32768)
-    extra: dict = field(default_factory=dict)
+    max_model_len: int | None = None  # None: the model's own context length
+    cuda_graphs: bool = True  # replay decode / verify / draft steps as CUDA graphs (CUDA only)
+    compile: bool = False  # torch.compile the forward before capturing it (slow to start)
+    quantization: str | None = None  # None | "int8" | "int4": weight-only, applied at load
 
     def __post_init__(self):
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 64:
@@ -150,5 +152,8 @@ class EngineConfig:
         if not sizes or any(not isinstance(n, int) or n < 1 for n in sizes):
             raise ValueError(f"ngram_sizes must be whole numbers >= 1, got {self.ngram_sizes!r}")
         object.__setattr__(self, "ngram_sizes", sizes)
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization {self.quantization!r} is not one of int8, int4 "
+                             f"(weight-only; leave it unset for none)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import SamplingParams
+from .cuda_graphs import StepRunner
 from .drafters.base import Draft, DraftContext, Drafter
 from .kv_cache import KVCache
 from .model import Transformer
@@ -97,11 +98,15 @@ class Engine:
     """Runs one sequence at a time through a target model and an optional drafter."""
 
     def __init__(self, model: Transformer, device: torch.device, dtype: torch.dtype,
-                 max_model_len: int, eos_token_ids: tuple[int, ...]):
+                 max_model_len: int, eos_token_ids: tuple[int, ...], *,
+                 cuda_graphs: bool = True, compile: bool = False):
         self.model, self.device, self.dtype = model, device, dtype
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
         self.cache: KVCache | None = None
+        # Decode and verification steps replayed as CUDA graphs; None on a CPU (eager).
+        self.runner = (StepRunner(model, device, compile=compile)
+                       if cuda_graphs and torch.device(device).type == "cuda" else None)
 
     def ensure_capacity(self, length: int, drafter: Drafter | None = None) -> None:
         """Size the caches for a request before it starts; never on the hot path."""
@@ -115,6 +120,8 @@ class Engine:
 
     def _forward(self, tokens: list[int] | torch.Tensor, start: int, hidden_layers, last_only=False):
         ids = torch.as_tensor(tokens, device=self.device).view(1, -1)
+        if self.runner is not None and not last_only:  # prefill runs eagerly: one shape each
+            return self.runner(ids, start, self.cache, hidden_layers, last_only)
         positions = torch.arange(start, start + ids.shape[1], device=self.device).unsqueeze(0)
         return self.model(ids, positions, self.cache, kv_len=start + ids.shape[1],
                           hidden_layers=hidden_layers, last_only=last_only)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..cuda_graphs import StepRunner
 from ..kv_cache import KVCache
 from ..model import Transformer
 from ..sampling import probs_from_logits, sample
@@ -19,8 +20,11 @@ class DraftModelDrafter:
     hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, model: Transformer, device: torch.device, dtype: torch.dtype,
-                 target_vocab: int):
+                 target_vocab: int, *, cuda_graphs: bool = True):
         self.model, self.device, self.dtype = model, device, dtype
+        # Each one-token draft step replayed as a CUDA graph; None on a CPU (eager).
+        self.runner = (StepRunner(model, device)
+                       if cuda_graphs and torch.device(device).type == "cuda" else None)
         # Checkpoints of one family pad their embeddings differently (e.g. 151,936 vs 152,064
         # rows for one tokenizer): q is cut or padded to the target's width, and sampled from
         # in that form, so that q is exactly the distribution the drafts came from.
@@ -45,9 +49,15 @@ class DraftModelDrafter:
         start = self.n_cached
         tokens, probs = [], []
         for i in range(k):
-            positions = torch.arange(start, start + feed.shape[1], device=self.device).unsqueeze(0)
-            logits, _ = self.model(feed, positions, self.cache, kv_len=start + feed.shape[1],
-                                   last_only=True)
+            # Steady state feeds 1 or 2 tokens (graphed); the first proposal of a request
+            # feeds the whole prompt, eagerly.
+            if self.runner is not None and feed.shape[1] <= 2:
+                logits, _ = self.runner(feed, start, self.cache, last_only=True)
+            else:
+                positions = torch.arange(start, start + feed.shape[1],
+                                         device=self.device).unsqueeze(0)
+                logits, _ = self.model(feed, positions, self.cache, kv_len=start + feed.shape[1],
+                                       last_only=True)
             logits = self._fit_vocab(logits[:, -1])  # [1, target vocab]
             if params.greedy:
                 token = logits.argmax(-1)

@@ -26,7 +26,7 @@ def load_model(ref: str, dtype: torch.dtype, device: torch.device) -> Loaded:
     if str(ref).endswith(".gguf"):
         from .gguf import load_gguf
 
-        hf_config, state, tokenizer = load_gguf(ref, dtype)
+        hf_config, state, tokenizer = load_gguf(ref, dtype, device)
         source = str(Path(ref).resolve())
     else:
         path = resolve_hf(ref)

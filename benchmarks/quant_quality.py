@@ -1,0 +1,86 @@
+"""Quality cost of weight-only int8 / int4: logit error and perplexity against the unquantized
+model on a fixed text (issue 5, item 4). Runs on a CPU (reference path) or a GPU (kernels).
+
+    PYTHONPATH=. python3 benchmarks/quant_quality.py example:qwen2.5-coder-1.5b [--dtype bfloat16]
+
+Each mode loads the model afresh (quantization is in place) and scores the same tokens in one
+prefill pass; figures: relative logit error ‖q − ref‖ / ‖ref‖, max abs error, top-1
+agreement, and the perplexity of the text under both models.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flashdraft.api import DTYPES  # noqa: E402
+from flashdraft.kv_cache import KVCache  # noqa: E402
+from flashdraft.loading import load_model  # noqa: E402
+from flashdraft.quant import quality_report, quantize_model  # noqa: E402
+
+TEXT = '''def merge_sorted(a, b):
+    """Merge two sorted lists into one sorted list in linear time."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        if a[i] <= b[j]:
+            out.append(a[i]); i += 1
+        else:
+            out.append(b[j]); j += 1
+    return out + a[i:] + b[j:]
+
+Speculative decoding lets a small, fast model guess the next few tokens of a large one. The
+large model then checks every guess in a single forward pass and keeps the longest prefix it
+agrees with, plus one token of its own, so the output is exactly what it would have written
+alone. Because reading the weights dominates the cost of a decoding step, checking sixteen
+guesses costs little more than producing one token.
+'''
+
+
+@torch.inference_mode()
+def score(model, cfg, ids: torch.Tensor) -> torch.Tensor:
+    # ids [1, T] -> logits [1, T, vocab] float32 (one prefill pass)
+    cache = KVCache.for_model(cfg, 1, ids.shape[1], next(model.parameters()).dtype, ids.device)
+    pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+    logits, _ = model(ids, pos, cache, kv_len=ids.shape[1])
+    return logits
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--modes", default="int8,int4")
+    ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    ref = load_model(args.model, dtype, device)
+    ids = torch.tensor([ref.tokenizer.encode(TEXT)], device=device)
+    ref_logits = score(ref.model, ref.config, ids)
+    del ref
+    results = {"model": args.model, "dtype": str(dtype), "device": str(device),
+               "tokens": ids.shape[1], "modes": {}}
+    for mode in args.modes.split(","):
+        loaded = load_model(args.model, dtype, device)
+        quantize_model(loaded.model, mode)
+        results["modes"][mode] = quality_report(ref_logits, score(loaded.model, loaded.config, ids),
+                                                ids)
+        del loaded
+    print(f"{args.model} ({results['dtype']}, {results['device']}), {results['tokens']} tokens "
+          f"of a fixed text:")
+    for mode, r in results["modes"].items():
+        print(f"  {mode}: logit rel. error {r['logit_rel_error']:.4f}, max abs "
+              f"{r['logit_max_abs_error']:.3f}, top-1 agreement {100 * r['top1_agreement']:.1f}%, "
+              f"perplexity {r['ppl_quantized']:.3f} vs {r['ppl_reference']:.3f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

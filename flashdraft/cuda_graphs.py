@@ -1,0 +1,144 @@
+"""Fixed-shape forward steps captured as CUDA graphs and replayed.
+
+One decode step of a 1.5B model launches well over a thousand small kernels; launched one by
+one from Python they take several times longer than the GPU needs to stream the weights. A
+CUDA graph records the launches of one step once and replays them with one call, so the step
+costs what its kernels cost.
+
+A graph fixes every shape and address. Shapes: the number of tokens T of the step, and the
+number of cache positions attention reads (kv_len), rounded up to a bucket of `kv_bucket`
+positions. The rounding is safe because the model's mask comes from positions alone (a key is
+read only if key_pos <= the query's position): positions between the true length and the
+bucket's end are masked, whatever they hold. Addresses: tokens and positions are copied into
+persistent input buffers before each replay, and the outputs (logits, hidden states) live in
+the graph's own buffers, overwritten by the next replay of the same graph. The cache's tensors
+are captured by address, so a new cache (a longer request) drops the graphs.
+
+Graphs are captured lazily, the first time a (T, kv_len bucket, hidden layers, last_only)
+combination is asked for; prefill longer than `max_graph_tokens` and every call on a CPU run
+eagerly, through exactly the same model code.
+
+Optionally the forward is `torch.compile`d first (compile=True): Inductor fuses the
+elementwise work (RMSNorm, rope, SiLU·up) so that a layer is a few kernels instead of ~50,
+and the fused step is then captured like the eager one. Compilation takes tens of seconds per
+model and is kept off by default; see benchmarks/NOTES-gpu.md for what it buys.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .kv_cache import KVCache
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    tokens: torch.Tensor  # [1, T] int64, the persistent input buffer
+    positions: torch.Tensor  # [1, T] int64
+    logits: torch.Tensor  # [1, T or 1, vocab] float32, written by each replay
+    hidden: list  # of [1, T, hidden], written by each replay
+
+
+@dataclass
+class StepRunnerStats:
+    captures: int = 0
+    capture_s: float = 0.0  # warm-up + capture, compilation included
+    replays: int = 0
+    eager_calls: int = 0
+
+
+class StepRunner:
+    """Runs model steps of one sequence: replays a CUDA graph where the shape allows, else eager.
+
+    runner = StepRunner(model, device)
+    logits, hidden = runner(tokens, start, cache, hidden_layers, last_only)
+
+    tokens: [1, T] int64 on the model's device; they go to positions start … start + T - 1.
+    Returns what `Transformer.forward` returns. On the graph path the returned tensors are the
+    graph's static outputs: read them (or copy them) before the next call with the same shape.
+    """
+
+    def __init__(self, model, device: torch.device | str, *, enabled: bool = True,
+                 max_graph_tokens: int = 32, kv_bucket: int = 256, compile: bool = False):
+        self.model = model
+        self.device = torch.device(device)
+        self.enabled = bool(enabled) and self.device.type == "cuda"
+        if max_graph_tokens < 1 or kv_bucket < 1:
+            raise ValueError(f"max_graph_tokens and kv_bucket must be >= 1, got "
+                             f"{max_graph_tokens} and {kv_bucket}")
+        self.max_graph_tokens = max_graph_tokens
+        self.kv_bucket = kv_bucket
+        self.compile = bool(compile) and self.enabled
+        self._forward = model.forward
+        if self.compile:
+            # dynamic=True: one compilation serves every T > 1 and every kv_len (sizes of 1 are
+            # specialised by the compiler, so decode of one token is a second compilation).
+            self._forward = torch.compile(model.forward, dynamic=True, fullgraph=False)
+        self._graphs: dict[tuple, _Graph] = {}
+        self._cache_id: tuple | None = None
+        self._pool = None
+        self.stats = StepRunnerStats()
+
+    def reset(self) -> None:
+        """Drop every captured graph (and its memory)."""
+        self._graphs.clear()
+        self._pool = None
+        self._cache_id = None
+
+    def kv_len_for(self, end: int, cache: KVCache) -> int:
+        """The static kv_len a step ending at position `end` (exclusive) attends over."""
+        return min(-(-end // self.kv_bucket) * self.kv_bucket, cache.max_len)
+
+    def __call__(self, tokens: torch.Tensor, start: int, cache: KVCache,
+                 hidden_layers: tuple[int, ...] = (), last_only: bool = False):
+        # tokens: [1, T] int64 on self.device
+        t = tokens.shape[1]
+        if not self.enabled or t > self.max_graph_tokens or start + t > cache.max_len:
+            self.stats.eager_calls += 1
+            positions = torch.arange(start, start + t, device=tokens.device).unsqueeze(0)
+            return self.model(tokens, positions, cache, kv_len=start + t,
+                              hidden_layers=hidden_layers, last_only=last_only)
+        # Graphs hold the cache's addresses: they stay valid exactly while those do.
+        cache_id = (cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape))
+        if self._cache_id != cache_id:
+            self.reset()
+            self._cache_id = cache_id
+        key = (t, self.kv_len_for(start + t, cache), tuple(hidden_layers), bool(last_only))
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._capture(key, tokens, start, cache)
+            self._graphs[key] = g
+        g.tokens.copy_(tokens, non_blocking=True)
+        torch.arange(start, start + t, out=g.positions[0])
+        g.graph.replay()
+        self.stats.replays += 1
+        return g.logits, g.hidden
+
+    def _capture(self, key, tokens, start, cache) -> _Graph:
+        t, kv_len, hidden_layers, last_only = key
+        began = time.perf_counter()
+        static_tokens = tokens.detach().clone()
+        positions = torch.arange(start, start + t, device=self.device).unsqueeze(0)
+        run = lambda: self._forward(static_tokens, positions, cache, kv_len=kv_len,
+                                    hidden_layers=hidden_layers, last_only=last_only)
+        # Warm up on a side stream (compilation, cuBLAS workspaces, the allocator) before
+        # capturing. The warm-up writes the same keys and values at the same positions as the
+        # replay that follows, so it changes nothing the step would not.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits, hidden = run()
+        torch.cuda.synchronize(self.device)
+        self.stats.captures += 1
+        self.stats.capture_s += time.perf_counter() - began
+        return _Graph(graph, static_tokens, positions, logits, list(hidden))

@@ -1,0 +1,147 @@
+"""CUDA-graph steps: the bucketed kv_len they rely on (CPU), eager fallback (CPU), and graph
+replay giving exactly the eager engine's greedy output (GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashdraft.config import ModelConfig
+from flashdraft.cuda_graphs import StepRunner
+from flashdraft.kv_cache import KVCache
+from flashdraft.shapes import build_random_model
+
+from .tiny import build_model
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+TINY = ModelConfig("qwen3", 300, 64, 160, 2, 4, 2, 16, qk_norm=True)
+
+
+def _model(device="cpu", dtype=torch.float32, cfg=TINY):
+    model = build_random_model(cfg, dtype, device, seed=3)
+    with torch.no_grad():  # N(0, 0.02) is near-uniform at this size: sharpen it
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(10)
+    return model
+
+
+@torch.inference_mode()
+def test_static_kv_len_bucket_matches_the_exact_length():
+    """Attention over a rounded-up kv_len reads masked positions only: same logits."""
+    model = _model()
+    tokens = torch.randint(0, TINY.vocab_size, (1, 40))
+    exact, bucket = KVCache.for_model(TINY, 1, 512, torch.float32, "cpu"), \
+        KVCache.for_model(TINY, 1, 512, torch.float32, "cpu")
+    bucket.k.normal_()  # garbage beyond the written positions must not matter
+    bucket.v.normal_()
+    pos = torch.arange(40).unsqueeze(0)
+    a, _ = model(tokens, pos, exact, kv_len=40)
+    b, _ = model(tokens, pos, bucket, kv_len=256)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    step = torch.randint(0, TINY.vocab_size, (1, 3))
+    pos = torch.arange(40, 43).unsqueeze(0)
+    a, _ = model(step, pos, exact, kv_len=43)
+    b, _ = model(step, pos, bucket, kv_len=256)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_step_runner_on_cpu_is_the_eager_model_bit_for_bit():
+    model = _model()
+    runner = StepRunner(model, "cpu")
+    assert not runner.enabled
+    c1 = KVCache.for_model(TINY, 1, 256, torch.float32, "cpu")
+    c2 = KVCache.for_model(TINY, 1, 256, torch.float32, "cpu")
+    tokens = torch.randint(0, TINY.vocab_size, (1, 7))
+    a, ha = runner(tokens, 0, c1, hidden_layers=(0, 2))
+    b, hb = model(tokens, torch.arange(7).unsqueeze(0), c2, kv_len=7, hidden_layers=(0, 2))
+    assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(ha, hb))
+    assert runner.stats.eager_calls == 1 and runner.stats.replays == 0
+
+
+def test_engine_and_drafter_stay_eager_on_cpu(tmp_path):
+    from flashdraft import LLM, SamplingParams
+    build_model(tmp_path / "t", "qwen2", seed=0)
+    llm = LLM(str(tmp_path / "t"), draft=str(tmp_path / "t"), device="cpu")
+    assert llm.engine.runner is None and llm.drafter.runner is None
+    out = llm.generate("def add(a, b):", SamplingParams(temperature=0, max_tokens=8))[0]
+    assert len(out.token_ids) == 8
+
+
+@gpu
+@needs_cuda
+@torch.inference_mode()
+def test_graph_steps_match_eager_steps_on_gpu():
+    model = _model("cuda")
+    runner = StepRunner(model, "cuda", kv_bucket=64)
+    c1 = KVCache.for_model(TINY, 1, 256, torch.float32, "cuda")
+    c2 = KVCache.for_model(TINY, 1, 256, torch.float32, "cuda")
+    start = 0
+    for t in (5, 1, 1, 3, 4, 1, 17, 2):
+        tokens = torch.randint(0, TINY.vocab_size, (1, t), device="cuda")
+        a, ha = runner(tokens, start, c1, hidden_layers=(1,))
+        pos = torch.arange(start, start + t, device="cuda").unsqueeze(0)
+        b, hb = model(tokens, pos, c2, kv_len=start + t, hidden_layers=(1,))
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ha[0], hb[0], rtol=1e-4, atol=1e-4)
+        start += t
+    assert runner.stats.replays == 8 and runner.stats.eager_calls == 0
+    # A new cache (new addresses) drops the graphs and captures again.
+    c3 = KVCache.for_model(TINY, 1, 512, torch.float32, "cuda")
+    runner(torch.zeros(1, 1, dtype=torch.long, device="cuda"), 0, c3)
+    assert len(runner._graphs) == 1
+
+
+def _generate_both(llm, prompts, params, **kw):
+    """Greedy outputs with graphs, then with the eager path of the same LLM."""
+    with_graphs = [o.token_ids for o in llm.generate(prompts, params, **kw)]
+    runners = llm.engine.runner, getattr(llm.drafter, "runner", None)
+    assert runners[0] is not None and runners[0].stats.replays > 0
+    llm.engine.runner = None
+    if runners[1] is not None:
+        llm.drafter.runner = None
+    try:
+        eager = [o.token_ids for o in llm.generate(prompts, params, **kw)]
+    finally:
+        llm.engine.runner = runners[0]
+        if runners[1] is not None:
+            llm.drafter.runner = runners[1]
+    return with_graphs, eager
+
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):", "Hello, world!"]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("draft", [None, "model", "ngram"])
+def test_llm_greedy_output_is_identical_with_and_without_graphs(tmp_path, dtype, draft):
+    from flashdraft import LLM, SamplingParams
+    build_model(tmp_path / "t", "qwen3", seed=0)
+    build_model(tmp_path / "d", "qwen3", seed=1)
+    draft_ref = {None: None, "model": str(tmp_path / "d"), "ngram": "ngram"}[draft]
+    llm = LLM(str(tmp_path / "t"), draft=draft_ref, device="cuda", dtype=dtype,
+              num_speculative_tokens=4)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for k in (1, 4):
+        graphs, eager = _generate_both(llm, PROMPTS, params, num_speculative_tokens=k)
+        assert graphs == eager, f"k={k}"
+    if draft == "model":
+        assert llm.drafter.runner.stats.replays > 0
+
+
+@gpu
+@needs_cuda
+def test_speculative_with_graphs_equals_plain_decoding(tmp_path):
+    """Losslessness on the graph path: greedy speculative == greedy plain (fp32)."""
+    from flashdraft import LLM, SamplingParams
+    build_model(tmp_path / "t", "qwen2", seed=0)
+    build_model(tmp_path / "d", "qwen2", seed=1)
+    llm = LLM(str(tmp_path / "t"), draft=str(tmp_path / "d"), device="cuda", dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    spec = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    plain = [o.token_ids for o in llm.generate(PROMPTS, params, draft=None)]
+    assert spec == plain

@@ -1,0 +1,87 @@
+"""Weight-only int8 / int4: the reference path on a CPU, the fast kernels against it on a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from flashdraft import quant
+from flashdraft.config import ModelConfig
+from flashdraft.kv_cache import KVCache
+from flashdraft.shapes import build_random_model
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_int4_pack_unpack_round_trip():
+    torch.manual_seed(0)
+    w = torch.randn(48, 384)
+    packed, scale, zero = quant.quantize_int4(w)
+    assert packed.shape == (192, 48) and packed.dtype == torch.uint8
+    assert scale.shape == zero.shape == (3, 48)
+    q = quant.unpack_int4(packed)
+    assert q.shape == (48, 384) and int(q.max()) <= 15
+    # Re-quantizing the dequantized weight gives the same codes.
+    again, _, _ = quant.quantize_int4(quant.dequantize_int4(packed, scale, zero, torch.float32))
+    assert torch.equal(again, packed)
+
+
+@pytest.mark.parametrize("mode, bound", [("int8", 0.01), ("int4", 0.12)])
+def test_quantization_error_is_bounded(mode, bound):
+    torch.manual_seed(1)
+    lin = nn.Linear(256, 64, bias=True)
+    layer = quant.QuantLinear(lin, mode, "reference")
+    w = layer.dequantized(torch.float32)
+    assert ((w - lin.weight).norm() / lin.weight.norm()).item() < bound
+    x = torch.randn(5, 3, 256)
+    y = layer(x)
+    assert y.shape == (5, 3, 64)
+    # The reference path is exactly F.linear over the dequantized weight.
+    torch.testing.assert_close(y, nn.functional.linear(x, w, lin.bias), rtol=0, atol=0)
+
+
+def test_quantize_model_replaces_every_linear_and_still_runs():
+    cfg = ModelConfig("qwen2", 300, 128, 256, 2, 4, 2, 32, qkv_bias=True)
+    model = build_random_model(cfg, torch.float32, "cpu")
+    tokens = torch.randint(0, 300, (1, 9))
+    pos = torch.arange(9).unsqueeze(0)
+    ref, _ = model(tokens, pos, KVCache.for_model(cfg, 1, 16, torch.float32, "cpu"), kv_len=9)
+    quant.quantize_model(model, "int8")
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert all(m.backend == "reference" for m in model.modules() if isinstance(m, quant.QuantLinear))
+    out, _ = model(tokens, pos, KVCache.for_model(cfg, 1, 16, torch.float32, "cpu"), kv_len=9)
+    report = quant.quality_report(ref, out, tokens)
+    assert report["logit_rel_error"] < 0.02 and report["top1_agreement"] > 0.8
+
+
+def test_bad_requests_say_what_to_do():
+    with pytest.raises(ValueError, match="multiples of 128"):
+        quant.QuantLinear(nn.Linear(100, 8), "int4")
+    with pytest.raises(ValueError, match="int8, int4"):
+        quant.QuantLinear(nn.Linear(128, 8), "int2")
+    with pytest.raises(ValueError, match="backend='reference'"):
+        quant.QuantLinear(nn.Linear(128, 8), "int8", "triton")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("backend", ["triton", "tinygemm", "hybrid"])
+def test_fast_kernels_match_the_reference(mode, backend):
+    if backend in ("tinygemm", "hybrid") and mode == "int8":
+        pytest.skip(f"{backend} is int4 only")
+    if backend in ("triton", "hybrid") and quant.triton is None:
+        pytest.skip("triton is not installed")
+    torch.manual_seed(2)
+    for k, n in ((512, 384), (1536, 8960), (4096, 1024)):
+        lin = nn.Linear(k, n, bias=True, device="cuda", dtype=torch.bfloat16)
+        fast = quant.QuantLinear(lin, mode, backend)
+        w = fast.dequantized(torch.bfloat16)
+        for m in (1, 2, 7, 16, 32):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = (x.double() @ w.double().t() + lin.bias.double())
+            y = fast(x)
+            torch.testing.assert_close(y.isnan().any(), torch.tensor(False, device="cuda"))
+            rel = ((y.double() - ref).norm() / ref.norm()).item()
+            assert rel < 1e-2, (k, n, m, rel)
