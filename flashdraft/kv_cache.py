@@ -5,6 +5,9 @@ positions it is given, and attention reads positions [0, kv_len). Which entries 
 decided by the attention mask (key position <= query position), so the cache itself never
 has to forget anything: after a rejected draft, `lengths` moves back and the stale entries
 are overwritten by the next pass.
+
+Keys and values of a layer live in one tensor so that a single indexed write stores both:
+the model hands over the key and value heads of its fused qkv projection as they come.
 """
 from __future__ import annotations
 
@@ -14,9 +17,11 @@ import torch
 class KVCache:
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_len: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str):
-        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, batch, kv_heads, max_len, head_dim]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (num_layers, 2, batch, num_kv_heads, max_len, head_dim)
+        # [layers, 2 (keys, values), batch, kv_heads, max_len, head_dim]
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        # Views, not copies: [layers, batch, kv_heads, max_len, head_dim] each.
+        self.k, self.v = self.kv[:, 0], self.kv[:, 1]
         self.max_len = max_len
         # Committed length of each sequence, kept on the host: the engine knows it anyway.
         self.lengths = [0] * batch
@@ -26,16 +31,16 @@ class KVCache:
     def for_model(cls, cfg, batch: int, max_len: int, dtype, device) -> "KVCache":
         return cls(cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim, dtype, device)
 
-    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def write(self, layer: int, positions: torch.Tensor, kv: torch.Tensor,
               kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [batch, kv_heads, seq, head_dim] at positions [batch, seq]; return the
-        readable part of this layer's cache, [batch, kv_heads, kv_len, head_dim] each."""
+        """Store kv [batch, seq, 2, kv_heads, head_dim] (keys, then values) at positions
+        [batch, seq]; return the readable part of this layer's cache, keys and values
+        [batch, kv_heads, kv_len, head_dim] each."""
         b = positions.shape[0]
-        index = (self._batch_index[:b], slice(None), positions)
-        # Advanced indices around a slice put the indexed dims first: [batch, seq, heads, dim].
-        self.k[layer][index] = k.transpose(1, 2).to(self.k.dtype)
-        self.v[layer][index] = v.transpose(1, 2).to(self.v.dtype)
-        return self.k[layer, :b, :, :kv_len], self.v[layer, :b, :, :kv_len]
+        # Advanced indices around a slice put the indexed dims first, so the destination is
+        # [batch, seq, 2, kv_heads, head_dim]: the layout kv already has. One kernel.
+        self.kv[layer][:, self._batch_index[:b], :, positions] = kv
+        return self.kv[layer, 0, :b, :, :kv_len], self.kv[layer, 1, :b, :, :kv_len]
 
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        return self.kv.numel() * self.kv.element_size()

