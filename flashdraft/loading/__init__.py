@@ -11,6 +11,13 @@ from ..model import Transformer, rope_frequencies
 from .hf import load_tokenizer, read_hf, resolve_hf, to_ours
 
 
+# Tokens that end a turn in the common chat formats. llama.cpp stops on any of them that a
+# GGUF vocabulary holds (its "end of generation" set), whatever the file's single eos id says;
+# a GGUF user expects the same here. (A HF directory says it in generation_config.json.)
+END_OF_GENERATION = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>",
+                     "<end_of_turn>", "<|end_of_text|>")
+
+
 @dataclass
 class Loaded:
     config: ModelConfig
@@ -28,6 +35,8 @@ def load_model(ref: str, dtype: torch.dtype, device: torch.device) -> Loaded:
 
         hf_config, state, tokenizer = load_gguf(ref, dtype, device)
         source = str(Path(ref).resolve())
+        vocab = tokenizer.get_vocab()
+        hf_config["generation_eos_token_id"] = [vocab[t] for t in END_OF_GENERATION if t in vocab]
     else:
         path = resolve_hf(ref)
         hf_config, state = read_hf(path, dtype)
