@@ -21,8 +21,11 @@ def resolve_hf(ref: str) -> Path:
             raise FileNotFoundError(f"{path} is a directory but has no config.json; a model "
                                     f"directory needs config.json, *.safetensors and tokenizer files")
         return path
+    if path.is_file():
+        raise FileNotFoundError(f"{path} is a file but not a .gguf file; pass a .gguf file or a "
+                                f"model directory (config.json, *.safetensors, tokenizer files)")
     looked = [f"{path} (no such file or directory)"]
-    if ref.count("/") == 1 and not path.exists():
+    if ref.count("/") == 1 and not ref.startswith((".", "/", "~")) and not path.exists():
         from huggingface_hub import constants, snapshot_download
         try:
             return Path(snapshot_download(ref, local_files_only=True))
