@@ -188,9 +188,16 @@ class LLM:
         draft: None for plain decoding, a drafter name, or (default) the one the LLM was built
         with. Closing the iterator stops the generation between two steps.
         """
-        params = params or SamplingParams()
+        yield from self._stream(*self._encode_checked(prompt), params or SamplingParams(),
+                                draft, num_speculative_tokens)
+
+    def _encode_checked(self, prompt) -> tuple[str | None, list[int]]:
         text_prompt, ids = self.encode(prompt)
         self.check_fits(ids)
+        return text_prompt, ids
+
+    def _stream(self, text_prompt: str | None, ids: list[int], params: SamplingParams, draft,
+                num_speculative_tokens: int | None) -> Iterator[StreamDelta]:
         drafter = self.drafter if draft is _DEFAULT else self.get_drafter(draft) if draft else None
         k = num_speculative_tokens or self.num_speculative_tokens
         metrics = RequestMetrics()
@@ -234,15 +241,16 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        for p in prompts:  # refuse bad input before spending time on any prompt
-            self.check_fits(self.encode(p)[1])
+        # Encode and check every prompt before spending time on any of them.
+        encoded = [self._encode_checked(p) for p in prompts]
         outputs = []
-        iterator = prompts
+        iterator = encoded
         if use_tqdm:
             from tqdm import tqdm
-            iterator = tqdm(prompts, desc="generate")
-        for prompt, sp in zip(iterator, params):
-            *_, last = self.stream(prompt, sp, draft, num_speculative_tokens)
+            iterator = tqdm(encoded, desc="generate")
+        for (text_prompt, ids), sp in zip(iterator, params):
+            *_, last = self._stream(text_prompt, ids, sp or SamplingParams(), draft,
+                                    num_speculative_tokens)
             outputs.append(last.output)
         return outputs
 

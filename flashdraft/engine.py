@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import SamplingParams
-from .cuda_graphs import StepRunner
+from .cuda_graphs import StepRunner, eager_step
 from .drafters.base import Draft, DraftContext, Drafter
 from .kv_cache import KVCache
 from .model import Transformer
@@ -122,9 +122,7 @@ class Engine:
         ids = torch.as_tensor(tokens, device=self.device).view(1, -1)
         if self.runner is not None and not last_only:  # prefill runs eagerly: one shape each
             return self.runner(ids, start, self.cache, hidden_layers, last_only)
-        positions = torch.arange(start, start + ids.shape[1], device=self.device).unsqueeze(0)
-        return self.model(ids, positions, self.cache, kv_len=start + ids.shape[1],
-                          hidden_layers=hidden_layers, last_only=last_only)
+        return eager_step(self.model, ids, start, self.cache, hidden_layers, last_only)
 
     @torch.inference_mode()
     def run(self, prompt: list[int], params: SamplingParams, drafter: Drafter | None = None,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cuda_graphs import StepRunner
+from ..cuda_graphs import StepRunner, eager_step
 from ..kv_cache import KVCache
 from ..model import Transformer
 from ..sampling import probs_from_logits, sample
@@ -54,10 +54,7 @@ class DraftModelDrafter:
             if self.runner is not None and feed.shape[1] <= 2:
                 logits, _ = self.runner(feed, start, self.cache, last_only=True)
             else:
-                positions = torch.arange(start, start + feed.shape[1],
-                                         device=self.device).unsqueeze(0)
-                logits, _ = self.model(feed, positions, self.cache, kv_len=start + feed.shape[1],
-                                       last_only=True)
+                logits, _ = eager_step(self.model, feed, start, self.cache, last_only=True)
             logits = self._fit_vocab(logits[:, -1])  # [1, target vocab]
             if params.greedy:
                 token = logits.argmax(-1)
