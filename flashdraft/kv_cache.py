@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from . import kernels
+
 
 class KVCache:
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_len: int,
@@ -25,22 +27,16 @@ class KVCache:
         self.max_len = max_len
         # Committed length of each sequence, kept on the host: the engine knows it anyway.
         self.lengths = [0] * batch
-        self._batch_index = torch.arange(batch, device=device).unsqueeze(1)  # [batch, 1]
+        # Positions one attention program reads on the GPU (kernels.attention): fixed per cache.
+        self.split_len = kernels.split_length(max_len)
 
     @classmethod
     def for_model(cls, cfg, batch: int, max_len: int, dtype, device) -> "KVCache":
         return cls(cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim, dtype, device)
 
-    def write(self, layer: int, positions: torch.Tensor, kv: torch.Tensor,
-              kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store kv [batch, seq, 2, kv_heads, head_dim] (keys, then values) at positions
-        [batch, seq]; return the readable part of this layer's cache, keys and values
-        [batch, kv_heads, kv_len, head_dim] each."""
-        b = positions.shape[0]
-        # Advanced indices around a slice put the indexed dims first, so the destination is
-        # [batch, seq, 2, kv_heads, head_dim]: the layout kv already has. One kernel.
-        self.kv[layer][:, self._batch_index[:b], :, positions] = kv
-        return self.kv[layer, 0, :b, :, :kv_len], self.kv[layer, 1, :b, :, :kv_len]
+    def read(self, layer: int, batch: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [batch, kv_heads, kv_len, head_dim] of a layer: views."""
+        return self.kv[layer, 0, :batch, :, :kv_len], self.kv[layer, 1, :batch, :, :kv_len]
 
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .config import ModelConfig
 from .kv_cache import KVCache
 
@@ -45,24 +46,11 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [batch, seq, 1, head_dim] for positions [batch, seq], built once per forward.
-
-    In the model dtype, as Hugging Face applies rope. sin carries the sign of rotate_half
-    ([-sin, sin]) so that rope needs a plain swap of halves, not a negation as well.
-    """
+    """cos, sin [batch, seq, head_dim / 2] for positions [batch, seq], built once per forward,
+    in the model dtype as Hugging Face applies rope. Rope itself (half-split, "neox" layout, as
+    in the Hugging Face checkpoints) is `kernels.rope_and_cache_write`."""
     freqs = positions.unsqueeze(-1).float() * inv_freq  # [batch, seq, head_dim / 2]
-    cos, sin = freqs.cos(), freqs.sin()
-    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
-    return cos.unsqueeze(2).to(dtype), sin.unsqueeze(2).to(dtype)
-
-
-def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [batch, seq, heads, head_dim], rotated in place; cos, sin: [batch, seq, 1, head_dim]
-    # from rope_cos_sin. Half-split ("neox") layout, as in the Hugging Face checkpoints:
-    # x * cos + rotate_half(x) * sin, where rotate_half(x) * sin = swap_halves(x) * [-sin, sin].
-    x1, x2 = x.chunk(2, dim=-1)
-    swapped = torch.cat((x2, x1), dim=-1)
-    return x.mul_(cos).addcmul_(swapped, sin)
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
 class RMSNorm(nn.Module):
@@ -71,9 +59,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One op, which CUDA runs as one fused kernel accumulating in float32.
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm of x; given residual, of residual + x, which is stored into residual (the
+        residual add of the previous sublayer and this norm run as one kernel on the GPU)."""
+        return kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
 def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -108,28 +97,31 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x, cos, sin, positions, mask, cache: KVCache, layer: int, kv_len: int):
-        # x: [batch, seq, hidden]; positions: [batch, seq]; cos, sin: [batch, seq, 1, head_dim];
-        # mask: additive [batch, 1, seq, 1, kv_len] if seq <= SMALL_T (grouped_attention),
-        # else bool [batch, 1, seq, kv_len] (SDPA)
+        # x: [batch, seq, hidden]; positions: [batch, seq]; cos, sin: [batch, seq, head_dim / 2];
+        # mask: None where kernels.attention serves (the GPU, seq <= SMALL_T), else additive
+        # [batch, 1, seq, 1, kv_len] if seq <= SMALL_T (grouped_attention), else bool
+        # [batch, 1, seq, kv_len] (SDPA)
         b, t, _ = x.shape
-        qkv = self.wqkv(x).view(b, t, self.n_heads + 2 * self.n_kv, self.head_dim)
-        # q and k heads are adjacent, so one rope covers both. It works in place, which leaves
-        # the rotated keys next to the values in qkv for a single cache write.
-        qk = qkv[:, :, :self.n_heads + self.n_kv]
-        if self.q_norm is not None:
-            qk[:, :, :self.n_heads] = self.q_norm(qk[:, :, :self.n_heads])
-            qk[:, :, self.n_heads:] = self.k_norm(qk[:, :, self.n_heads:])
-        apply_rope_(qk, cos, sin)
-        kv = qkv[:, :, self.n_heads:].unflatten(2, (2, self.n_kv))  # [batch, seq, 2, kv_heads, dim]
-        keys, values = cache.write(layer, positions, kv, kv_len)
+        qkv = kernels.linear(x, self.wqkv).view(b, t, self.n_heads + 2 * self.n_kv, self.head_dim)
+        # One kernel on the GPU: (Qwen3's head norms,) rope on the q and k heads in place, the
+        # keys and values into the cache at their positions.
+        kernels.rope_and_cache_write(
+            qkv, cos, sin, positions, cache.kv[layer], self.n_heads, self.n_kv,
+            self.q_norm.weight if self.q_norm is not None else None,
+            self.k_norm.weight if self.k_norm is not None else None,
+            self.q_norm.eps if self.q_norm is not None else 0.0)
         q = qkv[:, :, :self.n_heads]  # [batch, seq, heads, head_dim]
-        if t <= SMALL_T:
+        if mask is None:
+            out = kernels.attention(q, cache.kv[layer], positions, kv_len, cache.split_len)
+        elif t <= SMALL_T:
+            keys, values = cache.read(layer, b, kv_len)
             out = grouped_attention(q, keys, values, mask, self.head_dim ** -0.5)
         else:
+            keys, values = cache.read(layer, b, kv_len)
             out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                                  enable_gqa=self.n_heads != self.n_kv)
             out = out.transpose(1, 2).reshape(b, t, -1)
-        return self.wo(out)
+        return kernels.linear(out, self.wo)
 
 
 class MLP(nn.Module):
@@ -139,11 +131,13 @@ class MLP(nn.Module):
         self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
-        return self.w_down(F.silu(gate) * up)
+        return kernels.linear(kernels.silu_mul(kernels.linear(x, self.w_gate_up)), self.w_down)
 
 
 class Block(nn.Module):
+    """x + attn(norm(x)), then + mlp(norm(·)); run as "residual stream + sublayer output" pairs
+    so that each residual add is fused into the norm that follows it."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -151,9 +145,12 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, positions, mask, cache, layer, kv_len):
-        x = x + self.attn(self.attn_norm(x), cos, sin, positions, mask, cache, layer, kv_len)
-        return x + self.mlp(self.mlp_norm(x))
+    def forward(self, h, residual, cos, sin, positions, mask, cache, layer, kv_len):
+        """h: attn_norm(residual) already applied. Returns the MLP's output; residual (updated in
+        place) then holds the block's input plus the attention output, and residual + the
+        returned tensor is the block's output."""
+        a = self.attn(h, cos, sin, positions, mask, cache, layer, kv_len)
+        return self.mlp(self.mlp_norm(a, residual))
 
 
 class Transformer(nn.Module):
@@ -183,19 +180,25 @@ class Transformer(nn.Module):
         """
         if kv_len is None:
             kv_len = int(positions.max()) + 1
-        x = self.embed(tokens)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
-        key_pos = torch.arange(kv_len, device=tokens.device)
-        visible = key_pos <= positions.unsqueeze(-1)  # [batch, seq, kv_len]
-        if tokens.shape[1] <= SMALL_T:
-            mask = torch.where(visible, 0.0, float("-inf")).to(x.dtype)[:, None, :, None]
-        else:
-            mask = visible.unsqueeze(1)
-        hidden = [x] if 0 in hidden_layers else []
+        residual = self.embed(tokens)  # the residual stream, updated in place by the norms
+        cos, sin = rope_cos_sin(positions, self.inv_freq, residual.dtype)
+        small = tokens.shape[1] <= SMALL_T
+        mask = None  # kernels.attention needs positions only
+        if not (small and kernels.use_triton(residual)):
+            key_pos = torch.arange(kv_len, device=tokens.device)
+            visible = key_pos <= positions.unsqueeze(-1)  # [batch, seq, kv_len]
+            if small:
+                mask = torch.where(visible, 0.0, float("-inf")).to(residual.dtype)[:, None, :, None]
+            else:
+                mask = visible.unsqueeze(1)
+        hidden = [residual.clone()] if 0 in hidden_layers else []
+        h = self.layers[0].attn_norm(residual)
         for i, block in enumerate(self.layers):
-            x = block(x, cos, sin, positions, mask, cache, i, kv_len)
+            out = block(h, residual, cos, sin, positions, mask, cache, i, kv_len)
+            following = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
+            h = following(out, residual)  # residual is now the output of layer i
             if i + 1 in hidden_layers:
-                hidden.append(x)
+                hidden.append(residual.clone())
         if last_only:
-            x = x[:, -1:]
-        return self.lm_head(self.norm(x)).float(), hidden
+            h = h[:, -1:]
+        return kernels.linear(h, self.lm_head).float(), hidden

@@ -1,7 +1,14 @@
+import os
+
 import pytest
 import torch
 
-from tests.tiny import build_model
+# Without a GPU, the Triton kernels (flashdraft.kernels) are tested through Triton's
+# interpreter, which must be chosen before Triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tests.tiny import build_model  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

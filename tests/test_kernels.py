@@ -1,0 +1,162 @@
+"""The fused kernels (flashdraft.kernels) against their PyTorch references.
+
+On a GPU they run compiled, in float32, float16 and bfloat16; without one they run through
+Triton's interpreter (conftest sets TRITON_INTERPRET=1), in float32 and float16 (the
+interpreter's bfloat16 rounding is not the GPU's, so bfloat16 is checked on the GPU only).
+"""
+import pytest
+import torch
+
+from flashdraft import kernels
+from flashdraft.config import ModelConfig
+from flashdraft.kv_cache import KVCache
+from flashdraft.model import Transformer
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs Triton")
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+# Tolerance: the kernels round where the references round, so the difference is a few ulps
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def run_kernels():
+    """Inside: the Triton path, also on CPU tensors (interpreter)."""
+    return kernels.forced() if not CUDA else _nothing()
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def close(a, b, dtype):
+    assert a.shape == b.shape
+    err = (a.float() - b.float()).abs().max().item()
+    scale = b.float().abs().max().item()
+    assert err <= TOL[dtype] * max(1.0, scale), f"max error {err} (scale {scale}, {dtype})"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype, with_residual):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 384, generator=g).to(DEVICE, dtype)
+    res = torch.randn(5, 384, generator=g).to(DEVICE, dtype)
+    w = torch.randn(384, generator=g).to(DEVICE, dtype)
+    r_ref, r_k = res.clone(), res.clone()
+    ref = kernels.rms_norm_reference(x, w, 1e-6, r_ref if with_residual else None)
+    with run_kernels():
+        out = kernels.rms_norm(x, w, 1e-6, r_k if with_residual else None)
+    close(out, ref, dtype)
+    # the stored sum is the rounded sum, exactly as the unfused add stores it
+    assert torch.equal(r_k, r_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_and_cache_write(dtype, qk_norm):
+    g = torch.Generator().manual_seed(1)
+    heads, n_kv, d, b, t = 8, 2, 64, 2, 5
+    qkv = torch.randn(b, t, heads + 2 * n_kv, d, generator=g).to(DEVICE, dtype)
+    positions = torch.tensor([[3, 4, 5, 6, 7], [20, 21, 22, 23, 24]], device=DEVICE)
+    inv_freq = 1.0 / 10000 ** (torch.arange(d // 2).float() * 2 / d)
+    freqs = positions.cpu().unsqueeze(-1).float() * inv_freq
+    cos, sin = freqs.cos().to(DEVICE, dtype), freqs.sin().to(DEVICE, dtype)
+    qn = torch.randn(d, generator=g).to(DEVICE, dtype) if qk_norm else None
+    kn = torch.randn(d, generator=g).to(DEVICE, dtype) if qk_norm else None
+    c_ref = torch.full((2, b, n_kv, 32, d), 7.0, dtype=dtype, device=DEVICE)
+    c_k = c_ref.clone()
+    a, k = qkv.clone(), qkv.clone()
+    kernels.rope_and_cache_write_reference(a, cos, sin, positions, c_ref, heads, n_kv, qn, kn, 1e-6)
+    with run_kernels():
+        kernels.rope_and_cache_write(k, cos, sin, positions, c_k, heads, n_kv, qn, kn, 1e-6)
+    close(k[:, :, :heads], a[:, :, :heads], dtype)  # q rotated in place
+    close(c_k, c_ref, dtype)  # keys rotated, values as they were, other positions untouched
+    assert (c_k[:, :, :, :3] == 7.0).all() and (c_k[:, 0, :, 8:20] == 7.0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,kv_len,group", [(1, 40, 4), (1, 300, 6), (4, 300, 4), (9, 300, 2),
+                                            (16, 520, 8)])
+def test_attention_matches_reference_and_ignores_kv_len(dtype, t, kv_len, group):
+    g = torch.Generator().manual_seed(2)
+    n_kv, d, b, max_len = 2, 64, 2, 640
+    cache = torch.randn(2, b, n_kv, max_len, d, generator=g).to(DEVICE, dtype)
+    q = torch.randn(b, t, n_kv * group, d, generator=g).to(DEVICE, dtype)
+    # the second sequence is 7 positions shorter; what lies beyond a sequence's last position
+    # (stale drafts, garbage) must not matter
+    ends = torch.tensor([kv_len, kv_len - 7])
+    positions = torch.stack([torch.arange(e - t, e) for e in ends]).to(DEVICE)
+    cache[:, 1, :, kv_len - 7:] = float("nan")
+    cache[:, 0, :, kv_len:] = 1e4
+    ref = kernels.attention_reference(q, cache.nan_to_num(0.0), positions, kv_len)
+    split = kernels.split_length(max_len)
+    assert split == 128
+    with run_kernels():
+        out = kernels.attention(q, cache, positions, kv_len, split)
+        # a graph replay attends over a rounded-up kv_len: bit for bit the same result
+        bucketed = kernels.attention(q, cache, positions, max_len, split)
+    close(out, ref, dtype)
+    assert torch.equal(out, bucketed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 2 * 1100, generator=g).to(DEVICE, dtype)
+    with run_kernels():
+        out = kernels.silu_mul(x)
+    close(out, kernels.silu_mul_reference(x), dtype)
+
+
+CFG = ModelConfig(arch="qwen3", vocab_size=96, hidden_size=128, intermediate_size=192,
+                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10000.0,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, qkv_bias=True, qk_norm=True)
+
+
+@pytest.mark.parametrize("t", [1, 5, 40])
+def test_model_forward_with_kernels_equals_pytorch_path(t):
+    """The whole model, fused kernels vs the PyTorch path (float32): same logits, same cache,
+    same hidden states. t=40 is a prefill (SDPA attention, fused norms, rope and cache write)."""
+    torch.manual_seed(0)
+    model = Transformer(CFG).to(DEVICE)
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    tokens = torch.randint(0, CFG.vocab_size, (1, t), device=DEVICE)
+    positions = torch.arange(10, 10 + t, device=DEVICE).unsqueeze(0)
+    results = []
+    for use in (False, True):
+        cache = KVCache.for_model(CFG, 1, 64, torch.float32, DEVICE)
+        cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(4)))
+        # (positions 0..9: an earlier prefix)
+        ctx = (run_kernels() if use else kernels.disabled())
+        with ctx, torch.inference_mode():
+            logits, hidden = model(tokens, positions, cache, kv_len=10 + t, hidden_layers=(0, 1, 2))
+        results.append((logits, hidden, cache.kv[:, :, :, :, :10 + t]))
+    (l0, h0, c0), (l1, h1, c1) = results
+    close(l1, l0, torch.float32)
+    close(c1, c0, torch.float32)
+    for a, b in zip(h1, h0):
+        close(a, b, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if CUDA else []))
+@pytest.mark.parametrize("n,k,bias", [(100, 256, False), (2048, 1536, True), (40, 900, True)])
+def test_one_row_linear(dtype, n, k, bias):
+    g = torch.Generator().manual_seed(5)
+    layer = torch.nn.Linear(k, n, bias=bias).to(DEVICE, dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n, k, generator=g) * 0.05)
+    x = torch.randn(1, 1, k, generator=g).to(DEVICE, dtype)
+    with run_kernels(), torch.inference_mode():
+        out = kernels.linear(x, layer)
+        two_rows = kernels.linear(x.expand(1, 2, k), layer)  # not one row: the module itself
+    ref = kernels.linear_reference(x.float(), layer.weight.float(),
+                                   layer.bias.float() if bias else None)
+    close(out, ref, dtype)
+    close(two_rows[:, :1], ref, dtype)
