@@ -7,6 +7,8 @@ fresh StepRunner (graphs captured under the setting):
   fused        flashdraft.kernels (fused norm+residual, rope+cache write, split-K attention,
                SiLU·up), cuBLAS products
   fused+gemv   as fused, and one-row products through kernels._gemv_kernel
+  fused+gemv+pdl  as fused+gemv, the Triton kernels launched with programmatic dependent
+               launch (the default)
 and a kernel table of one replayed decode step (torch.profiler), and cuBLAS against the GEMV
 kernel for every matrix shape of the model (µs, each in a graph of 20 back-to-back calls).
 
@@ -35,11 +37,13 @@ from flashdraft.shapes import (_decode_loop, _time_steps, build_random_model,  #
                                format_shape_bench, get_shape, measure_copy_bandwidth,
                                run_shape_bench, step_bytes)
 
-SETTINGS = {"torch": (False, False), "fused": (True, False), "fused+gemv": (True, True)}
+SETTINGS = {"torch": (False, False, False), "fused": (True, False, False),
+            "fused+gemv": (True, True, False), "fused+gemv+pdl": (True, True, True)}
+DEFAULT = "fused+gemv+pdl"
 
 
 def set_path(name: str) -> None:
-    kernels._enabled, kernels.GEMV = SETTINGS[name]
+    kernels._enabled, kernels.GEMV, kernels.PDL = SETTINGS[name]
 
 
 def graph_us(fn, calls: int = 20, repeats: int = 20) -> float:
@@ -102,10 +106,10 @@ def compare(shape: str, quant: str | None, context: int, bandwidth: float) -> di
                                  "decode_tokens_per_s": tps,
                                  "roofline_fraction": tps / out["roofline_tokens_per_s"],
                                  "step_roofline_fraction": need["bytes"] / t1 / bandwidth}
-        if name == "fused+gemv" or name == "torch":
+        if name in (DEFAULT, "torch"):
             out["settings"][name]["profile"] = kernel_table(runner, cache, context, cfg.vocab_size)
         del runner
-    set_path("fused+gemv")
+    set_path(DEFAULT)
     # products: cuBLAS against the one-row kernel, per distinct plain Linear shape
     mats = {}
     for mod in model.modules():
@@ -143,7 +147,7 @@ def main() -> None:
         began = time.perf_counter()
         r = {}
         if not args.no_official:
-            set_path("fused+gemv")
+            set_path(DEFAULT)
             r["official"] = run_shape_bench(shape, "bfloat16", quant, "cuda", context=args.context,
                                             bandwidth=bandwidth)
             print(format_shape_bench(r["official"]), flush=True)

@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--modes", default="int8,int4", help="MODE or MODE-BACKEND, e.g. int4-rows")
+    ap.add_argument("--modes", default="int8,int4", help="MODE or MODE-BACKEND, e.g. int4-hybrid")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -68,7 +68,7 @@ def main() -> None:
                "tokens": ids.shape[1], "modes": {}}
     for mode in args.modes.split(","):
         loaded = load_model(args.model, dtype, device)
-        quantize_model(loaded.model, *mode.split("-", 1))  # "int4" or "int4-rows" (backend)
+        quantize_model(loaded.model, *mode.split("-", 1))  # "int4" or "int4-hybrid" (backend)
         results["modes"][mode] = quality_report(ref_logits, score(loaded.model, loaded.config, ids),
                                                 ids)
         del loaded

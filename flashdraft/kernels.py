@@ -144,8 +144,19 @@ def silu_mul_reference(gate_up):
 if triton is not None:
 
     @triton.jit
+    def _pdl_wait(USE_PDL: tl.constexpr):
+        # Programmatic dependent launch (Hopper on): this kernel may have started while the one
+        # before it in the stream was finishing. Wait until that one's writes are visible (no
+        # load of an activation and no store happens before this point), then let the next
+        # kernel start its own launch.
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n, eps, stride_x, stride_r, stride_o,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+        _pdl_wait(USE_PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < n
@@ -165,9 +176,10 @@ if triton is not None:
                            t, stride_qkv_tok, stride_cs_tok, stride_pb,
                            stride_c2, stride_cb, stride_ch, stride_cn,
                            N_HEADS: tl.constexpr, N_KV: tl.constexpr, HALF: tl.constexpr,
-                           QK_NORM: tl.constexpr):
+                           QK_NORM: tl.constexpr, USE_PDL: tl.constexpr):
         # One program per (token, head) over the q, k and v heads of one token's qkv row;
         # branch-free: q and k heads are rotated, v heads pass through, stores are masked.
+        _pdl_wait(USE_PDL)
         tok = tl.program_id(0)  # b * t + i
         head = tl.program_id(1)
         b = tok // t
@@ -209,9 +221,10 @@ if triton is not None:
                                 stride_pb, stride_ob, stride_ot, stride_oh,
                                 GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DIRECT: tl.constexpr,
-                                PRECISION: tl.constexpr):
+                                PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
         # Program (b * n_kv + kv head, split, row block). Rows are (token, query head of this
         # kv head) pairs: row = token * GROUP + g.
+        _pdl_wait(USE_PDL)
         bh = tl.program_id(0)
         split = tl.program_id(1)
         rblock = tl.program_id(2)
@@ -269,7 +282,9 @@ if triton is not None:
     @triton.jit
     def _attention_combine_kernel(part_o_ptr, part_ml_ptr, out_ptr, t, n_kv, n_splits,
                                   stride_ob, stride_ot, stride_oh,
-                                  GROUP: tl.constexpr, D: tl.constexpr, MAX_SPLITS: tl.constexpr):
+                                  GROUP: tl.constexpr, D: tl.constexpr, MAX_SPLITS: tl.constexpr,
+                                  USE_PDL: tl.constexpr):
+        _pdl_wait(USE_PDL)
         # Program (b * n_kv + kv head, row): merge the splits' partial results, in split order;
         # a split that saw no visible key (l = 0) adds exact zeros.
         bh = tl.program_id(0)
@@ -299,9 +314,11 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, n, k, stride_wn, HAS_BIAS: tl.constexpr,
-                     K_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     K_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     USE_PDL: tl.constexpr):
         # One row: out [n] = w [n, k] @ x [k] (+ bias). Each program streams BLOCK_N whole rows
         # of w (contiguous), accumulating products elementwise and reducing over k once.
+        _pdl_wait(USE_PDL)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rows < n
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -318,7 +335,9 @@ if triton is not None:
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_o, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_o, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+        _pdl_wait(USE_PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < n
@@ -330,6 +349,26 @@ if triton is not None:
 
 # ---------------------------------------------------------------------------------------------
 # Entry points: Triton where `use_triton` says so, else the reference
+
+# Programmatic dependent launch between consecutive kernels (compute capability 9.0 on: H100,
+# H200, ...): a kernel is launched while the one before it finishes and waits in-kernel for
+# its results, which hides most of the ~1 µs gap between kernels of a replayed graph.
+# FLASHDRAFT_PDL=0 turns it off.
+PDL = os.environ.get("FLASHDRAFT_PDL", "1") != "0"
+_CAPABILITY: dict[int, int] = {}
+
+
+def _pdl(x: torch.Tensor) -> dict:
+    """Launch options (and the kernels' USE_PDL flag) for a kernel on x's device."""
+    if not (PDL and x.is_cuda):
+        return {"USE_PDL": False}
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if dev not in _CAPABILITY:
+        _CAPABILITY[dev] = torch.cuda.get_device_capability(dev)[0]
+    if _CAPABILITY[dev] < 9:
+        return {"USE_PDL": False}
+    return {"USE_PDL": True, "launch_pdl": True}
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -346,7 +385,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         r2 = residual.view(-1, n)  # updated in place: must be a contiguous view of residual
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, n, eps, x2.stride(0), r2.stride(0),
                                      out.stride(0), HAS_RESIDUAL=residual is not None,
-                                     BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8)
+                                     BLOCK=triton.next_power_of_2(n),
+                                     num_warps=4 if n <= 4096 else 8, **_pdl(x))
     return out.view(x.shape)
 
 
@@ -369,7 +409,7 @@ def rope_and_cache_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         qkv, cos, sin, positions, cache_layer, q_norm if qk_norm else qkv,
         k_norm if qk_norm else qkv, eps, t, qkv.stride(1), cos.stride(1), positions.stride(0),
         cache_layer.stride(0), cache_layer.stride(1), cache_layer.stride(2), cache_layer.stride(3),
-        N_HEADS=n_heads, N_KV=n_kv, HALF=d // 2, QK_NORM=qk_norm, num_warps=1)
+        N_HEADS=n_heads, N_KV=n_kv, HALF=d // 2, QK_NORM=qk_norm, num_warps=1, **_pdl(qkv))
 
 
 def attention(q: torch.Tensor, cache_layer: torch.Tensor, positions: torch.Tensor, kv_len: int,
@@ -399,11 +439,12 @@ def attention(q: torch.Tensor, cache_layer: torch.Tensor, positions: torch.Tenso
         cache_layer.stride(0), cache_layer.stride(1), cache_layer.stride(2), cache_layer.stride(3),
         positions.stride(0), out.stride(0), out.stride(1), out.stride(2),
         GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=64, SPLIT=split_len, DIRECT=direct,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, **_pdl(q))
     if not direct:
         _attention_combine_kernel[(b * n_kv, n_rows)](
             part_o, part_ml, out, t, n_kv, n_splits, out.stride(0), out.stride(1), out.stride(2),
-            GROUP=group, D=d, MAX_SPLITS=triton.cdiv(cache_layer.shape[3], split_len), num_warps=1)
+            GROUP=group, D=d, MAX_SPLITS=triton.cdiv(cache_layer.shape[3], split_len), num_warps=1,
+            **_pdl(q))
     return out.view(b, t, heads * d)
 
 
@@ -433,7 +474,7 @@ def linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x.reshape(k).contiguous(), w, bias if bias is not None else w, out, n, k, w.stride(0),
         HAS_BIAS=bias is not None, K_STEPS=triton.cdiv(k, block_k), BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=4)
+        BLOCK_K=block_k, num_warps=4, **_pdl(x))
     return out
 
 
@@ -446,5 +487,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x2.shape[0], n, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, n, x2.stride(0), out.stride(0),
-                                                           BLOCK=block, num_warps=4)
+                                                           BLOCK=block, num_warps=4,
+                                                           **_pdl(gate_up))
     return out.view(*gate_up.shape[:-1], n)

@@ -21,13 +21,6 @@ Paths, chosen per layer at run time (`QuantLinear.backend`):
 - "tinygemm" (int4 only): torch's built-in `_weight_int4pack_mm` over its own packing.
 - "hybrid" (int4 only): tinygemm for up to HYBRID_MAX_ROWS rows (plain decode), Triton above
   (verification); keeps both packings, so 0.5 byte per weight more memory.
-- "rows" (int4 only): its own packing, row-major int32 [out, in / 8] (word i of a row holds
-  inputs 8i … 8i + 7, one nibble each) with scale and zero [out, in / 128], read by
-  `_int4_rows_kernel` for 1 to 64 rows. The kernel never interleaves nibbles: the products over
-  the inputs of a group are split by nibble index j (inputs 8i + j), eight small tensor-core
-  products each over a plane of nibbles taken with one shift and mask, and each nibble becomes
-  a float without a conversion instruction ((q | 0x4B000000) read as float32 is 2^23 + q).
-  Only this packing is kept (qweight is dropped), so memory stays 0.5 byte per weight.
 `quantize_model(..., backend="auto")` picks triton on CUDA when Triton imports, else reference.
 """
 from __future__ import annotations
@@ -38,7 +31,7 @@ from torch import nn
 
 GROUP = 128
 MODES = ("int8", "int4")
-BACKENDS = ("auto", "reference", "triton", "rows", "tinygemm", "hybrid")
+BACKENDS = ("auto", "reference", "triton", "tinygemm", "hybrid")
 # hybrid (int4): tinygemm up to this many rows, Triton above. Measured on an H200: tinygemm is
 # ~2x faster for 1-2 rows and 2-4x slower from 8 rows on; the crossover lies at 4-8 rows.
 HYBRID_MAX_ROWS = 2
@@ -48,7 +41,6 @@ try:  # Triton only where CUDA is present; the reference path everywhere else.
     import triton.language as tl
 except ImportError:  # pragma: no cover - CPU machines without triton
     triton = None
-from .kernels import INTERPRET  # noqa: E402  (tests run the rows kernel on a CPU through it)
 
 
 # -- quantize / dequantize (reference definitions) -------------------------------------------
@@ -93,25 +85,6 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     p = packed.reshape(half * 2 // GROUP, GROUP // 2, out_f)
     q = torch.cat([p & 0xF, p >> 4], dim=1)  # [groups, 128, out]
     return q.reshape(half * 2, out_f).t()
-
-
-def pack_int4_rows(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
-    """Our int4 format -> the "rows" packing: words [out, in/8] int32 (nibble j of word i is
-    input 8i + j), scale and zero [out, in/128] bf16."""
-    q = unpack_int4(packed).to(torch.int32)  # [out, in]
-    out_f, in_f = q.shape
-    q = q.reshape(out_f, in_f // 8, 8)
-    words = torch.zeros(out_f, in_f // 8, dtype=torch.int32, device=q.device)
-    for j in range(8):
-        words |= q[:, :, j] << (4 * j)
-    return words.contiguous(), scale.t().contiguous(), zero.t().contiguous()
-
-
-def unpack_int4_rows(words: torch.Tensor) -> torch.Tensor:
-    """words [out, in/8] int32 -> q [out, in] uint8 in [0, 15]."""
-    shifts = torch.arange(0, 32, 4, device=words.device, dtype=torch.int32)
-    q = (words.unsqueeze(-1) >> shifts) & 0xF  # [out, in/8, 8]
-    return q.reshape(words.shape[0], -1).to(torch.uint8)
 
 
 def dequantize_int4(packed, scale, zero, dtype) -> torch.Tensor:
@@ -216,42 +189,6 @@ if triton is not None:
         tl.store(out_ptr + pid_k * stride_os + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
     @triton.jit
-    def _int4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, stride_wn,
-                          stride_sn, stride_os, stride_om, G_STEPS: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        # x [M, K]; w "rows" packing [N, K/8] int32; s, z [N, K/128]; out [split, M, N].
-        # Program (n block, split, m block) sums groups split * G_STEPS … + G_STEPS - 1.
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        pid_m = tl.program_id(2)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_ok = offs_m < M
-        n_ok = offs_n < N
-        words = tl.arange(0, 16)  # a group of 128 inputs is 16 words
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for i in range(0, G_STEPS):
-            g = pid_k * G_STEPS + i
-            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + g * 16 + words[None, :],
-                        mask=n_ok[:, None], other=0)  # [BLOCK_N, 16]
-            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for j in tl.static_range(8):
-                # nibble j of every word: inputs g * 128 + 8 * word + j; as float, minus 8
-                plane = (((w >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-                plane = plane - 8388616.0  # 2^23 + 8: exactly q - 8
-                xj = tl.load(x_ptr + offs_m[:, None] * stride_xm + g * 128 + words[None, :] * 8 + j,
-                             mask=m_ok[:, None], other=0.0)  # [BLOCK_M, 16]
-                part += tl.dot(xj, tl.trans(plane.to(xj.dtype)))
-                xsum += tl.sum(xj.to(tl.float32), axis=1)
-            s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)
-            # sum_k x_k ((q_k - 8) s + z) = s · sum_k x_k (q_k - 8) + z · sum_k x_k
-            acc += part * s[None, :] + xsum[:, None] * z[None, :]
-        tl.store(out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-    @triton.jit
     def _sum_splits_kernel(p_ptr, out_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
         # p [SPLIT, total] float32 -> out [total] in out's dtype: one launch, fixed order.
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -269,15 +206,6 @@ TRITON_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 4, "programs_per_
                  # kernel: measured faster for int4 on large layers (4096x24576: 52.7 against
                  # 61.2 us), slower for int8 (83.1 against 46.8 us).
                  "gemv_modes": ("int4",), "gemv_block_n": 128, "gemv_warps": 8}
-
-
-def _k_split(device, n_blocks: int, most: int, programs_per_sm: int) -> int:
-    """Slices of K so that n_blocks output blocks make about programs_per_sm programs per
-    multiprocessor (at most `most` slices, at least one)."""
-    dev = device.index or 0
-    if dev not in _SMS:
-        _SMS[dev] = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(triton.cdiv(programs_per_sm * _SMS[dev], n_blocks), most))
 
 
 def triton_matmul(x: torch.Tensor, layer: "QuantLinear", block_n: int | None = None,
@@ -301,7 +229,11 @@ def triton_matmul(x: torch.Tensor, layer: "QuantLinear", block_n: int | None = N
     n_blocks = triton.cdiv(n, block_n)
     steps = k // GROUP
     if split is None:
-        split = _k_split(x.device, n_blocks, steps // 2, TRITON_CONFIG["programs_per_sm"])
+        dev = x.device.index or 0
+        if dev not in _SMS:
+            _SMS[dev] = torch.cuda.get_device_properties(x.device).multi_processor_count
+        want = TRITON_CONFIG["programs_per_sm"] * _SMS[dev]
+        split = max(1, min(triton.cdiv(want, n_blocks), steps // 2))
     k_steps = triton.cdiv(steps, split)
     split = triton.cdiv(steps, k_steps)  # no slice left without work
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
@@ -325,40 +257,6 @@ def triton_matmul(x: torch.Tensor, layer: "QuantLinear", block_n: int | None = N
         _sum_splits_kernel[(triton.cdiv(total, 1024),)](partial, out, total, SPLIT=split,
                                                          BLOCK=1024)
     return out
-
-
-def int4_rows_matmul(x: torch.Tensor, layer: "QuantLinear", block_n: int | None = None,
-                     split: int | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None) -> torch.Tensor:
-    """x [M, K] (M <= 64) -> [M, N] in x's dtype, through `_int4_rows_kernel`; K split as in
-    triton_matmul, partial sums added in a fixed order."""
-    m, k = x.shape
-    words, scale, zero = layer._rows
-    n = layer.out_features
-    block_n = block_n or ROWS_CONFIG["block_n"]
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    n_blocks = triton.cdiv(n, block_n)
-    groups = k // GROUP
-    if split is None:
-        split = _k_split(x.device, n_blocks, groups, ROWS_CONFIG["programs_per_sm"])
-    g_steps = triton.cdiv(groups, split)
-    split = triton.cdiv(groups, g_steps)
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    partial = out.unsqueeze(0) if split == 1 else \
-        torch.empty(split, m, n, device=x.device, dtype=torch.float32)
-    _int4_rows_kernel[(n_blocks, split, triton.cdiv(m, block_m))](
-        x, words, scale, zero, partial, m, n, x.stride(0), words.stride(0), scale.stride(0),
-        partial.stride(0), partial.stride(1), G_STEPS=g_steps, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=num_warps or ROWS_CONFIG["num_warps"],
-        num_stages=num_stages or ROWS_CONFIG["num_stages"])
-    if split > 1:
-        total = m * n
-        _sum_splits_kernel[(triton.cdiv(total, 1024),)](partial, out, total, SPLIT=split,
-                                                         BLOCK=1024)
-    return out
-
-
-ROWS_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 4}
 
 
 # -- the layer ----------------------------------------------------------------------------------
@@ -393,7 +291,6 @@ class QuantLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
                                                                   requires_grad=False)
         self._tinygemm = None
-        self._rows = None
         if backend == "auto":
             # The kernel walks K in whole blocks of 128.
             fits = triton is not None and w.is_cuda and self.in_features % GROUP == 0
@@ -407,23 +304,11 @@ class QuantLinear(nn.Module):
                 raise ValueError(f"the {backend} backend is int4 on CUDA only (hybrid needs "
                                  f"Triton too); use backend='auto'")
             self._tinygemm = _tinygemm_pack(self.qweight, self.scale, self.zero)
-        if backend == "rows":
-            if mode != "int4" or triton is None or not (w.is_cuda or INTERPRET):
-                raise ValueError("the rows backend is int4 with Triton on CUDA only; "
-                                 "use backend='auto'")
-            self._rows = pack_int4_rows(self.qweight, self.scale, self.zero)
-            del self.qweight, self.scale, self.zero  # only the rows packing is kept
-            self.qweight = self.scale = self.zero = None
         self.backend = backend
 
     def dequantized(self, dtype=None) -> torch.Tensor:
         """The weight the layer computes with, [out, in]."""
         dtype = dtype or self.dtype
-        if self._rows is not None:
-            words, scale, zero = self._rows
-            q = unpack_int4_rows(words).float()
-            s, z = scale.float().repeat_interleave(GROUP, 1), zero.float().repeat_interleave(GROUP, 1)
-            return ((q - 8) * s + z).to(dtype)
         if self.mode == "int8":
             return dequantize_int8(self.qweight.t(), self.scale, dtype)
         return dequantize_int4(self.qweight, self.scale, self.zero, dtype)
@@ -435,8 +320,6 @@ class QuantLinear(nn.Module):
         if self.backend == "reference" or x2.shape[0] > 64:
             # Prefill: compute-bound, so dequantizing the weight once is cheap next to it.
             y = F.linear(x2, self.dequantized(x.dtype))
-        elif self.backend == "rows":
-            y = int4_rows_matmul(x2.contiguous(), self)
         elif self.backend == "tinygemm" or (self.backend == "hybrid"
                                             and x2.shape[0] <= HYBRID_MAX_ROWS):
             packed, scales_zeros = self._tinygemm
@@ -491,8 +374,6 @@ def weight_bytes(model: nn.Module) -> int:
                 tensors = list(module._tinygemm)
             elif module.backend == "hybrid":  # what a one-row (decode) product reads
                 tensors = list(module._tinygemm)
-            elif module.backend == "rows":
-                tensors = list(module._rows)
             else:
                 tensors = [module.qweight, module.scale] + ([module.zero] if module.zero is not None else [])
             total += sum(t.numel() * t.element_size() for t in tensors)

@@ -67,11 +67,11 @@ def test_bad_requests_say_what_to_do():
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-@pytest.mark.parametrize("backend", ["triton", "rows", "tinygemm", "hybrid"])
+@pytest.mark.parametrize("backend", ["triton", "tinygemm", "hybrid"])
 def test_fast_kernels_match_the_reference(mode, backend):
-    if backend in ("tinygemm", "hybrid", "rows") and mode == "int8":
+    if backend in ("tinygemm", "hybrid") and mode == "int8":
         pytest.skip(f"{backend} is int4 only")
-    if backend in ("triton", "hybrid", "rows") and quant.triton is None:
+    if backend in ("triton", "hybrid") and quant.triton is None:
         pytest.skip("triton is not installed")
     torch.manual_seed(2)
     for k, n in ((512, 384), (1536, 8960), (4096, 1024)):
@@ -85,22 +85,3 @@ def test_fast_kernels_match_the_reference(mode, backend):
             torch.testing.assert_close(y.isnan().any(), torch.tensor(False, device="cuda"))
             rel = ((y.double() - ref).norm() / ref.norm()).item()
             assert rel < 1e-2, (k, n, m, rel)
-
-
-@pytest.mark.skipif(quant.triton is None or torch.cuda.is_available() or not quant.INTERPRET,
-                    reason="the CPU run of the rows kernel needs Triton's interpreter")
-@pytest.mark.parametrize("m", [1, 3, 17])
-def test_int4_rows_kernel_on_cpu_through_the_interpreter(m):
-    """The "rows" int4 kernel (run on the GPU by QuantLinear(backend="rows")), in float16
-    through Triton's interpreter: same dequantized weight, products within rounding."""
-    torch.manual_seed(3)
-    lin = nn.Linear(256, 96, bias=True).half()
-    rows = quant.QuantLinear(lin, "int4", "rows")
-    assert rows.qweight is None and rows._rows[0].shape == (96, 32)
-    w = quant.QuantLinear(lin, "int4", "reference").dequantized(torch.float32)
-    assert torch.equal(rows.dequantized(torch.float32), w)
-    x = torch.randn(m, 256).half()
-    ref = x.double() @ w.double().t() + lin.bias.double()
-    for split in (1, 2):
-        y = quant.int4_rows_matmul(x, rows, split=split) + lin.bias
-        assert ((y.double() - ref).norm() / ref.norm()).item() < 2e-3
