@@ -6,10 +6,10 @@ fresh StepRunner (graphs captured under the setting):
   torch        the PyTorch path (FLASHDRAFT_KERNELS=torch): cuBLAS + PyTorch ops
   fused        flashdraft.kernels (fused norm+residual, rope+cache write, split-K attention,
                SiLU·up), cuBLAS products
-  fused+gemv   as fused, and one-row products through kernels._gemv_kernel
-  fused+gemv+pdl  as fused+gemv, the Triton kernels launched with programmatic dependent
-               launch (the default)
-and a kernel table of one replayed decode step (torch.profiler), and cuBLAS against the GEMV
+  fused+skinny as fused, and products of up to 32 rows through kernels._skinny_kernel
+  fused+skinny+pdl  as fused+skinny, the Triton kernels launched with programmatic
+               dependent launch (the default)
+and a kernel table of one replayed decode step (torch.profiler), and cuBLAS against the skinny
 kernel for every matrix shape of the model (µs, each in a graph of 20 back-to-back calls).
 
 Random weights measure speed only; acceptance is not measured.
@@ -38,12 +38,12 @@ from flashdraft.shapes import (_decode_loop, _time_steps, build_random_model,  #
                                run_shape_bench, step_bytes)
 
 SETTINGS = {"torch": (False, False, False), "fused": (True, False, False),
-            "fused+gemv": (True, True, False), "fused+gemv+pdl": (True, True, True)}
-DEFAULT = "fused+gemv+pdl"
+            "fused+skinny": (True, True, False), "fused+skinny+pdl": (True, True, True)}
+DEFAULT = "fused+skinny+pdl"
 
 
 def set_path(name: str) -> None:
-    kernels._enabled, kernels.GEMV, kernels.PDL = SETTINGS[name]
+    kernels._enabled, kernels.SKINNY, kernels.PDL = SETTINGS[name]
 
 
 def graph_us(fn, calls: int = 20, repeats: int = 20) -> float:
@@ -120,11 +120,15 @@ def compare(shape: str, quant: str | None, context: int, bandwidth: float) -> di
         x = torch.randn(1, 1, k, dtype=torch.bfloat16, device="cuda")
         cublas = graph_us(lambda: torch.nn.functional.linear(x, mod.weight, mod.bias))
         gemv = graph_us(lambda: kernels.linear(x, mod))
+        x9 = torch.randn(1, 9, k, dtype=torch.bfloat16, device="cuda")
+        cublas9 = graph_us(lambda: torch.nn.functional.linear(x9, mod.weight, mod.bias))
+        gemv9 = graph_us(lambda: kernels.linear(x9, mod))
         nbytes = mod.weight.numel() * 2
-        out["products_us"][f"{n}x{k}"] = {"cublas": cublas, "gemv": gemv,
+        out["products_us"][f"{n}x{k}"] = {"cublas": cublas, "gemv": gemv, "cublas_9rows": cublas9,
+                                          "skinny_9rows": gemv9,
                                           "cublas_TBps": nbytes / cublas / 1e6,
                                           "gemv_TBps": nbytes / gemv / 1e6,
-                                          "blocks": kernels.gemv_blocks(n, k)}
+                                          "config": kernels.skinny_config(n, k)}
     return out
 
 
@@ -165,7 +169,8 @@ def main() -> None:
                     print(f"      {us:8.1f} us {c:6.1f}x  {n}")
         for mat, p in r["compare"]["products_us"].items():
             print(f"  {spec} {mat:>12s} cuBLAS {p['cublas']:6.1f} us ({p['cublas_TBps']:.2f} TB/s)"
-                  f"  gemv {p['gemv']:6.1f} us ({p['gemv_TBps']:.2f} TB/s) blocks {p['blocks']}",
+                  f"  skinny {p['gemv']:6.1f} us ({p['gemv_TBps']:.2f} TB/s); 9 rows: cuBLAS "
+                  f"{p['cublas_9rows']:.1f} skinny {p['skinny_9rows']:.1f} us; config {p['config']}",
                   flush=True)
         r["seconds"] = time.perf_counter() - began
         results["shapes"][spec] = r

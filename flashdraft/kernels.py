@@ -15,6 +15,13 @@ bring a layer down to four products and five small kernels:
   of the step read that kv head's keys and values once; the causal mask comes from positions,
   as in the PyTorch path, so nothing but positions and a length is needed.
 - `silu_mul(gate_up)`: SiLU(gate) · up.
+- `linear(x, module)`: products of up to 32 rows (`_skinny_kernel`, tensor cores, K split in a
+  fixed way per weight shape).
+
+Every kernel here is batch-invariant: what it computes for one token (one row) does not depend
+on how many other tokens the step carries. Decoding one token and verifying k + 1 tokens
+therefore give bit-identical logits for the same position, so greedy speculative decoding
+returns exactly the tokens of plain decoding, in bfloat16 as in float32.
 
 Each has a PyTorch twin (`*_reference`, the code the model runs on a CPU) that the tests
 compare against, on the GPU and on the CPU through Triton's interpreter (TRITON_INTERPRET=1).
@@ -313,26 +320,50 @@ if triton is not None:
                  (num / den).to(out_ptr.dtype.element_ty))
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, n, k, stride_wn, HAS_BIAS: tl.constexpr,
-                     K_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     USE_PDL: tl.constexpr):
-        # One row: out [n] = w [n, k] @ x [k] (+ bias). Each program streams BLOCK_N whole rows
-        # of w (contiguous), accumulating products elementwise and reducing over k once.
+    def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, m, n, k, stride_xm, stride_wn, stride_os,
+                       stride_om, HAS_BIAS: tl.constexpr, K_STEPS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                       PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+        # out [split, m, n] = x [m, k] @ w [n, k]^T over the K slice of this program, as
+        # (w @ x^T)^T so that the few rows of x are the narrow side of the tensor-core product.
+        # Program (n block, K slice, row block of BLOCK_M = 16). A row's result depends on that
+        # row and the weights alone, never on m: the decode of one token and the verification
+        # of k+1 tokens compute each row bit for bit alike.
         _pdl_wait(USE_PDL)
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = rows < n
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        n_ok = offs_n < n
+        m_ok = offs_m < m
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         for i in range(0, K_STEPS):
-            cols = i * BLOCK_K + tl.arange(0, BLOCK_K)
-            k_ok = cols < k
-            w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :],
+            offs_k = (pid_k * K_STEPS + i) * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < k
+            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
                         mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptr + cols, mask=k_ok, other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        y = tl.sum(acc, axis=1)
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
         if HAS_BIAS:
-            y += tl.load(b_ptr + rows, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None],
+                 acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+    @triton.jit
+    def _sum_slices_kernel(p_ptr, b_ptr, out_ptr, total, n, SPLIT: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+        # p [SPLIT, m, n] float32 -> out [m, n] (+ bias): the K slices added in a fixed order.
+        _pdl_wait(USE_PDL)
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < total
+        acc = tl.zeros([BLOCK], tl.float32)
+        for i in range(0, SPLIT):
+            acc += tl.load(p_ptr + i * total + offs, mask=ok, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs % n, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_o, BLOCK: tl.constexpr,
@@ -423,7 +454,7 @@ def attention(q: torch.Tensor, cache_layer: torch.Tensor, positions: torch.Tenso
     n_kv = cache_layer.shape[2]
     group = heads // n_kv
     n_rows = t * group
-    block_m = max(16, min(64, triton.next_power_of_2(n_rows)))
+    block_m = 16  # fixed: a row's arithmetic must not depend on how many rows the step has
     n_splits = triton.cdiv(kv_len, split_len)
     positions = positions.contiguous()
     out = torch.empty(b, t, heads, d, dtype=q.dtype, device=q.device)
@@ -448,34 +479,57 @@ def attention(q: torch.Tensor, cache_layer: torch.Tensor, positions: torch.Tenso
     return out.view(b, t, heads * d)
 
 
-# One-row products (decode, draft steps) take `_gemv_kernel` when it is on; see
-# benchmarks/NOTES-gpu.md for the measurement that decides it. FLASHDRAFT_GEMV=0 turns it off.
-GEMV = os.environ.get("FLASHDRAFT_GEMV", "1") != "0"
-_GEMV_PROGRAMS = 512  # enough programs to keep every SM streaming
-_GEMV_TILE = 4096  # elements of w per program and iteration
+# Products of up to SKINNY_MAX_ROWS rows (decode, verification, draft steps) go through
+# `_skinny_kernel` when it is on: faster than cuBLAS for so few rows (benchmarks/NOTES-gpu.md),
+# and batch-invariant, which is what makes greedy speculative decoding give exactly the tokens
+# of plain decoding in bf16 too. FLASHDRAFT_SKINNY=0 turns it off (cuBLAS everywhere).
+SKINNY = os.environ.get("FLASHDRAFT_SKINNY", "1") != "0"
+SKINNY_MAX_ROWS = 32
+_SKINNY_PROGRAMS = 264  # ~2 programs per multiprocessor of an H100/H200 before splitting K
 
 
-def gemv_blocks(n: int, k: int) -> tuple[int, int]:
-    block_n = 32
-    while block_n > 1 and triton.cdiv(n, block_n) < _GEMV_PROGRAMS:
-        block_n //= 2
-    return block_n, min(_GEMV_TILE // block_n, triton.next_power_of_2(k))
+def skinny_config(n: int, k: int) -> tuple[int, int, int, int]:
+    """(block_n, block_k, k_steps, split) for an [n, k] weight: a function of the weight's
+    shape only, never of the number of rows, so every row count runs the same arithmetic."""
+    for block_n in (64, 32, 16):
+        if triton.cdiv(n, block_n) >= _SKINNY_PROGRAMS:
+            break
+    block_k = min(8192 // block_n, max(16, triton.next_power_of_2(k)))
+    k_tiles = triton.cdiv(k, block_k)
+    n_blocks = triton.cdiv(n, block_n)
+    split = 1 if n_blocks >= _SKINNY_PROGRAMS else min(k_tiles, triton.cdiv(2 * _SKINNY_PROGRAMS, n_blocks))
+    k_steps = triton.cdiv(k_tiles, split)
+    return block_n, block_k, k_steps, triton.cdiv(k_tiles, k_steps)
 
 
 def linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
-    """module(x), a one-row product of a plain bf16/fp16 nn.Linear through `_gemv_kernel`."""
-    if (not GEMV or type(module) is not torch.nn.Linear or not use_triton(x)
-            or x.dtype == torch.float32 or x.numel() != x.shape[-1]):
+    """module(x); for a plain nn.Linear and at most SKINNY_MAX_ROWS rows, `_skinny_kernel`."""
+    rows = x.numel() // x.shape[-1]
+    if (not SKINNY or type(module) is not torch.nn.Linear or not use_triton(x)
+            or rows > SKINNY_MAX_ROWS):
         return module(x)
     w, bias = module.weight, module.bias
     n, k = w.shape
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    block_n, block_k = gemv_blocks(n, k)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x.reshape(k).contiguous(), w, bias if bias is not None else w, out, n, k, w.stride(0),
-        HAS_BIAS=bias is not None, K_STEPS=triton.cdiv(k, block_k), BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=4, **_pdl(x))
-    return out
+    x2 = x.reshape(rows, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    block_n, block_k, k_steps, split = skinny_config(n, k)
+    parts = out.unsqueeze(0) if split == 1 else \
+        torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
+    pdl = _pdl(x)
+    _skinny_kernel[(triton.cdiv(n, block_n), split, triton.cdiv(rows, 16))](
+        x2, w, bias if bias is not None else w, parts, rows, n, k, x2.stride(0), w.stride(0),
+        parts.stride(0), parts.stride(1), HAS_BIAS=bias is not None and split == 1,
+        K_STEPS=k_steps, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=16,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=3,
+        **pdl)
+    if split > 1:
+        total = rows * n
+        _sum_slices_kernel[(triton.cdiv(total, 1024),)](
+            parts, bias if bias is not None else parts, out, total, n, SPLIT=split,
+            HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4, **pdl)
+    return out.view(*x.shape[:-1], n)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
