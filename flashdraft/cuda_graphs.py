@@ -1,9 +1,10 @@
 """Fixed-shape forward steps captured as CUDA graphs and replayed.
 
-One decode step of a 1.5B model launches well over a thousand small kernels; launched one by
-one from Python they take several times longer than the GPU needs to stream the weights. A
-CUDA graph records the launches of one step once and replays them with one call, so the step
-costs what its kernels cost.
+One decode step of a 1.5B model launches hundreds of kernels (~13 a layer with the fused
+kernels of `flashdraft.kernels`, ~28 with the PyTorch path); launched one by one from Python
+they take several times longer than the GPU needs to stream the weights. A CUDA graph records
+the launches of one step once and replays them with one call, so the step costs what its
+kernels cost.
 
 A graph fixes every shape and address. Shapes: the number of tokens T of the step, and the
 number of cache positions attention reads (kv_len), rounded up to a bucket of `kv_bucket`
@@ -18,10 +19,10 @@ Graphs are captured lazily, the first time a (T, kv_len bucket, hidden layers, l
 combination is asked for; prefill longer than `max_graph_tokens` and every call on a CPU run
 eagerly, through exactly the same model code.
 
-Optionally the forward is `torch.compile`d first (compile=True): Inductor fuses the
-elementwise work (RMSNorm, rope, SiLU·up) so that a layer is a few kernels instead of ~50,
-and the fused step is then captured like the eager one. Compilation takes tens of seconds per
-model and is kept off by default; see benchmarks/NOTES-gpu.md for what it buys.
+Optionally the forward is `torch.compile`d first (compile=True) and the compiled step is then
+captured like the eager one. It was measured (1.7× on the 1.5B, 131 s of compilation) before
+the fused Triton kernels existed, which now do the fusing Inductor did; compiling together
+with them has not been measured. Kept off by default; see benchmarks/NOTES-gpu.md.
 """
 from __future__ import annotations
 

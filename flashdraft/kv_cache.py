@@ -6,8 +6,9 @@ decided by the attention mask (key position <= query position), so the cache its
 has to forget anything: after a rejected draft, `lengths` moves back and the stale entries
 are overwritten by the next pass.
 
-Keys and values of a layer live in one tensor so that a single indexed write stores both:
-the model hands over the key and value heads of its fused qkv projection as they come.
+Keys and values of a layer live in one tensor so that a single write stores both: the model
+hands over the key and value heads of its fused qkv projection as they come
+(`kernels.rope_and_cache_write`).
 """
 from __future__ import annotations
 
