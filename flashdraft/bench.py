@@ -672,6 +672,13 @@ def run_bench(s: BenchSettings, out=None) -> dict:
         log(f"loading drafter {d}")
         llm.get_drafter(d)
     ids = [prompt_ids(llm, p) for p in prompts]
+    if s.warmup:
+        # Each prompt length's first prefill pays one-time costs (library heuristics, kernel
+        # selection, the allocator); one untimed token per prompt keeps them off whichever
+        # configuration happens to run first (it was plain decoding's TTFT).
+        log("prefilling every prompt once (untimed)")
+        for pids in ids:
+            llm.generate({"prompt_token_ids": pids}, SamplingParams(temperature=0, max_tokens=1))
     monitor = GpuMonitor(llm.device)
     results = {
         "schema": SCHEMA, "complete": False, "interrupted": False,

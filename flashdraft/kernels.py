@@ -209,14 +209,14 @@ if triton is not None:
         s = tl.load(sin_ptr + tok * stride_cs_tok + lo).to(tl.float32)
         y1 = tl.where(is_qk, f1 * c - f2 * s, f1).to(qkv_ptr.dtype.element_ty)
         y2 = tl.where(is_qk, f2 * c + f1 * s, f2).to(qkv_ptr.dtype.element_ty)
-        q_mask = (lo < HALF) & is_q
+        q_mask = lo < tl.where(is_q, HALF, 0)  # all of the row for q heads, none otherwise
         tl.store(row + lo, y1, mask=q_mask)
         tl.store(row + HALF + lo, y2, mask=q_mask)
         which = (head - N_HEADS) // N_KV  # 0 keys, 1 values (meaningless for q heads: masked)
         kvh = (head - N_HEADS) - which * N_KV
         pos = tl.load(pos_ptr + b * stride_pb + i)
         dst = cache_ptr + which * stride_c2 + b * stride_cb + kvh * stride_ch + pos * stride_cn
-        kv_mask = (lo < HALF) & (head >= N_HEADS)
+        kv_mask = lo < tl.where(head >= N_HEADS, HALF, 0)
         tl.store(dst + lo, y1.to(cache_ptr.dtype.element_ty), mask=kv_mask)
         tl.store(dst + HALF + lo, y2.to(cache_ptr.dtype.element_ty), mask=kv_mask)
 
