@@ -3,7 +3,8 @@
 On a GPU a decode or verification step is bound by how many kernels a layer runs, not by their
 arithmetic: after CUDA graphs removed the launch cost, each kernel still costs ~2 µs, and the
 1.5B example spent two thirds of its step outside the four matrix products. These kernels
-bring a layer down to four products and five small kernels:
+bring a layer down to four products (plus a fixed-order reduction after narrow ones) and five
+small kernels:
 
 - `rms_norm(x, weight, eps, residual)`: residual += x, then RMSNorm of the sum, in one pass
   (the residual add of the previous sublayer fused into the norm of the next, as vLLM does).
@@ -21,7 +22,8 @@ bring a layer down to four products and five small kernels:
 Every kernel here is batch-invariant: what it computes for one token (one row) does not depend
 on how many other tokens the step carries. Decoding one token and verifying k + 1 tokens
 therefore give bit-identical logits for the same position, so greedy speculative decoding
-returns exactly the tokens of plain decoding, in bfloat16 as in float32.
+returns exactly the tokens of plain decoding, in bfloat16 as in float32. Not so with weight-only
+quantization yet: the int8/int4 kernels of `flashdraft.quant` choose their tiling by row count.
 
 Each has a PyTorch twin (`*_reference`, the code the model runs on a CPU) that the tests
 compare against, on the GPU and on the CPU through Triton's interpreter (TRITON_INTERPRET=1).
