@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -70,25 +69,7 @@ def item(name: str, out: Path, budget: float, cost: float):
 
 def bench_us(fn, reps: int = 50) -> float:
     """Median µs of fn() replayed from a CUDA graph (launch overhead excluded, as in a step)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(10):
-            fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / 10)
-    return statistics.median(times)
+    return shapes.graph_replay_us(fn, calls=10, repeats=reps, warmup=3)
 
 
 def main() -> None:

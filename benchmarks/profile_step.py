@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from collections import defaultdict
@@ -34,8 +33,8 @@ from flashdraft import kernels  # noqa: E402
 from flashdraft.cuda_graphs import StepRunner  # noqa: E402
 from flashdraft.kv_cache import KVCache  # noqa: E402
 from flashdraft.shapes import (_decode_loop, _time_steps, build_random_model,  # noqa: E402
-                               format_shape_bench, get_shape, measure_copy_bandwidth,
-                               run_shape_bench, step_bytes)
+                               format_shape_bench, get_shape, graph_replay_us,
+                               measure_copy_bandwidth, run_shape_bench, step_bytes)
 
 SETTINGS = {"torch": (False, False, False), "fused": (True, False, False),
             "fused+skinny": (True, True, False), "fused+skinny+pdl": (True, True, True)}
@@ -46,26 +45,9 @@ def set_path(name: str) -> None:
     kernels._enabled, kernels.SKINNY, kernels.PDL = SETTINGS[name]
 
 
-def graph_us(fn, calls: int = 20, repeats: int = 20) -> float:
-    """µs per call of fn, `calls` back-to-back calls captured in one graph, median replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
+def graph_us(fn) -> float:
+    """µs per call of fn: 20 back-to-back calls in one graph, median of 20 replays."""
+    return graph_replay_us(fn, calls=20, repeats=20, warmup=1)
 
 
 def kernel_table(runner, cache, context, vocab, steps: int = 10) -> dict:

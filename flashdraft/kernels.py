@@ -40,6 +40,7 @@ an exact zero, so an eager step (kv_len = the true length) and a graph replay of
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -468,7 +469,9 @@ def attention(q: torch.Tensor, cache_layer: torch.Tensor, positions: torch.Tenso
         part_ml = torch.empty(b * n_kv * n_splits * n_rows, 2, dtype=torch.float32, device=q.device)
     grid = (b * n_kv, n_splits, triton.cdiv(n_rows, block_m))
     _attention_split_kernel[grid](
-        q, cache_layer, positions, out, part_o, part_ml, t, n_kv, n_splits, d ** -0.5 * 1.4426950408889634, q.stride(0), q.stride(1), q.stride(2),
+        q, cache_layer, positions, out, part_o, part_ml, t, n_kv, n_splits,
+        d ** -0.5 * 1.4426950408889634,  # softmax scale, in log2 units (the kernel uses exp2)
+        q.stride(0), q.stride(1), q.stride(2),
         cache_layer.stride(0), cache_layer.stride(1), cache_layer.stride(2), cache_layer.stride(3),
         positions.stride(0), out.stride(0), out.stride(1), out.stride(2),
         GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=64, SPLIT=split_len, DIRECT=direct,
@@ -490,6 +493,7 @@ SKINNY_MAX_ROWS = 32
 _SKINNY_PROGRAMS = 264  # ~2 programs per multiprocessor of an H100/H200 before splitting K
 
 
+@functools.cache
 def skinny_config(n: int, k: int) -> tuple[int, int, int, int]:
     """(block_n, block_k, k_steps, split) for an [n, k] weight: a function of the weight's
     shape only, never of the number of rows, so every row count runs the same arithmetic."""
@@ -499,7 +503,8 @@ def skinny_config(n: int, k: int) -> tuple[int, int, int, int]:
     block_k = min(8192 // block_n, max(16, triton.next_power_of_2(k)))
     k_tiles = triton.cdiv(k, block_k)
     n_blocks = triton.cdiv(n, block_n)
-    split = 1 if n_blocks >= _SKINNY_PROGRAMS else min(k_tiles, triton.cdiv(2 * _SKINNY_PROGRAMS, n_blocks))
+    split = 1 if n_blocks >= _SKINNY_PROGRAMS else \
+        min(k_tiles, triton.cdiv(2 * _SKINNY_PROGRAMS, n_blocks))
     k_steps = triton.cdiv(k_tiles, split)
     return block_n, block_k, k_steps, triton.cdiv(k_tiles, k_steps)
 

@@ -41,6 +41,9 @@ try:  # Triton only where CUDA is present; the reference path everywhere else.
     import triton.language as tl
 except ImportError:  # pragma: no cover - CPU machines without triton
     triton = None
+if triton is not None:
+    from .kernels import _sum_slices_kernel  # the fixed-order sum of K slices
+from .kernels import INTERPRET  # noqa: E402  (the tests run the kernels on a CPU through it)
 
 
 # -- quantize / dequantize (reference definitions) -------------------------------------------
@@ -188,16 +191,6 @@ if triton is not None:
             y = y * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
         tl.store(out_ptr + pid_k * stride_os + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
-    @triton.jit
-    def _sum_splits_kernel(p_ptr, out_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-        # p [SPLIT, total] float32 -> out [total] in out's dtype: one launch, fixed order.
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < total
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for i in range(0, SPLIT):
-            acc += tl.load(p_ptr + i * total + offs, mask=ok, other=0.0)
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
 
 _SMS: dict[int, int] = {}
 # Launch parameters of the kernel; benchmarks/gpu_fastpath.py sweeps them on the machine.
@@ -254,8 +247,9 @@ def triton_matmul(x: torch.Tensor, layer: "QuantLinear", block_n: int | None = N
             num_warps=num_warps, num_stages=num_stages)
     if split > 1:
         total = m * n
-        _sum_splits_kernel[(triton.cdiv(total, 1024),)](partial, out, total, SPLIT=split,
-                                                         BLOCK=1024)
+        _sum_slices_kernel[(triton.cdiv(total, 1024),)](partial, partial, out, total, n,
+                                                         SPLIT=split, HAS_BIAS=False,
+                                                         BLOCK=1024, USE_PDL=False)
     return out
 
 

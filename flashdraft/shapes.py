@@ -113,6 +113,30 @@ def step_bytes(model: Transformer, cfg: ModelConfig, context: int, t: int, kv_dt
             "flops": flops}
 
 
+def graph_replay_us(fn, calls: int = 10, repeats: int = 50, warmup: int = 3) -> float:
+    """Median µs per call of fn, `calls` back-to-back calls captured in one CUDA graph (launch
+    overhead excluded, as inside a replayed step); warm-up on a side stream first."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(times)
+
+
 def _time_steps(runner: StepRunner, cache: KVCache, t: int, context: int, vocab: int,
                 repeats: int) -> float:
     """Median seconds of one target pass over t tokens at `context`, graph replays included."""

@@ -85,3 +85,19 @@ def test_fast_kernels_match_the_reference(mode, backend):
             torch.testing.assert_close(y.isnan().any(), torch.tensor(False, device="cuda"))
             rel = ((y.double() - ref).norm() / ref.norm()).item()
             assert rel < 1e-2, (k, n, m, rel)
+
+
+@pytest.mark.skipif(quant.triton is None or torch.cuda.is_available() or not quant.INTERPRET,
+                    reason="the CPU run of the Triton kernels needs Triton's interpreter")
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_triton_kernels_on_cpu_through_the_interpreter(mode):
+    """The Triton products (tile and one-row kernels, K split in two slices added by
+    kernels._sum_slices_kernel) in float16 through Triton's interpreter, against the reference."""
+    torch.manual_seed(3)
+    layer = quant.QuantLinear(nn.Linear(256, 96, bias=False).half(), mode, "reference")
+    w = layer.dequantized(torch.float32)
+    for m in (1, 5):
+        x = torch.randn(m, 256).half()
+        ref = x.double() @ w.double().t()
+        y = quant.triton_matmul(x, layer, split=2)
+        assert ((y.double() - ref).norm() / ref.norm()).item() < 2e-3
