@@ -28,6 +28,7 @@ for phase in "$@"; do
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl || exit 1
     mkdir -p $FLASHDRAFT_CACHE/models
+    [ -f /root/models/MANIFEST ] || { echo "no example pair staged: random-weight phases only"; continue; }
     while read -r name n sha; do
       f=$FLASHDRAFT_CACHE/models/$name.gguf
       [ -f "$f" ] || cat /root/models/$name.?? > "$f"
@@ -53,7 +54,7 @@ for phase in "$@"; do
     ;;
   profile)
     # Random-weight shapes: roofline fractions, step cost curves, kernel tables.
-    python3 benchmarks/profile_step.py --out "$OUT/profile" ${PROFILE_SHAPES:-qwen2.5-1.5b \
+    python3 benchmarks/profile_step.py --out "$OUT/profile" ${PROFILE_ARGS:-} ${PROFILE_SHAPES:-qwen2.5-1.5b \
       qwen3-8b qwen3-32b:int4 dense-27b:int4-hybrid} 2>&1 | grep -v Warn | tee "$OUT/profile.log"
     ;;
   quant)

@@ -19,6 +19,7 @@ Random weights measure speed only; acceptance is not measured.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -36,13 +37,21 @@ from flashdraft.shapes import (_decode_loop, _time_steps, build_random_model,  #
                                format_shape_bench, get_shape, graph_replay_us,
                                measure_copy_bandwidth, run_shape_bench, step_bytes)
 
-SETTINGS = {"torch": (False, False, False), "fused": (True, False, False),
-            "fused+skinny": (True, True, False), "fused+skinny+pdl": (True, True, True)}
-DEFAULT = "fused+skinny+pdl"
+# (fused kernels, skinny products, PDL, PDL early launch, weight prefetch before the PDL wait)
+SETTINGS = {"torch": (False, False, False, False, False),
+            "fused": (True, False, False, False, False),
+            "fused+skinny": (True, True, False, False, False),
+            "+pdl": (True, True, True, False, False),
+            "+pdl+prefetch": (True, True, True, False, True),
+            "+pdl+early": (True, True, True, True, False),
+            "+pdl+early+prefetch": (True, True, True, True, True)}
+DEFAULT = "+pdl+early+prefetch"
+PROFILED = ("torch", "fused+skinny", DEFAULT)
 
 
 def set_path(name: str) -> None:
-    kernels._enabled, kernels.SKINNY, kernels.PDL = SETTINGS[name]
+    (kernels._enabled, kernels.SKINNY, kernels.PDL, kernels.EARLY_LAUNCH,
+     kernels.PREFETCH) = SETTINGS[name]
 
 
 def graph_us(fn) -> float:
@@ -88,30 +97,114 @@ def compare(shape: str, quant: str | None, context: int, bandwidth: float) -> di
                                  "decode_tokens_per_s": tps,
                                  "roofline_fraction": tps / out["roofline_tokens_per_s"],
                                  "step_roofline_fraction": need["bytes"] / t1 / bandwidth}
-        if name in (DEFAULT, "torch"):
+        if name in PROFILED:
             out["settings"][name]["profile"] = kernel_table(runner, cache, context, cfg.vocab_size)
         del runner
     set_path(DEFAULT)
-    # products: cuBLAS against the one-row kernel, per distinct plain Linear shape
-    mats = {}
-    for mod in model.modules():
-        if type(mod) is torch.nn.Linear:
-            mats.setdefault(tuple(mod.weight.shape), mod)
     out["products_us"] = {}
-    for (n, k), mod in mats.items():
+    for (n, k, gated), w in matrices(model).items():
+        mod = torch.nn.Linear(k, w.shape[0], bias=False, device="cuda", dtype=torch.bfloat16)
+        mod.weight = w
+        fn = kernels.gated_linear if gated else kernels.linear
         x = torch.randn(1, 1, k, dtype=torch.bfloat16, device="cuda")
-        cublas = graph_us(lambda: torch.nn.functional.linear(x, mod.weight, mod.bias))
-        gemv = graph_us(lambda: kernels.linear(x, mod))
         x9 = torch.randn(1, 9, k, dtype=torch.bfloat16, device="cuda")
-        cublas9 = graph_us(lambda: torch.nn.functional.linear(x9, mod.weight, mod.bias))
-        gemv9 = graph_us(lambda: kernels.linear(x9, mod))
-        nbytes = mod.weight.numel() * 2
-        out["products_us"][f"{n}x{k}"] = {"cublas": cublas, "gemv": gemv, "cublas_9rows": cublas9,
-                                          "skinny_9rows": gemv9,
-                                          "cublas_TBps": nbytes / cublas / 1e6,
-                                          "gemv_TBps": nbytes / gemv / 1e6,
-                                          "config": kernels.skinny_config(n, k)}
+        if gated:
+            cublas = graph_us(lambda: kernels.silu_mul(torch.nn.functional.linear(x, w)))
+            cublas9 = graph_us(lambda: kernels.silu_mul(torch.nn.functional.linear(x9, w)))
+        else:
+            cublas = graph_us(lambda: torch.nn.functional.linear(x, w))
+            cublas9 = graph_us(lambda: torch.nn.functional.linear(x9, w))
+        ours, ours9 = graph_us(lambda: fn(x, mod)), graph_us(lambda: fn(x9, mod))
+        nbytes = w.numel() * 2
+        out["products_us"][f"{w.shape[0]}x{k}{' gated' if gated else ''}"] = {
+            "cublas": cublas, "gemv": ours, "cublas_9rows": cublas9, "skinny_9rows": ours9,
+            "cublas_TBps": nbytes / cublas / 1e6, "gemv_TBps": nbytes / ours / 1e6,
+            "config": kernels.skinny_config(n, k, gated)}
     return out
+
+
+def matrices(model) -> dict:
+    """Distinct plain-Linear weights of the model by (n, k, gated): gated for the MLP's gate and
+    up product (n = its output width, half the weight's rows)."""
+    mats = {}
+    for name, mod in model.named_modules():
+        if type(mod) is torch.nn.Linear:
+            gated = name.endswith("w_gate_up")
+            rows, k = mod.weight.shape
+            mats.setdefault((rows // 2 if gated else rows, k, gated), mod.weight)
+    return mats
+
+
+def candidates(n: int, k: int, gated: bool):
+    cdiv = lambda a, b: -(-a // b)
+    seen = set()
+    for block_n, block_k in ((16, 256), (16, 512), (32, 256), (32, 512), (64, 128), (64, 256)):
+        if block_k > max(16, 1 << (k - 1).bit_length()):
+            continue
+        n_blocks, k_tiles = cdiv(n, block_n), cdiv(k, block_k)
+        for target in (132, 264, 528):
+            split = max(1, min(k_tiles, round(target / n_blocks)))
+            k_steps = cdiv(k_tiles, split)
+            split = cdiv(k_tiles, k_steps)
+            for pre in (1, 2):
+                if pre > k_steps:
+                    continue
+                c = kernels.SkinnyConfig(block_n, block_k, k_steps, split, pre)
+                if c not in seen:
+                    seen.add(c)
+                    yield c
+
+
+@torch.inference_mode()
+def sweep(shape: str, budget_s: float) -> dict:
+    """Launch parameters of the skinny kernel for each matrix of the shape: one row, µs per call
+    (graph of 20 back-to-back calls, default setting), best first; the three best then with 2
+    and 4 pipeline stages, and the best and the rule's config at 16 rows."""
+    cfg = dataclasses.replace(get_shape(shape), num_layers=1)
+    model = build_random_model(cfg, torch.bfloat16, "cuda")
+    set_path(DEFAULT)
+    began = time.perf_counter()
+    result = {}
+    for (n, k, gated), w in matrices(model).items():
+        x1 = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+        x16 = torch.randn(16, k, dtype=torch.bfloat16, device="cuda")
+        run = lambda x, c: kernels._skinny(x, w, None, gated, c)
+        timed = []
+        default = kernels.skinny_config(n, k, gated)
+        for c in [default, *candidates(n, k, gated)]:
+            if time.perf_counter() - began > budget_s:
+                break
+            try:
+                timed.append((graph_us(lambda: run(x1, c)), c))
+            except Exception as e:  # a config the compiler refuses (resources)
+                print(f"    {c}: {type(e).__name__}", flush=True)
+        timed.sort(key=lambda r: r[0])
+        for us, c in timed[:3]:
+            for stages in (2, 4):
+                if time.perf_counter() - began > budget_s:
+                    break
+                c2 = c._replace(num_stages=stages)
+                try:
+                    timed.append((graph_us(lambda: run(x1, c2)), c2))
+                except Exception:
+                    pass
+        timed.sort(key=lambda r: r[0])
+        if not timed:
+            break
+        best = timed[0][1]
+        nbytes = w.numel() * 2
+        key = f"{n}x{k}{' gated' if gated else ''}"
+        entry = {"best": best, "best_us": timed[0][0], "best_TBps": nbytes / timed[0][0] / 1e6,
+                 "default": default, "top": [(us, c) for us, c in timed[:8]]}
+        entry["default_us"] = next((us for us, c in timed if c == default), None)
+        entry["best_us_16rows"] = graph_us(lambda: run(x16, best))
+        entry["default_us_16rows"] = graph_us(lambda: run(x16, default))
+        result[key] = entry
+        print(f"  sweep {shape} {key:>18s}: best {entry['best_us']:6.1f} us "
+              f"({entry['best_TBps']:.2f} TB/s) {tuple(best)}; rule {entry['default_us']} us "
+              f"{tuple(default)}; 16 rows {entry['best_us_16rows']:.1f} / "
+              f"{entry['default_us_16rows']:.1f} us", flush=True)
+    return result
 
 
 def main() -> None:
@@ -120,6 +213,8 @@ def main() -> None:
     ap.add_argument("--out", default="profile-out")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--no-official", action="store_true")
+    ap.add_argument("--sweep", type=float, default=0.0,
+                    help="seconds per shape for a launch-parameter sweep of the skinny kernel")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -137,6 +232,8 @@ def main() -> None:
             r["official"] = run_shape_bench(shape, "bfloat16", quant, "cuda", context=args.context,
                                             bandwidth=bandwidth)
             print(format_shape_bench(r["official"]), flush=True)
+        if args.sweep and not quant:
+            r["sweep"] = sweep(shape, args.sweep)
         r["compare"] = compare(shape, quant, args.context, bandwidth)
         for name, s in r["compare"]["settings"].items():
             print(f"  {spec} {name:11s} t1 {s['t1_ms']:.3f} ms  t16 {s['t16_ms']:.3f} ms "

@@ -3,8 +3,8 @@
 On a GPU a decode or verification step is bound by how many kernels a layer runs, not by their
 arithmetic: after CUDA graphs removed the launch cost, each kernel still costs ~2 µs, and the
 1.5B example spent two thirds of its step outside the four matrix products. These kernels
-bring a layer down to four products (plus a fixed-order reduction after narrow ones) and five
-small kernels:
+bring a layer down to seven: four products (the MLP's first one with its activation) and
+three small kernels:
 
 - `rms_norm(x, weight, eps, residual)`: residual += x, then RMSNorm of the sum, in one pass
   (the residual add of the previous sublayer fused into the norm of the next, as vLLM does).
@@ -14,10 +14,16 @@ small kernels:
 - `attention(q, cache_layer, positions, kv_len, split)`: attention of a few query tokens over
   the static cache (split-K "flash decoding"): every query head of a kv head and every token
   of the step read that kv head's keys and values once; the causal mask comes from positions,
-  as in the PyTorch path, so nothing but positions and a length is needed.
-- `silu_mul(gate_up)`: SiLU(gate) · up.
-- `linear(x, module)`: products of up to 32 rows (`_skinny_kernel`, tensor cores, K split in a
-  fixed way per weight shape).
+  as in the PyTorch path, so nothing but positions and a length is needed. The last split to
+  finish merges the others' results (no second kernel).
+- `linear(x, module)`, `gated_linear(x, module)`: products of up to 32 rows (`_skinny_kernel`,
+  tensor cores, K split in a fixed way per weight shape, the slices added by the last program
+  of a tile to finish); `gated_linear` computes SiLU(gate) · up of the gate and up product in
+  the same kernel (`silu_mul` remains for other products).
+
+With programmatic dependent launch (Hopper on) each kernel starts while its predecessor
+finishes, and the products load their first weight tiles before waiting for it: weights never
+depend on the previous kernel, so their transfer overlaps the small kernels' latency.
 
 Every kernel here is batch-invariant: what it computes for one token (one row) does not depend
 on how many other tokens the step carries. Decoding one token and verifying k + 1 tokens
@@ -42,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -154,19 +161,24 @@ def silu_mul_reference(gate_up):
 if triton is not None:
 
     @triton.jit
-    def _pdl_wait(USE_PDL: tl.constexpr):
+    def _pdl_wait(USE_PDL: tl.constexpr, EARLY_LAUNCH: tl.constexpr = False):
         # Programmatic dependent launch (Hopper on): this kernel may have started while the one
         # before it in the stream was finishing. Wait until that one's writes are visible (no
-        # load of an activation and no store happens before this point), then let the next
-        # kernel start its own launch.
+        # load of an activation and no store happens before this point), and let the next
+        # kernel start its own launch: after the wait, or with EARLY_LAUNCH before it (the
+        # next kernel still waits for this one to finish before it reads anything we write).
         if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+            if EARLY_LAUNCH:
+                tl.extra.cuda.gdc_launch_dependents()
+                tl.extra.cuda.gdc_wait()
+            else:
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n, eps, stride_x, stride_r, stride_o,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-        _pdl_wait(USE_PDL)
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr, EARLY_LAUNCH: tl.constexpr = False):
+        _pdl_wait(USE_PDL, EARLY_LAUNCH)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < n
@@ -186,10 +198,10 @@ if triton is not None:
                            t, stride_qkv_tok, stride_cs_tok, stride_pb,
                            stride_c2, stride_cb, stride_ch, stride_cn,
                            N_HEADS: tl.constexpr, N_KV: tl.constexpr, HALF: tl.constexpr,
-                           QK_NORM: tl.constexpr, USE_PDL: tl.constexpr):
+                           QK_NORM: tl.constexpr, USE_PDL: tl.constexpr, EARLY_LAUNCH: tl.constexpr = False):
         # One program per (token, head) over the q, k and v heads of one token's qkv row;
         # branch-free: q and k heads are rotated, v heads pass through, stores are masked.
-        _pdl_wait(USE_PDL)
+        _pdl_wait(USE_PDL, EARLY_LAUNCH)
         tok = tl.program_id(0)  # b * t + i
         head = tl.program_id(1)
         b = tok // t
@@ -224,17 +236,18 @@ if triton is not None:
         tl.store(dst + HALF + lo, y2.to(cache_ptr.dtype.element_ty), mask=kv_mask)
 
     @triton.jit
-    def _attention_split_kernel(q_ptr, cache_ptr, pos_ptr, out_ptr, part_o_ptr, part_ml_ptr,
-                                t, n_kv, n_splits, qk_scale,
-                                stride_qb, stride_qt, stride_qh,
-                                stride_c2, stride_cb, stride_ch, stride_cn,
-                                stride_pb, stride_ob, stride_ot, stride_oh,
-                                GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                                BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DIRECT: tl.constexpr,
-                                PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    def _attention_kernel(q_ptr, cache_ptr, pos_ptr, out_ptr, part_o_ptr, part_ml_ptr, count_ptr,
+                          t, n_kv, n_splits, qk_scale,
+                          stride_qb, stride_qt, stride_qh,
+                          stride_c2, stride_cb, stride_ch, stride_cn,
+                          stride_pb, stride_ob, stride_ot, stride_oh,
+                          GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr,
+                          PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+                          EARLY_LAUNCH: tl.constexpr = False):
         # Program (b * n_kv + kv head, split, row block). Rows are (token, query head of this
         # kv head) pairs: row = token * GROUP + g.
-        _pdl_wait(USE_PDL)
+        _pdl_wait(USE_PDL, EARLY_LAUNCH)
         bh = tl.program_id(0)
         split = tl.program_id(1)
         rblock = tl.program_id(2)
@@ -250,7 +263,7 @@ if triton is not None:
                     + (kvh * GROUP + g)[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None], other=0.0)
         # Keys beyond the step's last position (positions increase along the step) are never
-        # visible: stop there, whatever kv_len.
+        # visible: stop there, whatever kv_len. A split past it does no work at all.
         start = split * SPLIT
         end = tl.minimum(start + SPLIT, tl.load(pos_ptr + b * stride_pb + t - 1) + 1)
         k_base = cache_ptr + b * stride_cb + kvh * stride_ch
@@ -258,12 +271,15 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
-        for j in range(0, SPLIT // BLOCK_N):  # a static trip count; blocks past the end skipped
-            n0 = start + j * BLOCK_N
-            if n0 < end:
-                cols = n0 + tl.arange(0, BLOCK_N)
+        if start < end:
+            # A static trip count with no branch inside, so that loads are pipelined; blocks
+            # past `end` load nothing (masked) and leave m, l and acc exactly as they were.
+            for j in range(0, SPLIT // BLOCK_N):
+                cols = start + j * BLOCK_N + tl.arange(0, BLOCK_N)
                 col_ok = cols < end
                 k = tl.load(k_base + cols[:, None] * stride_cn + d[None, :],
+                            mask=col_ok[:, None], other=0.0)
+                v = tl.load(v_base + cols[:, None] * stride_cn + d[None, :],
                             mask=col_ok[:, None], other=0.0)
                 scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2
                 visible = (cols[None, :] <= qpos[:, None]) & col_ok[None, :]
@@ -273,66 +289,81 @@ if triton is not None:
                 alpha = tl.exp2(m_i - m_safe)
                 p = tl.exp2(scores - m_safe[:, None])
                 l_i = l_i * alpha + tl.sum(p, axis=1)
-                v = tl.load(v_base + cols[:, None] * stride_cn + d[None, :],
-                            mask=col_ok[:, None], other=0.0)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
                 m_i = m_new
-        if DIRECT:  # a single split: normalise and write the output here
+        out_ptrs = (out_ptr + b * stride_ob + tok[:, None] * stride_ot
+                    + (kvh * GROUP + g)[:, None] * stride_oh + d[None, :])
+        if MAX_SPLITS == 1:  # one split: normalise and write the output here
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            tl.store(out_ptr + b * stride_ob + tok[:, None] * stride_ot
-                     + (kvh * GROUP + g)[:, None] * stride_oh + d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
         else:
+            # Each split stores its partial result; the last split of this (head, row block)
+            # to finish merges them all, in split order (a split that saw no visible key adds
+            # exact zeros), so no second kernel runs and the result does not depend on the
+            # order in which splits finished.
             n_rows = t * GROUP
-            slot = (bh * n_splits + split) * n_rows + rows
+            base = bh * n_splits * n_rows + rows
+            slot = base + split * n_rows
             tl.store(part_o_ptr + slot[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
             tl.store(part_ml_ptr + slot * 2, m_i, mask=row_ok)
             tl.store(part_ml_ptr + slot * 2 + 1, l_i, mask=row_ok)
+            tl.debug_barrier()  # every thread's part is stored before the counter moves
+            counter = count_ptr + bh * tl.num_programs(2) + rblock
+            if tl.atomic_add(counter, 1, sem="acq_rel") == n_splits - 1:
+                m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                for s in tl.static_range(MAX_SPLITS):  # the cache's count; n_splits used
+                    ok = rows < tl.where(s < n_splits, n_rows, 0)  # rows of a used split
+                    m = tl.maximum(m, tl.load(part_ml_ptr + (base + s * n_rows) * 2, mask=ok,
+                                              other=float("-inf"), cache_modifier=".cg"))
+                num = tl.zeros([BLOCK_M, D], tl.float32)
+                den = tl.zeros([BLOCK_M], tl.float32)
+                for s in tl.static_range(MAX_SPLITS):
+                    ok = rows < tl.where(s < n_splits, n_rows, 0)  # rows of a used split
+                    slot = base + s * n_rows
+                    m_s = tl.load(part_ml_ptr + slot * 2, mask=ok, other=float("-inf"),
+                                  cache_modifier=".cg")
+                    l_s = tl.load(part_ml_ptr + slot * 2 + 1, mask=ok, other=0.0,
+                                  cache_modifier=".cg")
+                    w = tl.where(l_s > 0, tl.exp2(m_s - m), 0.0)
+                    num += w[:, None] * tl.load(part_o_ptr + slot[:, None] * D + d[None, :],
+                                                mask=ok[:, None], other=0.0, cache_modifier=".cg")
+                    den += w * l_s
+                out = num / tl.where(den > 0, den, 1.0)[:, None]
+                tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                tl.atomic_xchg(counter, 0)  # ready for the next launch
 
     @triton.jit
-    def _attention_combine_kernel(part_o_ptr, part_ml_ptr, out_ptr, t, n_kv, n_splits,
-                                  stride_ob, stride_ot, stride_oh,
-                                  GROUP: tl.constexpr, D: tl.constexpr, MAX_SPLITS: tl.constexpr,
-                                  USE_PDL: tl.constexpr):
-        _pdl_wait(USE_PDL)
-        # Program (b * n_kv + kv head, row): merge the splits' partial results, in split order;
-        # a split that saw no visible key (l = 0) adds exact zeros.
-        bh = tl.program_id(0)
-        row = tl.program_id(1)
-        b = bh // n_kv
-        kvh = bh - b * n_kv
-        n_rows = t * GROUP
-        d = tl.arange(0, D)
-        m = tl.full([D], float("-inf"), tl.float32)
-        for s in range(0, MAX_SPLITS):  # static trip count (the cache's), n_splits used
-            if s < n_splits:
-                m = tl.maximum(m, tl.load(part_ml_ptr + ((bh * n_splits + s) * n_rows + row) * 2))
-        num = tl.zeros([D], tl.float32)
-        den = tl.zeros([D], tl.float32)
-        for s in range(0, MAX_SPLITS):
-            if s < n_splits:
-                slot = (bh * n_splits + s) * n_rows + row
-                m_s = tl.load(part_ml_ptr + slot * 2)
-                l_s = tl.load(part_ml_ptr + slot * 2 + 1)
-                w = tl.where(l_s > 0, tl.exp2(m_s - m), 0.0)
-                num += w * tl.load(part_o_ptr + slot * D + d)
-                den += w * l_s
-        tok = row // GROUP
-        g = row - tok * GROUP
-        tl.store(out_ptr + b * stride_ob + tok * stride_ot + (kvh * GROUP + g) * stride_oh + d,
-                 (num / den).to(out_ptr.dtype.element_ty))
+    def _skinny_epilogue(acc, acc_up, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, n, stride_om,
+                         HAS_BIAS: tl.constexpr, GATED: tl.constexpr):
+        # acc [BLOCK_N, BLOCK_M]: the finished sums of this tile; with GATED, acc holds the gate
+        # and acc_up the up projection of the same output columns.
+        dt = out_ptr.dtype.element_ty
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        if GATED:
+            if HAS_BIAS:
+                acc_up += tl.load(b_ptr + n + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            # rounded where the unfused code stores: the product, then SiLU's output
+            gate = acc.to(dt).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+            acc = act * acc_up.to(dt).to(tl.float32)
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(dt),
+                 mask=n_ok[:, None] & m_ok[None, :])
 
     @triton.jit
-    def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, m, n, k, stride_xm, stride_wn, stride_os,
-                       stride_om, HAS_BIAS: tl.constexpr, K_STEPS: tl.constexpr,
+    def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, m, n, k, stride_xm,
+                       stride_wn, stride_om, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                       SPLIT: tl.constexpr, K_STEPS: tl.constexpr, PRE_STEPS: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                       PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
-        # out [split, m, n] = x [m, k] @ w [n, k]^T over the K slice of this program, as
-        # (w @ x^T)^T so that the few rows of x are the narrow side of the tensor-core product.
+                       PRECISION: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+                       EARLY_LAUNCH: tl.constexpr = False):
+        # out [m, n] = x [m, k] @ w [n, k]^T, as (w @ x^T)^T so that the few rows of x are the
+        # narrow side of the tensor-core product. With GATED, w is [2 n, k] (gate rows, then up
+        # rows) and out = SiLU(x @ gate^T) * (x @ up^T): the MLP's first product and its
+        # activation in one kernel.
         # Program (n block, K slice, row block of BLOCK_M = 16). A row's result depends on that
         # row and the weights alone, never on m: the decode of one token and the verification
         # of k+1 tokens compute each row bit for bit alike.
-        _pdl_wait(USE_PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -340,25 +371,69 @@ if triton is not None:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         n_ok = offs_n < n
         m_ok = offs_m < m
-        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        for i in range(0, K_STEPS):
-            offs_k = (pid_k * K_STEPS + i) * BLOCK_K + tl.arange(0, BLOCK_K)
+        k0 = pid_k * K_STEPS * BLOCK_K
+        # Weights do not depend on the kernels before this one: with PREFETCH the first
+        # PRE_STEPS tiles are loaded before waiting for them (programmatic dependent launch), so
+        # that their transfer overlaps the end of the previous kernel.
+        if not PREFETCH:
+            _pdl_wait(USE_PDL, EARLY_LAUNCH)
+        offs_p = k0 + tl.arange(0, PRE_STEPS * BLOCK_K)
+        p_ok = offs_p < k
+        w_rows = w_ptr + offs_n[:, None] * stride_wn
+        w_pre = tl.load(w_rows + offs_p[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0.0)
+        if GATED:
+            u_pre = tl.load(w_rows + n * stride_wn + offs_p[None, :],
+                            mask=n_ok[:, None] & p_ok[None, :], other=0.0)
+        if PREFETCH:
+            _pdl_wait(USE_PDL, EARLY_LAUNCH)
+        x_rows = x_ptr + offs_m[:, None] * stride_xm
+        x = tl.load(x_rows + offs_p[None, :], mask=m_ok[:, None] & p_ok[None, :], other=0.0)
+        acc = tl.dot(w_pre, tl.trans(x), input_precision=PRECISION, out_dtype=tl.float32)
+        acc_up = acc
+        if GATED:
+            acc_up = tl.dot(u_pre, tl.trans(x), input_precision=PRECISION, out_dtype=tl.float32)
+        for i in range(PRE_STEPS, K_STEPS):
+            offs_k = k0 + i * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = offs_k < k
-            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
-                        mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptr + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None],
-                 acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+            if GATED:
+                u = tl.load(w_rows + n * stride_wn + offs_k[None, :],
+                            mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                acc_up = tl.dot(u, tl.trans(x), acc_up, input_precision=PRECISION)
+        if SPLIT == 1:
+            _skinny_epilogue(acc, acc_up, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, n,
+                             stride_om, HAS_BIAS, GATED)
+        else:
+            # K split across SPLIT programs: each stores its float32 slice; the last of them to
+            # finish adds the slices in slice order (so the result does not depend on which
+            # finished last) and runs the epilogue. No second kernel.
+            width = 2 * n if GATED else n
+            part = part_ptr + offs_m[None, :] * width + offs_n[:, None]
+            ok = n_ok[:, None] & m_ok[None, :]
+            tl.store(part + pid_k * m * width, acc, mask=ok)
+            if GATED:
+                tl.store(part + pid_k * m * width + n, acc_up, mask=ok)
+            tl.debug_barrier()  # every thread's slice is stored before the counter moves
+            tile = count_ptr + pid_m * tl.num_programs(0) + pid_n
+            if tl.atomic_add(tile, 1, sem="acq_rel") == SPLIT - 1:
+                acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+                acc_up = acc
+                for s in tl.static_range(SPLIT):
+                    acc += tl.load(part + s * m * width, mask=ok, other=0.0, cache_modifier=".cg")
+                    if GATED:
+                        acc_up += tl.load(part + s * m * width + n, mask=ok, other=0.0,
+                                          cache_modifier=".cg")
+                _skinny_epilogue(acc, acc_up, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, n,
+                                 stride_om, HAS_BIAS, GATED)
+                tl.atomic_xchg(tile, 0)  # ready for the next launch
 
     @triton.jit
     def _sum_slices_kernel(p_ptr, b_ptr, out_ptr, total, n, SPLIT: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr, EARLY_LAUNCH: tl.constexpr = False):
         # p [SPLIT, m, n] float32 -> out [m, n] (+ bias): the K slices added in a fixed order.
-        _pdl_wait(USE_PDL)
+        _pdl_wait(USE_PDL, EARLY_LAUNCH)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < total
         acc = tl.zeros([BLOCK], tl.float32)
@@ -370,8 +445,8 @@ if triton is not None:
 
     @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_o, BLOCK: tl.constexpr,
-                         USE_PDL: tl.constexpr):
-        _pdl_wait(USE_PDL)
+                         USE_PDL: tl.constexpr, EARLY_LAUNCH: tl.constexpr = False):
+        _pdl_wait(USE_PDL, EARLY_LAUNCH)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < n
@@ -389,6 +464,12 @@ if triton is not None:
 # its results, which hides most of the ~1 µs gap between kernels of a replayed graph.
 # FLASHDRAFT_PDL=0 turns it off.
 PDL = os.environ.get("FLASHDRAFT_PDL", "1") != "0"
+# With PDL, let the next kernel launch before this one waits for its own predecessor (the next
+# one still waits for this one to finish before reading what it writes), and let the products
+# load their first weight tiles before that wait. FLASHDRAFT_PDL_EARLY=0, FLASHDRAFT_PREFETCH=0
+# turn these off.
+EARLY_LAUNCH = os.environ.get("FLASHDRAFT_PDL_EARLY", "1") != "0"
+PREFETCH = os.environ.get("FLASHDRAFT_PREFETCH", "1") != "0"
 _CAPABILITY: dict[int, int] = {}
 
 
@@ -401,7 +482,24 @@ def _pdl(x: torch.Tensor) -> dict:
         _CAPABILITY[dev] = torch.cuda.get_device_capability(dev)[0]
     if _CAPABILITY[dev] < 9:
         return {"USE_PDL": False}
-    return {"USE_PDL": True, "launch_pdl": True}
+    return {"USE_PDL": True, "EARLY_LAUNCH": EARLY_LAUNCH, "launch_pdl": True}
+
+
+# Tile counters of the kernels that finish a split reduction in their last program (products
+# with a K split, attention with several cache splits): one zeroed int32 buffer per device,
+# each counter put back to zero by the program that finishes its tile. Kernels of a device run
+# one after another (one stream, or streams ordered by events), so they can share it.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_N_COUNTERS = 1 << 16
+
+
+def _counters(device: torch.device, needed: int) -> torch.Tensor:
+    if needed > _N_COUNTERS:
+        raise ValueError(f"{needed} output tiles exceed the {_N_COUNTERS} tile counters")
+    buf = _COUNTERS.get(device)
+    if buf is None:
+        buf = _COUNTERS[device] = torch.zeros(_N_COUNTERS, dtype=torch.int32, device=device)
+    return buf
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -459,28 +557,24 @@ def attention(q: torch.Tensor, cache_layer: torch.Tensor, positions: torch.Tenso
     n_rows = t * group
     block_m = 16  # fixed: a row's arithmetic must not depend on how many rows the step has
     n_splits = triton.cdiv(kv_len, split_len)
+    max_splits = triton.cdiv(cache_layer.shape[3], split_len)
     positions = positions.contiguous()
     out = torch.empty(b, t, heads, d, dtype=q.dtype, device=q.device)
-    direct = n_splits == 1
-    if direct:
-        part_o = part_ml = out  # unused
+    grid = (b * n_kv, n_splits, triton.cdiv(n_rows, block_m))
+    if max_splits == 1:
+        part_o = part_ml = counters = out  # unused
     else:
         part_o = torch.empty(b * n_kv * n_splits * n_rows, d, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(b * n_kv * n_splits * n_rows, 2, dtype=torch.float32, device=q.device)
-    grid = (b * n_kv, n_splits, triton.cdiv(n_rows, block_m))
-    _attention_split_kernel[grid](
-        q, cache_layer, positions, out, part_o, part_ml, t, n_kv, n_splits,
+        counters = _counters(q.device, grid[0] * grid[2])
+    _attention_kernel[grid](
+        q, cache_layer, positions, out, part_o, part_ml, counters, t, n_kv, n_splits,
         d ** -0.5 * 1.4426950408889634,  # softmax scale, in log2 units (the kernel uses exp2)
         q.stride(0), q.stride(1), q.stride(2),
         cache_layer.stride(0), cache_layer.stride(1), cache_layer.stride(2), cache_layer.stride(3),
         positions.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=64, SPLIT=split_len, DIRECT=direct,
+        GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=64, SPLIT=split_len, MAX_SPLITS=max_splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, **_pdl(q))
-    if not direct:
-        _attention_combine_kernel[(b * n_kv, n_rows)](
-            part_o, part_ml, out, t, n_kv, n_splits, out.stride(0), out.stride(1), out.stride(2),
-            GROUP=group, D=d, MAX_SPLITS=triton.cdiv(cache_layer.shape[3], split_len), num_warps=1,
-            **_pdl(q))
     return out.view(b, t, heads * d)
 
 
@@ -491,12 +585,30 @@ def attention(q: torch.Tensor, cache_layer: torch.Tensor, positions: torch.Tenso
 SKINNY = os.environ.get("FLASHDRAFT_SKINNY", "1") != "0"
 SKINNY_MAX_ROWS = 32
 _SKINNY_PROGRAMS = 264  # ~2 programs per multiprocessor of an H100/H200 before splitting K
+_PREFETCH_ELEMENTS = 8192  # weight elements a program may load before its PDL wait
+
+
+class SkinnyConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    k_steps: int  # K tiles per program
+    split: int  # programs along K (their slices added by the last one to finish)
+    pre_steps: int  # K tiles loaded before the PDL wait
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Measured exceptions to the rule of `skinny_config`, by (n, k, gated): see benchmarks/NOTES-gpu.md.
+SKINNY_TUNED: dict[tuple[int, int, bool], SkinnyConfig] = {}
 
 
 @functools.cache
-def skinny_config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(block_n, block_k, k_steps, split) for an [n, k] weight: a function of the weight's
-    shape only, never of the number of rows, so every row count runs the same arithmetic."""
+def skinny_config(n: int, k: int, gated: bool = False) -> SkinnyConfig:
+    """Launch parameters for an [n, k] weight ([2 n, k] gate and up with `gated`): a function
+    of the weight's shape only, never of the number of rows, so every row count runs the same
+    arithmetic."""
+    if (n, k, gated) in SKINNY_TUNED:
+        return SKINNY_TUNED[(n, k, gated)]
     for block_n in (64, 32, 16):
         if triton.cdiv(n, block_n) >= _SKINNY_PROGRAMS:
             break
@@ -506,36 +618,64 @@ def skinny_config(n: int, k: int) -> tuple[int, int, int, int]:
     split = 1 if n_blocks >= _SKINNY_PROGRAMS else \
         min(k_tiles, triton.cdiv(2 * _SKINNY_PROGRAMS, n_blocks))
     k_steps = triton.cdiv(k_tiles, split)
-    return block_n, block_k, k_steps, triton.cdiv(k_tiles, k_steps)
+    split = triton.cdiv(k_tiles, k_steps)
+    pre = 1
+    while pre * 2 <= k_steps and pre * 2 * block_n * block_k * (2 if gated else 1) <= \
+            _PREFETCH_ELEMENTS:
+        pre *= 2
+    return SkinnyConfig(block_n, block_k, k_steps, split, pre)
+
+
+def _skinny(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated: bool,
+            cfg: SkinnyConfig) -> torch.Tensor:
+    """x2 [rows, k] @ w^T through `_skinny_kernel` with launch parameters cfg."""
+    rows, k = x2.shape
+    n = w.shape[0] // 2 if gated else w.shape[0]
+    out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split, triton.cdiv(rows, 16))
+    if cfg.split == 1:
+        parts = counters = out  # unused
+    else:
+        parts = torch.empty(cfg.split, rows, 2 * n if gated else n, dtype=torch.float32,
+                            device=x2.device)
+        counters = _counters(x2.device, grid[0] * grid[2])
+    _skinny_kernel[grid](
+        x2, w, bias if bias is not None else w, out, parts, counters, rows, n, k, x2.stride(0),
+        w.stride(0), out.stride(0), HAS_BIAS=bias is not None, GATED=gated, SPLIT=cfg.split,
+        K_STEPS=cfg.k_steps, PRE_STEPS=cfg.pre_steps, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=16, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
+        PREFETCH=PREFETCH, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl(x2))
+    return out
+
+
+def _skinny_serves(x: torch.Tensor, module: torch.nn.Module) -> bool:
+    rows = x.numel() // x.shape[-1]
+    return (SKINNY and type(module) is torch.nn.Linear and use_triton(x)
+            and rows <= SKINNY_MAX_ROWS)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
 def linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     """module(x); for a plain nn.Linear and at most SKINNY_MAX_ROWS rows, `_skinny_kernel`."""
-    rows = x.numel() // x.shape[-1]
-    if (not SKINNY or type(module) is not torch.nn.Linear or not use_triton(x)
-            or rows > SKINNY_MAX_ROWS):
+    if not _skinny_serves(x, module):
         return module(x)
-    w, bias = module.weight, module.bias
-    n, k = w.shape
-    x2 = x.reshape(rows, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    block_n, block_k, k_steps, split = skinny_config(n, k)
-    parts = out.unsqueeze(0) if split == 1 else \
-        torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
-    pdl = _pdl(x)
-    _skinny_kernel[(triton.cdiv(n, block_n), split, triton.cdiv(rows, 16))](
-        x2, w, bias if bias is not None else w, parts, rows, n, k, x2.stride(0), w.stride(0),
-        parts.stride(0), parts.stride(1), HAS_BIAS=bias is not None and split == 1,
-        K_STEPS=k_steps, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=16,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=3,
-        **pdl)
-    if split > 1:
-        total = rows * n
-        _sum_slices_kernel[(triton.cdiv(total, 1024),)](
-            parts, bias if bias is not None else parts, out, total, n, SPLIT=split,
-            HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4, **pdl)
+    w = module.weight
+    out = _skinny(_rows(x), w, module.bias, False, skinny_config(*w.shape))
+    return out.view(*x.shape[:-1], w.shape[0])
+
+
+def gated_linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+    """SiLU(gate) · up of module(x) = [gate, up] (the MLP's first product and its activation);
+    for a plain nn.Linear and at most SKINNY_MAX_ROWS rows, one `_skinny_kernel`."""
+    if not _skinny_serves(x, module):
+        return silu_mul(module(x))
+    w = module.weight
+    n = w.shape[0] // 2
+    out = _skinny(_rows(x), w, module.bias, True, skinny_config(n, w.shape[1], True))
     return out.view(*x.shape[:-1], n)
 
 

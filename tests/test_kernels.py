@@ -106,6 +106,20 @@ def test_attention_matches_reference_and_ignores_kv_len(dtype, t, kv_len, group)
     close(out, ref, dtype)
     assert torch.equal(out, bucketed)
     assert torch.equal(last, out[:, -1:])
+    counters_are_back_to_zero()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_over_a_cache_of_one_split(dtype):
+    """A cache no longer than one split: the kernel normalises and writes directly."""
+    g = torch.Generator().manual_seed(7)
+    cache = torch.randn(2, 1, 2, 96, 32, generator=g).to(DEVICE, dtype)
+    q = torch.randn(1, 3, 4, 32, generator=g).to(DEVICE, dtype)
+    positions = torch.arange(50, 53, device=DEVICE).unsqueeze(0)
+    split = kernels.split_length(96)
+    with run_kernels():
+        out = kernels.attention(q, cache, positions, 53, split)
+    close(out, kernels.attention_reference(q, cache, positions, 53), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -168,6 +182,32 @@ def test_skinny_linear_matches_and_is_batch_invariant(dtype, n, k, bias):
     for i, r in zip((0, 7, 19), rows):
         assert torch.equal(r[:, 0], full[:, i])
     assert torch.equal(three, full[:, 5:8])
+    counters_are_back_to_zero()
+
+
+def counters_are_back_to_zero():
+    """The last program of a split tile puts its counter back: the next launch starts clean."""
+    for buf in kernels._COUNTERS.values():
+        assert buf.count_nonzero().item() == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,bias", [(96, 2048, False), (1100, 256, True), (40, 900, False)])
+def test_gated_linear_is_silu_mul_of_the_product_and_batch_invariant(dtype, n, k, bias):
+    g = torch.Generator().manual_seed(6)
+    layer = torch.nn.Linear(k, 2 * n, bias=bias).to(DEVICE, dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(2 * n, k, generator=g) * 0.05)
+    x = torch.randn(1, 20, k, generator=g).to(DEVICE, dtype)
+    with run_kernels(), torch.inference_mode():
+        full = kernels.gated_linear(x, layer)
+        rows = [kernels.gated_linear(x[:, i:i + 1], layer) for i in (0, 19)]
+    product = kernels.linear_reference(x.float(), layer.weight.float(),
+                                       layer.bias.float() if bias else None).to(dtype)
+    close(full, kernels.silu_mul_reference(product), dtype)
+    for i, r in zip((0, 19), rows):
+        assert torch.equal(r[:, 0], full[:, i])
+    counters_are_back_to_zero()
 
 
 @pytest.mark.gpu
