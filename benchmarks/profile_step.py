@@ -1,16 +1,21 @@
 """Where a decode step's time goes, and what each fast-path piece buys (random weights, GPU).
 
 For each shape: the official figures (`run_shape_bench`: step cost curve, roofline fraction,
-drafter step) with the default fast path, then the same target under three settings, each a
-fresh StepRunner (graphs captured under the setting):
-  torch        the PyTorch path (FLASHDRAFT_KERNELS=torch): cuBLAS + PyTorch ops
-  fused        flashdraft.kernels (fused norm+residual, rope+cache write, split-K attention,
-               SiLU·up), cuBLAS products
-  fused+skinny as fused, and products of up to 32 rows through kernels._skinny_kernel
-  fused+skinny+pdl  as fused+skinny, the Triton kernels launched with programmatic
-               dependent launch (the default)
-and a kernel table of one replayed decode step (torch.profiler), and cuBLAS against the skinny
-kernel for every matrix shape of the model (µs, each in a graph of 20 back-to-back calls).
+drafter step) with the default fast path, then the same target under each setting, a fresh
+StepRunner each (graphs captured under the setting):
+  torch                the PyTorch path (FLASHDRAFT_KERNELS=torch): cuBLAS + PyTorch ops
+  fused                flashdraft.kernels for norms, rope + cache write, attention, SiLU·up;
+                       cuBLAS products
+  fused+skinny         and products of up to 32 rows through kernels._skinny_kernel (norm and
+                       SiLU·up fused into them)
+  +pdl                 the Triton kernels launched with programmatic dependent launch
+  +pdl+prefetch        and the products' first weight tiles loaded before the PDL wait (the
+                       default)
+  +pdl+early+prefetch  and each kernel letting the next one launch before its own wait
+a kernel table of one replayed decode step (torch.profiler) for some of them, and cuBLAS
+against the skinny kernel for every matrix shape of the model (µs, each in a graph of 20
+back-to-back calls). --sweep S: a launch-parameter sweep of the skinny kernel per matrix, S
+seconds a shape.
 
 Random weights measure speed only; acceptance is not measured.
 
@@ -43,9 +48,8 @@ SETTINGS = {"torch": (False, False, False, False, False),
             "fused+skinny": (True, True, False, False, False),
             "+pdl": (True, True, True, False, False),
             "+pdl+prefetch": (True, True, True, False, True),
-            "+pdl+early": (True, True, True, True, False),
             "+pdl+early+prefetch": (True, True, True, True, True)}
-DEFAULT = "+pdl+early+prefetch"
+DEFAULT = "+pdl+prefetch"
 PROFILED = ("torch", "fused+skinny", DEFAULT)
 
 

@@ -333,11 +333,17 @@ if triton is not None:
                 tl.atomic_xchg(counter, 0)  # ready for the next launch
 
     @triton.jit
-    def _skinny_epilogue(acc, acc_up, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, n, stride_om,
-                         HAS_BIAS: tl.constexpr, GATED: tl.constexpr):
+    def _skinny_epilogue(acc, acc_up, ss, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, n, k, eps,
+                         stride_om, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                         NORM: tl.constexpr):
         # acc [BLOCK_N, BLOCK_M]: the finished sums of this tile; with GATED, acc holds the gate
-        # and acc_up the up projection of the same output columns.
+        # and acc_up the up projection of the same output columns. With NORM, ss holds each
+        # row's sum of squares of the (un-normalised) input: RMSNorm's factor is applied here.
         dt = out_ptr.dtype.element_ty
+        if NORM:
+            inv = tl.rsqrt(ss / k + eps)[None, :]
+            acc = acc * inv
+            acc_up = acc_up * inv
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         if GATED:
@@ -351,16 +357,42 @@ if triton is not None:
                  mask=n_ok[:, None] & m_ok[None, :])
 
     @triton.jit
-    def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, m, n, k, stride_xm,
-                       stride_wn, stride_om, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                       SPLIT: tl.constexpr, K_STEPS: tl.constexpr, PRE_STEPS: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                       PRECISION: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
-                       EARLY_LAUNCH: tl.constexpr = False):
+    def _skinny_input(x_ptr, r_ptr, ro_ptr, nw_ptr, offs_m, offs_k, m_ok, k_ok, store_ok,
+                      stride_xm, stride_rm, stride_rom, NORM: tl.constexpr,
+                      HAS_DELTA: tl.constexpr):
+        # A [BLOCK_M, len(offs_k)] tile of the product's input, and its rows' sums of squares.
+        # Plain: x. NORM: s = r + x (the residual stream plus the sublayer's output, rounded as
+        # stored, and stored to ro by the programs of store_ok rows), returned as s * the norm's
+        # weight; the rows' 1 / rms is applied to the product in the epilogue.
+        ok = m_ok[:, None] & k_ok[None, :]
+        if NORM:
+            s = tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_k[None, :], mask=ok, other=0.0)
+            if HAS_DELTA:
+                d = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=ok,
+                            other=0.0)
+                s = (s.to(tl.float32) + d.to(tl.float32)).to(r_ptr.dtype.element_ty)
+                tl.store(ro_ptr + offs_m[:, None] * stride_rom + offs_k[None, :], s,
+                         mask=store_ok[:, None] & k_ok[None, :])
+            f = s.to(tl.float32)
+            w = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            return (f * w[None, :]).to(r_ptr.dtype.element_ty), tl.sum(f * f, axis=1)
+        else:
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=ok, other=0.0)
+            return x, tl.zeros([offs_m.shape[0]], tl.float32)
+
+    @triton.jit
+    def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, r_ptr, ro_ptr, nw_ptr,
+                       eps, m, n, k, stride_xm, stride_wn, stride_om, stride_rm, stride_rom,
+                       HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
+                       HAS_DELTA: tl.constexpr, SPLIT: tl.constexpr, K_STEPS: tl.constexpr,
+                       PRE_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+                       USE_PDL: tl.constexpr, EARLY_LAUNCH: tl.constexpr = False):
         # out [m, n] = x [m, k] @ w [n, k]^T, as (w @ x^T)^T so that the few rows of x are the
         # narrow side of the tensor-core product. With GATED, w is [2 n, k] (gate rows, then up
         # rows) and out = SiLU(x @ gate^T) * (x @ up^T): the MLP's first product and its
-        # activation in one kernel.
+        # activation in one kernel. With NORM the input is RMSNorm(r + x) (r alone without
+        # HAS_DELTA), r + x being stored to ro: the norm before the product, in it.
         # Program (n block, K slice, row block of BLOCK_M = 16). A row's result depends on that
         # row and the weights alone, never on m: the decode of one token and the verification
         # of k+1 tokens compute each row bit for bit alike.
@@ -371,6 +403,7 @@ if triton is not None:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         n_ok = offs_n < n
         m_ok = offs_m < m
+        store_ok = offs_m < tl.where(pid_n == 0, m, 0)  # one n block stores the residual stream
         k0 = pid_k * K_STEPS * BLOCK_K
         # Weights do not depend on the kernels before this one: with PREFETCH the first
         # PRE_STEPS tiles are loaded before waiting for them (programmatic dependent launch), so
@@ -386,25 +419,30 @@ if triton is not None:
                             mask=n_ok[:, None] & p_ok[None, :], other=0.0)
         if PREFETCH:
             _pdl_wait(USE_PDL, EARLY_LAUNCH)
-        x_rows = x_ptr + offs_m[:, None] * stride_xm
-        x = tl.load(x_rows + offs_p[None, :], mask=m_ok[:, None] & p_ok[None, :], other=0.0)
-        acc = tl.dot(w_pre, tl.trans(x), input_precision=PRECISION, out_dtype=tl.float32)
+        x_pre, ss = _skinny_input(x_ptr, r_ptr, ro_ptr, nw_ptr, offs_m, offs_p, m_ok, p_ok,
+                                  store_ok, stride_xm, stride_rm, stride_rom, NORM,
+                                  HAS_DELTA)
+        acc = tl.dot(w_pre, tl.trans(x_pre), input_precision=PRECISION, out_dtype=tl.float32)
         acc_up = acc
         if GATED:
-            acc_up = tl.dot(u_pre, tl.trans(x), input_precision=PRECISION, out_dtype=tl.float32)
+            acc_up = tl.dot(u_pre, tl.trans(x_pre), input_precision=PRECISION,
+                            out_dtype=tl.float32)
         for i in range(PRE_STEPS, K_STEPS):
             offs_k = k0 + i * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = offs_k < k
-            x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            xk, ss_k = _skinny_input(x_ptr, r_ptr, ro_ptr, nw_ptr, offs_m, offs_k, m_ok, k_ok,
+                                     store_ok, stride_xm, stride_rm, stride_rom, NORM,
+                                     HAS_DELTA)
+            ss += ss_k
             w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+            acc = tl.dot(w, tl.trans(xk), acc, input_precision=PRECISION)
             if GATED:
                 u = tl.load(w_rows + n * stride_wn + offs_k[None, :],
                             mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                acc_up = tl.dot(u, tl.trans(x), acc_up, input_precision=PRECISION)
+                acc_up = tl.dot(u, tl.trans(xk), acc_up, input_precision=PRECISION)
         if SPLIT == 1:
-            _skinny_epilogue(acc, acc_up, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, n,
-                             stride_om, HAS_BIAS, GATED)
+            _skinny_epilogue(acc, acc_up, ss, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, n, k,
+                             eps, stride_om, HAS_BIAS, GATED, NORM)
         else:
             # K split across SPLIT programs: each stores its float32 slice; the last of them to
             # finish adds the slices in slice order (so the result does not depend on which
@@ -415,18 +453,26 @@ if triton is not None:
             tl.store(part + pid_k * m * width, acc, mask=ok)
             if GATED:
                 tl.store(part + pid_k * m * width + n, acc_up, mask=ok)
+            # the rows' sums of squares of this K slice, per n block (only this tile's own
+            # slices are known to be finished when its last program runs)
+            ss_part = part_ptr + SPLIT * m * width + pid_n * SPLIT * m + offs_m
+            if NORM:
+                tl.store(ss_part + pid_k * m, ss, mask=m_ok)
             tl.debug_barrier()  # every thread's slice is stored before the counter moves
             tile = count_ptr + pid_m * tl.num_programs(0) + pid_n
             if tl.atomic_add(tile, 1, sem="acq_rel") == SPLIT - 1:
                 acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
                 acc_up = acc
+                ss = tl.zeros([BLOCK_M], tl.float32)
                 for s in tl.static_range(SPLIT):
                     acc += tl.load(part + s * m * width, mask=ok, other=0.0, cache_modifier=".cg")
                     if GATED:
                         acc_up += tl.load(part + s * m * width + n, mask=ok, other=0.0,
                                           cache_modifier=".cg")
-                _skinny_epilogue(acc, acc_up, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, n,
-                                 stride_om, HAS_BIAS, GATED)
+                    if NORM:
+                        ss += tl.load(ss_part + s * m, mask=m_ok, other=0.0, cache_modifier=".cg")
+                _skinny_epilogue(acc, acc_up, ss, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, n,
+                                 k, eps, stride_om, HAS_BIAS, GATED, NORM)
                 tl.atomic_xchg(tile, 0)  # ready for the next launch
 
     @triton.jit
@@ -464,11 +510,10 @@ if triton is not None:
 # its results, which hides most of the ~1 µs gap between kernels of a replayed graph.
 # FLASHDRAFT_PDL=0 turns it off.
 PDL = os.environ.get("FLASHDRAFT_PDL", "1") != "0"
-# With PDL, let the next kernel launch before this one waits for its own predecessor (the next
-# one still waits for this one to finish before reading what it writes), and let the products
-# load their first weight tiles before that wait. FLASHDRAFT_PDL_EARLY=0, FLASHDRAFT_PREFETCH=0
-# turn these off.
-EARLY_LAUNCH = os.environ.get("FLASHDRAFT_PDL_EARLY", "1") != "0"
+# With PDL, the products load their first weight tiles before waiting for the previous kernel
+# (FLASHDRAFT_PREFETCH=0 turns it off). FLASHDRAFT_PDL_EARLY=1 also lets the next kernel launch
+# before this one waits for its own predecessor (no gain measured on the H200: off).
+EARLY_LAUNCH = os.environ.get("FLASHDRAFT_PDL_EARLY", "0") == "1"
 PREFETCH = os.environ.get("FLASHDRAFT_PREFETCH", "1") != "0"
 _CAPABILITY: dict[int, int] = {}
 
@@ -584,7 +629,7 @@ def attention(q: torch.Tensor, cache_layer: torch.Tensor, positions: torch.Tenso
 # of plain decoding in bf16 too. FLASHDRAFT_SKINNY=0 turns it off (cuBLAS everywhere).
 SKINNY = os.environ.get("FLASHDRAFT_SKINNY", "1") != "0"
 SKINNY_MAX_ROWS = 32
-_SKINNY_PROGRAMS = 264  # ~2 programs per multiprocessor of an H100/H200 before splitting K
+_SKINNY_PROGRAMS = 256  # ~2 programs per multiprocessor of an H100/H200, splitting K to get there
 _PREFETCH_ELEMENTS = 8192  # weight elements a program may load before its PDL wait
 
 
@@ -599,36 +644,46 @@ class SkinnyConfig(NamedTuple):
 
 
 # Measured exceptions to the rule of `skinny_config`, by (n, k, gated): see benchmarks/NOTES-gpu.md.
-SKINNY_TUNED: dict[tuple[int, int, bool], SkinnyConfig] = {}
+SKINNY_TUNED: dict[tuple[int, int, bool], SkinnyConfig] = {
+    (6144, 4096, False): SkinnyConfig(64, 256, 16, 1, 1, 4, 4),  # Qwen3-8B qkv: 16.2 µs, rule 19.5
+}
 
 
 @functools.cache
 def skinny_config(n: int, k: int, gated: bool = False) -> SkinnyConfig:
     """Launch parameters for an [n, k] weight ([2 n, k] gate and up with `gated`): a function
     of the weight's shape only, never of the number of rows, so every row count runs the same
-    arithmetic."""
+    arithmetic. The rule, from a sweep over the 1.5B and 8B matrices on an H200
+    (benchmarks/profile_step.py --sweep): 64 × 128 weight tiles, K split until ~256 programs
+    stream the matrix, 4 pipeline stages for long K slices."""
     if (n, k, gated) in SKINNY_TUNED:
         return SKINNY_TUNED[(n, k, gated)]
-    for block_n in (64, 32, 16):
-        if triton.cdiv(n, block_n) >= _SKINNY_PROGRAMS:
-            break
-    block_k = min(8192 // block_n, max(16, triton.next_power_of_2(k)))
+    block_n = 64
+    block_k = min(128, max(16, triton.next_power_of_2(k)))
     k_tiles = triton.cdiv(k, block_k)
-    n_blocks = triton.cdiv(n, block_n)
-    split = 1 if n_blocks >= _SKINNY_PROGRAMS else \
-        min(k_tiles, triton.cdiv(2 * _SKINNY_PROGRAMS, n_blocks))
+    tiles_n = triton.cdiv(n, block_n) * (2 if gated else 1)  # weight tiles across n
+    split = max(1, min(k_tiles, _SKINNY_PROGRAMS // tiles_n))
     k_steps = triton.cdiv(k_tiles, split)
     split = triton.cdiv(k_tiles, k_steps)
     pre = 1
     while pre * 2 <= k_steps and pre * 2 * block_n * block_k * (2 if gated else 1) <= \
             _PREFETCH_ELEMENTS:
         pre *= 2
-    return SkinnyConfig(block_n, block_k, k_steps, split, pre)
+    return SkinnyConfig(block_n, block_k, k_steps, split, pre, 4, 4 if k_steps >= 8 else 3)
+
+
+class _Norm(NamedTuple):
+    residual: torch.Tensor  # [rows, k]: the residual stream
+    out: torch.Tensor  # where residual + delta goes
+    weight: torch.Tensor
+    eps: float
+    has_delta: bool
 
 
 def _skinny(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated: bool,
-            cfg: SkinnyConfig) -> torch.Tensor:
-    """x2 [rows, k] @ w^T through `_skinny_kernel` with launch parameters cfg."""
+            cfg: SkinnyConfig, norm: _Norm | None = None) -> torch.Tensor:
+    """x2 [rows, k] @ w^T through `_skinny_kernel` with launch parameters cfg (see there for
+    gated and norm)."""
     rows, k = x2.shape
     n = w.shape[0] // 2 if gated else w.shape[0]
     out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
@@ -636,14 +691,20 @@ def _skinny(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated:
     if cfg.split == 1:
         parts = counters = out  # unused
     else:
-        parts = torch.empty(cfg.split, rows, 2 * n if gated else n, dtype=torch.float32,
+        width = 2 * n if gated else n
+        sums = grid[0] * cfg.split * rows if norm is not None else 0
+        parts = torch.empty(cfg.split * rows * width + sums, dtype=torch.float32,
                             device=x2.device)
         counters = _counters(x2.device, grid[0] * grid[2])
+    r, r_out, nw, eps = (norm.residual, norm.out, norm.weight, norm.eps) if norm is not None \
+        else (x2, x2, x2, 0.0)
     _skinny_kernel[grid](
-        x2, w, bias if bias is not None else w, out, parts, counters, rows, n, k, x2.stride(0),
-        w.stride(0), out.stride(0), HAS_BIAS=bias is not None, GATED=gated, SPLIT=cfg.split,
-        K_STEPS=cfg.k_steps, PRE_STEPS=cfg.pre_steps, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        BLOCK_M=16, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
+        x2, w, bias if bias is not None else w, out, parts, counters, r, r_out, nw, eps, rows, n,
+        k, x2.stride(0), w.stride(0), out.stride(0), r.stride(0), r_out.stride(0),
+        HAS_BIAS=bias is not None,
+        GATED=gated, NORM=norm is not None, HAS_DELTA=norm is not None and norm.has_delta,
+        SPLIT=cfg.split, K_STEPS=cfg.k_steps, PRE_STEPS=cfg.pre_steps, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, BLOCK_M=16, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         PREFETCH=PREFETCH, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl(x2))
     return out
 
@@ -677,6 +738,30 @@ def gated_linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     n = w.shape[0] // 2
     out = _skinny(_rows(x), w, module.bias, True, skinny_config(n, w.shape[1], True))
     return out.view(*x.shape[:-1], n)
+
+
+def norm_linear(delta: torch.Tensor | None, residual: torch.Tensor, norm: torch.nn.Module,
+                module: torch.nn.Module, gated: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add, the norm and the product that follows them: returns
+    (module(norm(residual + delta)), residual + delta), or with `gated` SiLU(gate) · up of that
+    product; delta None: no add. norm: an RMSNorm (weight, eps).
+
+    For a plain nn.Linear and at most SKINNY_MAX_ROWS rows all of it is one `_skinny_kernel`,
+    and residual + delta is a new tensor; otherwise `rms_norm` (which adds delta into residual
+    in place) and the product."""
+    if not _skinny_serves(residual, module):
+        h = rms_norm(residual if delta is None else delta, norm.weight, norm.eps,
+                     None if delta is None else residual)
+        return (gated_linear(h, module) if gated else linear(h, module)), residual
+    r2 = _rows(residual)
+    d2 = r2 if delta is None else _rows(delta)
+    summed = r2 if delta is None else torch.empty_like(r2)
+    w = module.weight
+    n = w.shape[0] // 2 if gated else w.shape[0]
+    out = _skinny(d2, w, module.bias, gated, skinny_config(n, w.shape[1], gated),
+                  _Norm(r2, summed, norm.weight, norm.eps, delta is not None))
+    return out.view(*residual.shape[:-1], n), summed.view(residual.shape)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -96,13 +96,14 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x, cos, sin, positions, mask, cache: KVCache, layer: int, kv_len: int):
-        # x: [batch, seq, hidden]; positions: [batch, seq]; cos, sin: [batch, seq, head_dim / 2];
+    def forward(self, qkv, cos, sin, positions, mask, cache: KVCache, layer: int, kv_len: int):
+        # qkv: [batch, seq, q_dim + 2 kv_dim], the output of wqkv (run with the norm before it,
+        # `Block`); positions: [batch, seq]; cos, sin: [batch, seq, head_dim / 2];
         # mask: None where kernels.attention serves (the GPU, seq <= SMALL_T), else additive
         # [batch, 1, seq, 1, kv_len] if seq <= SMALL_T (grouped_attention), else bool
         # [batch, 1, seq, kv_len] (SDPA)
-        b, t, _ = x.shape
-        qkv = kernels.linear(x, self.wqkv).view(b, t, self.n_heads + 2 * self.n_kv, self.head_dim)
+        b, t, _ = qkv.shape
+        qkv = qkv.view(b, t, self.n_heads + 2 * self.n_kv, self.head_dim)
         # One kernel on the GPU: (Qwen3's head norms,) rope on the q and k heads in place, the
         # keys and values into the cache at their positions.
         kernels.rope_and_cache_write(
@@ -130,14 +131,15 @@ class MLP(nn.Module):
         self.w_gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
-        # SiLU(gate) · up: one kernel with the product on the GPU
-        return kernels.linear(kernels.gated_linear(x, self.w_gate_up), self.w_down)
+    def forward(self, act):
+        # act: SiLU(gate) · up, computed with the norm before it and w_gate_up (`Block`)
+        return kernels.linear(act, self.w_down)
 
 
 class Block(nn.Module):
-    """x + attn(norm(x)), then + mlp(norm(·)); run as "residual stream + sublayer output" pairs
-    so that each residual add is fused into the norm that follows it."""
+    """x + attn(norm(x)), then + mlp(norm(·)); run as "residual stream + sublayer output" pairs:
+    each residual add, the norm after it and the product after that are one kernel on the GPU
+    (`kernels.norm_linear`)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -146,12 +148,15 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, residual, cos, sin, positions, mask, cache, layer, kv_len):
-        """h: attn_norm(residual) already applied. Returns the MLP's output; residual (updated in
-        place) then holds the block's input plus the attention output, and residual + the
-        returned tensor is the block's output."""
-        a = self.attn(h, cos, sin, positions, mask, cache, layer, kv_len)
-        return self.mlp(self.mlp_norm(a, residual))
+    def forward(self, delta, residual, cos, sin, positions, mask, cache, layer, kv_len):
+        """residual + delta is the block's input (delta None: residual alone, the first block).
+        Returns (delta', residual'): the MLP's output and the residual stream before it, whose
+        sum is the block's output."""
+        qkv, residual = kernels.norm_linear(delta, residual, self.attn_norm, self.attn.wqkv)
+        a = self.attn(qkv, cos, sin, positions, mask, cache, layer, kv_len)
+        act, residual = kernels.norm_linear(a, residual, self.mlp_norm, self.mlp.w_gate_up,
+                                            gated=True)
+        return self.mlp(act), residual
 
 
 class Transformer(nn.Module):
@@ -181,7 +186,7 @@ class Transformer(nn.Module):
         """
         if kv_len is None:
             kv_len = int(positions.max()) + 1
-        residual = self.embed(tokens)  # the residual stream, updated in place by the norms
+        residual = self.embed(tokens)  # the residual stream
         cos, sin = rope_cos_sin(positions, self.inv_freq, residual.dtype)
         small = tokens.shape[1] <= SMALL_T
         mask = None  # kernels.attention needs positions only
@@ -193,13 +198,12 @@ class Transformer(nn.Module):
             else:
                 mask = visible.unsqueeze(1)
         hidden = [residual.clone()] if 0 in hidden_layers else []
-        h = self.layers[0].attn_norm(residual)
+        delta = None  # the output of layer i is residual + delta
         for i, block in enumerate(self.layers):
-            out = block(h, residual, cos, sin, positions, mask, cache, i, kv_len)
-            following = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
-            h = following(out, residual)  # residual is now the output of layer i
+            delta, residual = block(delta, residual, cos, sin, positions, mask, cache, i, kv_len)
             if i + 1 in hidden_layers:
-                hidden.append(residual.clone())
+                hidden.append(residual + delta)
         if last_only:
-            h = h[:, -1:]
-        return kernels.linear(h, self.lm_head).float(), hidden
+            delta, residual = delta[:, -1:], residual[:, -1:]
+        logits, _ = kernels.norm_linear(delta, residual, self.norm, self.lm_head)
+        return logits.float(), hidden

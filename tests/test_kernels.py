@@ -210,6 +210,38 @@ def test_gated_linear_is_silu_mul_of_the_product_and_batch_invariant(dtype, n, k
     counters_are_back_to_zero()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,gated,with_delta", [(96, 2048, False, True), (550, 256, True, True),
+                                                  (40, 900, False, False), (200, 384, True, False)])
+def test_norm_linear_is_add_norm_product_and_batch_invariant(dtype, n, k, gated, with_delta):
+    """Residual add, RMSNorm and the product after it (SiLU · up with gated) in one kernel,
+    against the separate reference steps; the stored sum is exactly the reference's."""
+    from flashdraft.model import RMSNorm
+    g = torch.Generator().manual_seed(8)
+    layer = torch.nn.Linear(k, (2 if gated else 1) * n, bias=True).to(DEVICE, dtype)
+    norm = RMSNorm(k, 1e-6).to(DEVICE, dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(layer.weight.shape, generator=g) * 0.05)
+        norm.weight.copy_(1 + 0.1 * torch.randn(k, generator=g))
+    residual = torch.randn(1, 20, k, generator=g).to(DEVICE, dtype)
+    delta = torch.randn(1, 20, k, generator=g).to(DEVICE, dtype) if with_delta else None
+    with run_kernels(), torch.inference_mode():
+        full, summed = kernels.norm_linear(delta, residual.clone(), norm, layer, gated)
+        rows = [kernels.norm_linear(None if delta is None else delta[:, i:i + 1],
+                                    residual[:, i:i + 1].clone(), norm, layer, gated)[0]
+                for i in (0, 19)]
+    r = residual.clone()
+    h = kernels.rms_norm_reference(r if delta is None else delta, norm.weight, 1e-6,
+                                   None if delta is None else r)
+    product = kernels.linear_reference(h.float(), layer.weight.float(), layer.bias.float())
+    ref = kernels.silu_mul_reference(product.to(dtype)) if gated else product
+    close(full, ref, dtype)
+    assert torch.equal(summed, r)
+    for i, row in zip((0, 19), rows):
+        assert torch.equal(row[:, 0], full[:, i])
+    counters_are_back_to_zero()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_verify_pass_gives_the_decode_logits_bit_for_bit_in_bf16():
