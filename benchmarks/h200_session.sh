@@ -17,7 +17,8 @@ OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
 export FLASHDRAFT_CACHE=/root/fdcache PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
 [ -f /root/pdl_off ] && export FLASHDRAFT_PDL=0
-NOTE="commit ${FLASHDRAFT_COMMIT:-unknown}; example pair GGUF Q4_K_M dequantized to bf16${FLASHDRAFT_PDL:+; FLASHDRAFT_PDL=$FLASHDRAFT_PDL}"
+[ -f /root/best.env ] && . /root/best.env
+note() { echo "commit ${FLASHDRAFT_COMMIT:-unknown}; example pair GGUF Q4_K_M dequantized to bf16; $(env | grep ^FLASHDRAFT_ | grep -v -e COMMIT -e CACHE | sort | tr '\n' ' ')"; }
 fd() { python3 -m flashdraft.cli "$@"; }
 
 for phase in "$@"; do
@@ -57,6 +58,13 @@ for phase in "$@"; do
     python3 benchmarks/profile_step.py --out "$OUT/profile" ${PROFILE_ARGS:-} ${PROFILE_SHAPES:-qwen2.5-1.5b \
       qwen3-8b qwen3-32b:int4 dense-27b:int4-hybrid} 2>&1 | grep -v Warn | tee "$OUT/profile.log"
     ;;
+  variants)
+    # The skinny-path variants measured in the model (random weights); the fastest on the 1.5B
+    # shape is written to /root/best.env, which later phases (and calls) then use.
+    python3 benchmarks/profile_step.py --out "$OUT/variants" --variants --best-env /root/best.env \
+      --no-compare ${PROFILE_SHAPES:-qwen2.5-1.5b qwen3-8b} 2>&1 | grep -v Warn | tee "$OUT/variants.log"
+    [ -f /root/best.env ] && . /root/best.env
+    ;;
   quant)
     # Quality cost of weight-only int8 / int4 on the real target, bf16, on the GPU kernels.
     python3 benchmarks/quant_quality.py example:qwen2.5-coder-1.5b --out "$OUT/quant-1.5b.json" \
@@ -68,7 +76,7 @@ for phase in "$@"; do
     fd bench --model example:qwen2.5-coder-1.5b --draft example:qwen2.5-coder-0.5b \
       --draft ngram --num-speculative-tokens 1,3,5,8,16 --prompts humaneval --raw-prompts \
       --num-prompts 8 --max-tokens 128 --peer transformers --output "$OUT/bench" \
-      --note "$NOTE" --no-progress 2>&1 | tee "$OUT/bench.log" | tail -60
+      --note "$(note)" --no-progress 2>&1 | tee "$OUT/bench.log" | tail -60
     ;;
   demo)
     fd demo --num-speculative-tokens 3,5,8 --output "$OUT/demo" 2>&1 | tee "$OUT/demo.log" | tail -30

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import sys
 import time
@@ -51,6 +52,57 @@ SETTINGS = {"torch": (False, False, False, False, False),
             "+pdl+early+prefetch": (True, True, True, True, True)}
 DEFAULT = "+pdl+prefetch"
 PROFILED = ("torch", "fused+skinny", DEFAULT)
+
+
+# In-model variants of the skinny-kernel path (PDL and prefetch on), see kernels.SKINNY_RULE
+VARIANTS = {
+    "v1/sum-kernel": dict(SKINNY_RULE="v1", SPLIT_REDUCE="kernel", GATED=False, NORM_FUSED=False),
+    "v1": dict(SKINNY_RULE="v1", SPLIT_REDUCE="last", GATED=False, NORM_FUSED=False),
+    "v1+gated": dict(SKINNY_RULE="v1", SPLIT_REDUCE="last", GATED=True, NORM_FUSED=False),
+    "v1+gated+norm": dict(SKINNY_RULE="v1", SPLIT_REDUCE="last", GATED=True, NORM_FUSED=True),
+    "v2": dict(SKINNY_RULE="v2", SPLIT_REDUCE="last", GATED=False, NORM_FUSED=False),
+    "v2+gated+norm": dict(SKINNY_RULE="v2", SPLIT_REDUCE="last", GATED=True, NORM_FUSED=True),
+}
+ENV = {"SKINNY_RULE": "FLASHDRAFT_SKINNY_RULE", "SPLIT_REDUCE": "FLASHDRAFT_SPLIT_REDUCE",
+       "GATED": "FLASHDRAFT_GATED", "NORM_FUSED": "FLASHDRAFT_NORM_FUSED"}
+
+
+def set_variant(name: str) -> None:
+    for key, value in VARIANTS[name].items():
+        setattr(kernels, key, value)
+
+
+@torch.inference_mode()
+def variants(shape: str, context: int, bandwidth: float) -> dict:
+    """Decode (t1, t16, tokens/s over 128 steps) of the model under each variant, default
+    setting otherwise; a variant that fails is recorded and skipped."""
+    cfg = get_shape(shape)
+    model = build_random_model(cfg, torch.bfloat16, "cuda")
+    cache = KVCache.for_model(cfg, 1, 1024, torch.bfloat16, "cuda")
+    cache.kv.normal_()
+    need = step_bytes(model, cfg, context, 1, torch.bfloat16)
+    set_path(DEFAULT)
+    saved = {key: getattr(kernels, key) for key in ENV}
+    out = {}
+    for name in VARIANTS:
+        set_variant(name)
+        try:
+            runner = StepRunner(model, "cuda")
+            t1 = _time_steps(runner, cache, 1, context, cfg.vocab_size, 30)
+            t16 = _time_steps(runner, cache, 16, context, cfg.vocab_size, 30)
+            tps = _decode_loop(runner, cache, context, cfg.vocab_size, 128)
+            out[name] = {"t1_ms": t1 * 1e3, "t16_ms": t16 * 1e3, "decode_tokens_per_s": tps,
+                         "roofline_fraction": tps * need["bytes"] / bandwidth}
+            print(f"  variant {shape} {name:16s} t1 {t1 * 1e3:.3f} ms  t16 {t16 * 1e3:.3f} ms  "
+                  f"decode {tps:.1f} tok/s = {100 * out[name]['roofline_fraction']:.1f}%",
+                  flush=True)
+            del runner
+        except Exception as e:  # keep measuring the others
+            out[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            print(f"  variant {shape} {name}: {out[name]['error']}", flush=True)
+    for key, value in saved.items():
+        setattr(kernels, key, value)
+    return out
 
 
 def set_path(name: str) -> None:
@@ -107,23 +159,26 @@ def compare(shape: str, quant: str | None, context: int, bandwidth: float) -> di
     set_path(DEFAULT)
     out["products_us"] = {}
     for (n, k, gated), w in matrices(model).items():
-        mod = torch.nn.Linear(k, w.shape[0], bias=False, device="cuda", dtype=torch.bfloat16)
-        mod.weight = w
-        fn = kernels.gated_linear if gated else kernels.linear
-        x = torch.randn(1, 1, k, dtype=torch.bfloat16, device="cuda")
-        x9 = torch.randn(1, 9, k, dtype=torch.bfloat16, device="cuda")
+        # enough copies of the weight that every call reads it from DRAM, not from the 50 MB L2
+        copies = [w] + [w.clone() for _ in range(min(63, -(-(256 << 20) // (w.numel() * 2)) - 1))]
+        ring = itertools.cycle(copies)
+        x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+        x9 = torch.randn(9, k, dtype=torch.bfloat16, device="cuda")
         if gated:
-            cublas = graph_us(lambda: kernels.silu_mul(torch.nn.functional.linear(x, w)))
-            cublas9 = graph_us(lambda: kernels.silu_mul(torch.nn.functional.linear(x9, w)))
+            ref = lambda x: kernels.silu_mul(torch.nn.functional.linear(x, next(ring)))
         else:
-            cublas = graph_us(lambda: torch.nn.functional.linear(x, w))
-            cublas9 = graph_us(lambda: torch.nn.functional.linear(x9, w))
-        ours, ours9 = graph_us(lambda: fn(x, mod)), graph_us(lambda: fn(x9, mod))
+            ref = lambda x: torch.nn.functional.linear(x, next(ring))
+        row = {"cublas": graph_us(lambda: ref(x)), "cublas_9rows": graph_us(lambda: ref(x9))}
+        for rule in ("v1", "v2"):
+            c = kernels.skinny_config(n, k, gated, rule)
+            ours = lambda x: kernels._skinny(x, next(ring), None, gated, c)
+            row[rule] = graph_us(lambda: ours(x))
+            row[rule + "_9rows"] = graph_us(lambda: ours(x9))
+            row[rule + "_config"] = c
+        del copies
         nbytes = w.numel() * 2
-        out["products_us"][f"{w.shape[0]}x{k}{' gated' if gated else ''}"] = {
-            "cublas": cublas, "gemv": ours, "cublas_9rows": cublas9, "skinny_9rows": ours9,
-            "cublas_TBps": nbytes / cublas / 1e6, "gemv_TBps": nbytes / ours / 1e6,
-            "config": kernels.skinny_config(n, k, gated)}
+        row.update({f"{key}_TBps": nbytes / row[key] / 1e6 for key in ("cublas", "v1", "v2")})
+        out["products_us"][f"{w.shape[0]}x{k}{' gated' if gated else ''}"] = row
     return out
 
 
@@ -174,7 +229,7 @@ def sweep(shape: str, budget_s: float) -> dict:
         x16 = torch.randn(16, k, dtype=torch.bfloat16, device="cuda")
         run = lambda x, c: kernels._skinny(x, w, None, gated, c)
         timed = []
-        default = kernels.skinny_config(n, k, gated)
+        default = kernels.skinny_config(n, k, gated, kernels.SKINNY_RULE)
         for c in [default, *candidates(n, k, gated)]:
             if time.perf_counter() - began > budget_s:
                 break
@@ -217,6 +272,11 @@ def main() -> None:
     ap.add_argument("--out", default="profile-out")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--no-official", action="store_true")
+    ap.add_argument("--variants", action="store_true",
+                    help="measure the skinny-path variants (VARIANTS) in the model first")
+    ap.add_argument("--best-env", default=None,
+                    help="write the fastest variant of the first shape as shell exports here")
+    ap.add_argument("--no-compare", action="store_true")
     ap.add_argument("--sweep", type=float, default=0.0,
                     help="seconds per shape for a launch-parameter sweep of the skinny kernel")
     args = ap.parse_args()
@@ -231,6 +291,16 @@ def main() -> None:
         quant = quant or None
         began = time.perf_counter()
         r = {}
+        if args.variants and not quant:
+            r["variants"] = variants(shape, args.context, bandwidth)
+            ok = {k: v for k, v in r["variants"].items() if "error" not in v}
+            if args.best_env and ok and spec == args.shapes[0]:
+                best = max(ok, key=lambda k: ok[k]["decode_tokens_per_s"])
+                lines = [f"export {ENV[k]}={int(v) if isinstance(v, bool) else v}"
+                         for k, v in VARIANTS[best].items()]
+                Path(args.best_env).write_text("\n".join(lines) + "\n")
+                print(f"  best variant {best}: {'; '.join(lines)}", flush=True)
+                set_variant(best)  # for everything measured after this
         if not args.no_official:
             set_path(DEFAULT)
             r["official"] = run_shape_bench(shape, "bfloat16", quant, "cuda", context=args.context,
@@ -238,6 +308,10 @@ def main() -> None:
             print(format_shape_bench(r["official"]), flush=True)
         if args.sweep and not quant:
             r["sweep"] = sweep(shape, args.sweep)
+        if args.no_compare:
+            results["shapes"][spec] = r
+            (out / "profile.json").write_text(json.dumps(results, indent=1, default=str))
+            continue
         r["compare"] = compare(shape, quant, args.context, bandwidth)
         for name, s in r["compare"]["settings"].items():
             print(f"  {spec} {name:11s} t1 {s['t1_ms']:.3f} ms  t16 {s['t16_ms']:.3f} ms "
@@ -251,9 +325,10 @@ def main() -> None:
                 for n, c, us in p["rows"][:12]:
                     print(f"      {us:8.1f} us {c:6.1f}x  {n}")
         for mat, p in r["compare"]["products_us"].items():
-            print(f"  {spec} {mat:>12s} cuBLAS {p['cublas']:6.1f} us ({p['cublas_TBps']:.2f} TB/s)"
-                  f"  skinny {p['gemv']:6.1f} us ({p['gemv_TBps']:.2f} TB/s); 9 rows: cuBLAS "
-                  f"{p['cublas_9rows']:.1f} skinny {p['skinny_9rows']:.1f} us; config {p['config']}",
+            print(f"  {spec} {mat:>18s} (from DRAM) cuBLAS {p['cublas']:6.1f} us "
+                  f"({p['cublas_TBps']:.2f} TB/s)  v1 {p['v1']:6.1f} us ({p['v1_TBps']:.2f})  "
+                  f"v2 {p['v2']:6.1f} us ({p['v2_TBps']:.2f}); 9 rows: cuBLAS "
+                  f"{p['cublas_9rows']:.1f} v1 {p['v1_9rows']:.1f} v2 {p['v2_9rows']:.1f} us",
                   flush=True)
         r["seconds"] = time.perf_counter() - began
         results["shapes"][spec] = r

@@ -387,7 +387,8 @@ if triton is not None:
                        HAS_DELTA: tl.constexpr, SPLIT: tl.constexpr, K_STEPS: tl.constexpr,
                        PRE_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
-                       USE_PDL: tl.constexpr, EARLY_LAUNCH: tl.constexpr = False):
+                       LAST_REDUCE: tl.constexpr, USE_PDL: tl.constexpr,
+                       EARLY_LAUNCH: tl.constexpr = False):
         # out [m, n] = x [m, k] @ w [n, k]^T, as (w @ x^T)^T so that the few rows of x are the
         # narrow side of the tensor-core product. With GATED, w is [2 n, k] (gate rows, then up
         # rows) and out = SiLU(x @ gate^T) * (x @ up^T): the MLP's first product and its
@@ -444,9 +445,10 @@ if triton is not None:
             _skinny_epilogue(acc, acc_up, ss, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, n, k,
                              eps, stride_om, HAS_BIAS, GATED, NORM)
         else:
-            # K split across SPLIT programs: each stores its float32 slice; the last of them to
-            # finish adds the slices in slice order (so the result does not depend on which
-            # finished last) and runs the epilogue. No second kernel.
+            # K split across SPLIT programs: each stores its float32 slice; with LAST_REDUCE the
+            # last of them to finish adds the slices in slice order (so the result does not
+            # depend on which finished last) and runs the epilogue, else `_sum_slices_kernel`
+            # does (plain products only).
             width = 2 * n if GATED else n
             part = part_ptr + offs_m[None, :] * width + offs_n[:, None]
             ok = n_ok[:, None] & m_ok[None, :]
@@ -460,7 +462,7 @@ if triton is not None:
                 tl.store(ss_part + pid_k * m, ss, mask=m_ok)
             tl.debug_barrier()  # every thread's slice is stored before the counter moves
             tile = count_ptr + pid_m * tl.num_programs(0) + pid_n
-            if tl.atomic_add(tile, 1, sem="acq_rel") == SPLIT - 1:
+            if LAST_REDUCE and tl.atomic_add(tile, 1, sem="acq_rel") == SPLIT - 1:
                 acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
                 acc_up = acc
                 ss = tl.zeros([BLOCK_M], tl.float32)
@@ -643,33 +645,53 @@ class SkinnyConfig(NamedTuple):
     num_stages: int = 3
 
 
-# Measured exceptions to the rule of `skinny_config`, by (n, k, gated): see benchmarks/NOTES-gpu.md.
-SKINNY_TUNED: dict[tuple[int, int, bool], SkinnyConfig] = {
-    (6144, 4096, False): SkinnyConfig(64, 256, 16, 1, 1, 4, 4),  # Qwen3-8B qkv: 16.2 µs, rule 19.5
-}
+# How the skinny kernel is launched and what it absorbs; each is measured against the others in
+# the model by benchmarks/profile_step.py --variants (see benchmarks/NOTES-gpu.md):
+# FLASHDRAFT_SKINNY_RULE   v1: narrow tiles (16-64 × 512-128), K split to ~528 programs;
+#                          v2: 64 × 128 tiles, K split to ~256 programs
+# FLASHDRAFT_SPLIT_REDUCE  last: the last program of a tile adds the K slices; kernel: a second
+#                          kernel does (plain products only)
+# FLASHDRAFT_GATED=0       SiLU · up as its own kernel after the gate/up product
+# FLASHDRAFT_NORM_FUSED=0  residual add + RMSNorm as their own kernel before the product
+SKINNY_RULE = os.environ.get("FLASHDRAFT_SKINNY_RULE", "v1")
+SPLIT_REDUCE = os.environ.get("FLASHDRAFT_SPLIT_REDUCE", "last")
+GATED = os.environ.get("FLASHDRAFT_GATED", "1") != "0"
+NORM_FUSED = os.environ.get("FLASHDRAFT_NORM_FUSED", "1") != "0"
 
 
 @functools.cache
-def skinny_config(n: int, k: int, gated: bool = False) -> SkinnyConfig:
+def skinny_config(n: int, k: int, gated: bool = False, rule: str = "v1") -> SkinnyConfig:
     """Launch parameters for an [n, k] weight ([2 n, k] gate and up with `gated`): a function
     of the weight's shape only, never of the number of rows, so every row count runs the same
-    arithmetic. The rule, from a sweep over the 1.5B and 8B matrices on an H200
-    (benchmarks/profile_step.py --sweep): 64 × 128 weight tiles, K split until ~256 programs
-    stream the matrix, 4 pipeline stages for long K slices."""
-    if (n, k, gated) in SKINNY_TUNED:
-        return SKINNY_TUNED[(n, k, gated)]
-    block_n = 64
-    block_k = min(128, max(16, triton.next_power_of_2(k)))
+    arithmetic. Rules: see SKINNY_RULE."""
+    if rule == "v1":
+        for block_n in (64, 32, 16):
+            if triton.cdiv(n, block_n) >= 264:
+                break
+        block_k = min(8192 // block_n, max(16, triton.next_power_of_2(k)))
+        n_blocks = triton.cdiv(n, block_n)
+        programs = n_blocks
+        target = 528
+    elif rule == "v2":
+        block_n = 64
+        block_k = min(128, max(16, triton.next_power_of_2(k)))
+        programs = triton.cdiv(n, block_n) * (2 if gated else 1)  # weight tiles across n
+        target = _SKINNY_PROGRAMS
+    else:
+        raise ValueError(f"unknown FLASHDRAFT_SKINNY_RULE {rule!r}: use v1 or v2")
     k_tiles = triton.cdiv(k, block_k)
-    tiles_n = triton.cdiv(n, block_n) * (2 if gated else 1)  # weight tiles across n
-    split = max(1, min(k_tiles, _SKINNY_PROGRAMS // tiles_n))
+    if rule == "v1":
+        split = 1 if programs >= target // 2 else min(k_tiles, triton.cdiv(target, programs))
+    else:
+        split = max(1, min(k_tiles, target // programs))
     k_steps = triton.cdiv(k_tiles, split)
     split = triton.cdiv(k_tiles, k_steps)
     pre = 1
     while pre * 2 <= k_steps and pre * 2 * block_n * block_k * (2 if gated else 1) <= \
             _PREFETCH_ELEMENTS:
         pre *= 2
-    return SkinnyConfig(block_n, block_k, k_steps, split, pre, 4, 4 if k_steps >= 8 else 3)
+    stages = 4 if rule == "v2" and k_steps >= 8 else 3
+    return SkinnyConfig(block_n, block_k, k_steps, split, pre, 4, stages)
 
 
 class _Norm(NamedTuple):
@@ -688,6 +710,7 @@ def _skinny(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated:
     n = w.shape[0] // 2 if gated else w.shape[0]
     out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split, triton.cdiv(rows, 16))
+    last = SPLIT_REDUCE != "kernel" or gated or norm is not None
     if cfg.split == 1:
         parts = counters = out  # unused
     else:
@@ -701,11 +724,17 @@ def _skinny(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated:
     _skinny_kernel[grid](
         x2, w, bias if bias is not None else w, out, parts, counters, r, r_out, nw, eps, rows, n,
         k, x2.stride(0), w.stride(0), out.stride(0), r.stride(0), r_out.stride(0),
-        HAS_BIAS=bias is not None,
+        HAS_BIAS=bias is not None and (last or cfg.split == 1),
         GATED=gated, NORM=norm is not None, HAS_DELTA=norm is not None and norm.has_delta,
         SPLIT=cfg.split, K_STEPS=cfg.k_steps, PRE_STEPS=cfg.pre_steps, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, BLOCK_M=16, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
-        PREFETCH=PREFETCH, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl(x2))
+        PREFETCH=PREFETCH, LAST_REDUCE=last, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **_pdl(x2))
+    if cfg.split > 1 and not last:
+        total = rows * n
+        _sum_slices_kernel[(triton.cdiv(total, 1024),)](
+            parts, bias if bias is not None else parts, out, total, n, SPLIT=cfg.split,
+            HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4, **_pdl(x2))
     return out
 
 
@@ -725,18 +754,18 @@ def linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     if not _skinny_serves(x, module):
         return module(x)
     w = module.weight
-    out = _skinny(_rows(x), w, module.bias, False, skinny_config(*w.shape))
+    out = _skinny(_rows(x), w, module.bias, False, skinny_config(*w.shape, False, SKINNY_RULE))
     return out.view(*x.shape[:-1], w.shape[0])
 
 
 def gated_linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     """SiLU(gate) · up of module(x) = [gate, up] (the MLP's first product and its activation);
     for a plain nn.Linear and at most SKINNY_MAX_ROWS rows, one `_skinny_kernel`."""
-    if not _skinny_serves(x, module):
-        return silu_mul(module(x))
+    if not (GATED and _skinny_serves(x, module)):
+        return silu_mul(linear(x, module))
     w = module.weight
     n = w.shape[0] // 2
-    out = _skinny(_rows(x), w, module.bias, True, skinny_config(n, w.shape[1], True))
+    out = _skinny(_rows(x), w, module.bias, True, skinny_config(n, w.shape[1], True, SKINNY_RULE))
     return out.view(*x.shape[:-1], n)
 
 
@@ -750,7 +779,7 @@ def norm_linear(delta: torch.Tensor | None, residual: torch.Tensor, norm: torch.
     For a plain nn.Linear and at most SKINNY_MAX_ROWS rows all of it is one `_skinny_kernel`,
     and residual + delta is a new tensor; otherwise `rms_norm` (which adds delta into residual
     in place) and the product."""
-    if not _skinny_serves(residual, module):
+    if not (NORM_FUSED and _skinny_serves(residual, module)):
         h = rms_norm(residual if delta is None else delta, norm.weight, norm.eps,
                      None if delta is None else residual)
         return (gated_linear(h, module) if gated else linear(h, module)), residual
@@ -759,7 +788,7 @@ def norm_linear(delta: torch.Tensor | None, residual: torch.Tensor, norm: torch.
     summed = r2 if delta is None else torch.empty_like(r2)
     w = module.weight
     n = w.shape[0] // 2 if gated else w.shape[0]
-    out = _skinny(d2, w, module.bias, gated, skinny_config(n, w.shape[1], gated),
+    out = _skinny(d2, w, module.bias, gated, skinny_config(n, w.shape[1], gated, SKINNY_RULE),
                   _Norm(r2, summed, norm.weight, norm.eps, delta is not None))
     return out.view(*residual.shape[:-1], n), summed.view(residual.shape)
 

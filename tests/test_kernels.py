@@ -185,6 +185,24 @@ def test_skinny_linear_matches_and_is_batch_invariant(dtype, n, k, bias):
     counters_are_back_to_zero()
 
 
+@pytest.mark.parametrize("rule,reduce", [("v1", "kernel"), ("v2", "last"), ("v2", "kernel")])
+def test_skinny_launch_rules_and_split_reductions(monkeypatch, rule, reduce):
+    """Both launch rules, the K slices added by the last program or by a second kernel: the
+    same products, batch-invariant."""
+    monkeypatch.setattr(kernels, "SKINNY_RULE", rule)
+    monkeypatch.setattr(kernels, "SPLIT_REDUCE", reduce)
+    assert kernels.skinny_config(96, 2048, False, rule).split > 1
+    g = torch.Generator().manual_seed(9)
+    layer = torch.nn.Linear(2048, 96, bias=True).to(DEVICE, torch.float32)
+    x = torch.randn(1, 18, 2048, generator=g).to(DEVICE)
+    with run_kernels(), torch.inference_mode():
+        full = kernels.linear(x, layer)
+        one = kernels.linear(x[:, 17:], layer)
+    close(full, kernels.linear_reference(x, layer.weight, layer.bias), torch.float32)
+    assert torch.equal(one[:, 0], full[:, 17])
+    counters_are_back_to_zero()
+
+
 def counters_are_back_to_zero():
     """The last program of a split tile puts its counter back: the next launch starts clean."""
     for buf in kernels._COUNTERS.values():
