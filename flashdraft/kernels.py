@@ -3,8 +3,8 @@
 On a GPU a decode or verification step is bound by how many kernels a layer runs, not by their
 arithmetic: after CUDA graphs removed the launch cost, each kernel still costs ~2 µs, and the
 1.5B example spent two thirds of its step outside the four matrix products. These kernels
-bring a layer down to seven: four products (the MLP's first one with its activation) and
-three small kernels:
+bring a layer down to nine: four products and five small kernels (six with the norm and the
+activation inside the products, FLASHDRAFT_NORM_FUSED / FLASHDRAFT_GATED, which measured slower):
 
 - `rms_norm(x, weight, eps, residual)`: residual += x, then RMSNorm of the sum, in one pass
   (the residual add of the previous sublayer fused into the norm of the next, as vLLM does).
@@ -16,10 +16,12 @@ three small kernels:
   of the step read that kv head's keys and values once; the causal mask comes from positions,
   as in the PyTorch path, so nothing but positions and a length is needed. The last split to
   finish merges the others' results (no second kernel).
-- `linear(x, module)`, `gated_linear(x, module)`: products of up to 32 rows (`_skinny_kernel`,
-  tensor cores, K split in a fixed way per weight shape, the slices added by the last program
-  of a tile to finish); `gated_linear` computes SiLU(gate) · up of the gate and up product in
-  the same kernel (`silu_mul` remains for other products).
+- `silu_mul(gate_up)`: SiLU(gate) · up.
+- `linear(x, module)`: products of up to 32 rows (`_skinny_kernel`, tensor cores, K split in a
+  fixed way per weight shape, the slices added by the last program of a tile to finish).
+  `gated_linear` (SiLU · up inside the gate/up product) and `norm_linear` (residual add and
+  RMSNorm inside the product after them) are the same kernel with more work in it; by default
+  they run as `silu_mul` / `rms_norm` and `linear`.
 
 With programmatic dependent launch (Hopper on) each kernel starts while its predecessor
 finishes, and the products load their first weight tiles before waiting for it: weights never
@@ -645,22 +647,24 @@ class SkinnyConfig(NamedTuple):
     num_stages: int = 3
 
 
-# How the skinny kernel is launched and what it absorbs; each is measured against the others in
-# the model by benchmarks/profile_step.py --variants (see benchmarks/NOTES-gpu.md):
-# FLASHDRAFT_SKINNY_RULE   v1: narrow tiles (16-64 × 512-128), K split to ~528 programs;
-#                          v2: 64 × 128 tiles, K split to ~256 programs
-# FLASHDRAFT_SPLIT_REDUCE  last: the last program of a tile adds the K slices; kernel: a second
-#                          kernel does (plain products only)
-# FLASHDRAFT_GATED=0       SiLU · up as its own kernel after the gate/up product
-# FLASHDRAFT_NORM_FUSED=0  residual add + RMSNorm as their own kernel before the product
-SKINNY_RULE = os.environ.get("FLASHDRAFT_SKINNY_RULE", "v1")
+# How the skinny kernel is launched and what it absorbs. Each choice was measured against the
+# others in the model (benchmarks/profile_step.py --variants, H200, benchmarks/NOTES-gpu.md);
+# the defaults are the fastest there:
+# FLASHDRAFT_SKINNY_RULE   v2 (default): 64 × 128 tiles, K split to ~256 programs;
+#                          v1: narrow tiles (16-64 × 512-128), K split to ~528 programs
+# FLASHDRAFT_SPLIT_REDUCE  last (default): the last program of a tile adds the K slices;
+#                          kernel: a second kernel does (plain products only)
+# FLASHDRAFT_GATED=1       SiLU · up inside the gate/up product (default: its own kernel after it)
+# FLASHDRAFT_NORM_FUSED=1  residual add + RMSNorm inside the product after them (default: their
+#                          own kernel; fused, each program re-reads its input rows: slower)
+SKINNY_RULE = os.environ.get("FLASHDRAFT_SKINNY_RULE", "v2")
 SPLIT_REDUCE = os.environ.get("FLASHDRAFT_SPLIT_REDUCE", "last")
-GATED = os.environ.get("FLASHDRAFT_GATED", "1") != "0"
-NORM_FUSED = os.environ.get("FLASHDRAFT_NORM_FUSED", "1") != "0"
+GATED = os.environ.get("FLASHDRAFT_GATED", "0") == "1"
+NORM_FUSED = os.environ.get("FLASHDRAFT_NORM_FUSED", "0") == "1"
 
 
 @functools.cache
-def skinny_config(n: int, k: int, gated: bool = False, rule: str = "v1") -> SkinnyConfig:
+def skinny_config(n: int, k: int, gated: bool = False, rule: str = "v2") -> SkinnyConfig:
     """Launch parameters for an [n, k] weight ([2 n, k] gate and up with `gated`): a function
     of the weight's shape only, never of the number of rows, so every row count runs the same
     arithmetic. Rules: see SKINNY_RULE."""

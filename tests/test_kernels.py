@@ -136,10 +136,15 @@ CFG = ModelConfig(arch="qwen3", vocab_size=96, hidden_size=128, intermediate_siz
                   rms_norm_eps=1e-6, tie_word_embeddings=False, qkv_bias=True, qk_norm=True)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("t", [1, 5, 40])
-def test_model_forward_with_kernels_equals_pytorch_path(t):
+def test_model_forward_with_kernels_equals_pytorch_path(monkeypatch, t, fused):
     """The whole model, fused kernels vs the PyTorch path (float32): same logits, same cache,
-    same hidden states. t=40 is a prefill (SDPA attention, fused norms, rope and cache write)."""
+    same hidden states. t=40 is a prefill (SDPA attention, fused norms, rope and cache write).
+    fused: with the norms and SiLU · up inside the products (FLASHDRAFT_NORM_FUSED,
+    FLASHDRAFT_GATED)."""
+    monkeypatch.setattr(kernels, "GATED", fused)
+    monkeypatch.setattr(kernels, "NORM_FUSED", fused)
     torch.manual_seed(0)
     model = Transformer(CFG).to(DEVICE)
     for p in model.parameters():
@@ -211,7 +216,9 @@ def counters_are_back_to_zero():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k,bias", [(96, 2048, False), (1100, 256, True), (40, 900, False)])
-def test_gated_linear_is_silu_mul_of_the_product_and_batch_invariant(dtype, n, k, bias):
+def test_gated_linear_is_silu_mul_of_the_product_and_batch_invariant(monkeypatch, dtype, n, k,
+                                                                     bias):
+    monkeypatch.setattr(kernels, "GATED", True)  # SiLU · up inside the product (off by default)
     g = torch.Generator().manual_seed(6)
     layer = torch.nn.Linear(k, 2 * n, bias=bias).to(DEVICE, dtype)
     with torch.no_grad():
@@ -231,9 +238,12 @@ def test_gated_linear_is_silu_mul_of_the_product_and_batch_invariant(dtype, n, k
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k,gated,with_delta", [(96, 2048, False, True), (550, 256, True, True),
                                                   (40, 900, False, False), (200, 384, True, False)])
-def test_norm_linear_is_add_norm_product_and_batch_invariant(dtype, n, k, gated, with_delta):
+def test_norm_linear_is_add_norm_product_and_batch_invariant(monkeypatch, dtype, n, k, gated,
+                                                             with_delta):
     """Residual add, RMSNorm and the product after it (SiLU · up with gated) in one kernel,
     against the separate reference steps; the stored sum is exactly the reference's."""
+    monkeypatch.setattr(kernels, "GATED", True)  # both off by default (measured slower)
+    monkeypatch.setattr(kernels, "NORM_FUSED", True)
     from flashdraft.model import RMSNorm
     g = torch.Generator().manual_seed(8)
     layer = torch.nn.Linear(k, (2 if gated else 1) * n, bias=True).to(DEVICE, dtype)
