@@ -8,6 +8,9 @@
 #   FLASHDRAFT_COMMIT=<sha> bash benchmarks/h200_session.sh setup gputests profile
 #   FLASHDRAFT_COMMIT=<sha> bash benchmarks/h200_session.sh bench demo quant pack
 #
+# `variants` measures the product-kernel variants in the model first and leaves the fastest in
+# /root/best.env, which every later phase and call on the same machine sources.
+#
 # If the GPU tests fail with programmatic dependent launch on, they are rerun with it off and
 # every later phase (and call, while the machine stays) runs with FLASHDRAFT_PDL=0.
 #

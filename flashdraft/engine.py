@@ -150,6 +150,7 @@ class Engine:
         logits, hidden = self._forward(prompt, 0, hidden_layers, last_only=True)
         first = self._pick(logits[:, -1], params, generator)
         tokens = list(prompt) + [int(first)]  # the one sync of the prefill
+        last = first.view(1, 1)  # the last committed token, kept on the device
         metrics.target_passes = 1
         metrics.generated_tokens = 1
         metrics.ttft_s = time.perf_counter() - start
@@ -171,15 +172,22 @@ class Engine:
                 budget = min(k, max_new - (len(tokens) - len(prompt)) - 1) if drafter else 0
                 draft = self._propose(drafter, tokens, params, generator, hidden, budget)
                 n_draft = draft.tokens.shape[1]
-                verify_in = torch.cat([draft.tokens.new_tensor([[tokens[-1]]]), draft.tokens], dim=1)
+                verify_in = torch.cat([last, draft.tokens], dim=1) if n_draft else last
                 logits, hidden = self._forward(verify_in, len(tokens) - 1, hidden_layers)
-                if params.greedy:
-                    num_accepted, next_token = verify_greedy(draft.tokens, logits)
+                if n_draft == 0:  # nothing to verify: a plain decoding step
+                    next_token = self._pick(logits[:, -1], params, generator)
+                    n, new = 0, [int(next_token)]
                 else:
-                    p = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)
-                    num_accepted, next_token = verify_sampled(draft.tokens, draft.q, p, generator)
-                result = torch.cat([num_accepted, next_token, draft.tokens[0]]).tolist()
-                n, new = result[0], result[2:2 + result[0]] + [result[1]]
+                    if params.greedy:
+                        num_accepted, next_token = verify_greedy(draft.tokens, logits)
+                    else:
+                        p = probs_from_logits(logits, params.temperature, params.top_k,
+                                              params.top_p)
+                        num_accepted, next_token = verify_sampled(draft.tokens, draft.q, p,
+                                                                  generator)
+                    result = torch.cat([num_accepted, next_token, draft.tokens[0]]).tolist()
+                    n, new = result[0], result[2:2 + result[0]] + [result[1]]
+                last = next_token.view(1, 1)  # the last token of `new`
                 metrics.target_passes += 1
                 if budget > 0:
                     drafter.commit(n)
