@@ -668,26 +668,20 @@ def skinny_config(n: int, k: int, gated: bool = False, rule: str = "v2") -> Skin
     """Launch parameters for an [n, k] weight ([2 n, k] gate and up with `gated`): a function
     of the weight's shape only, never of the number of rows, so every row count runs the same
     arithmetic. Rules: see SKINNY_RULE."""
-    if rule == "v1":
+    if rule == "v1":  # the widest tile that still gives ~264 programs, else split K to ~528
         for block_n in (64, 32, 16):
             if triton.cdiv(n, block_n) >= 264:
                 break
         block_k = min(8192 // block_n, max(16, triton.next_power_of_2(k)))
-        n_blocks = triton.cdiv(n, block_n)
-        programs = n_blocks
-        target = 528
-    elif rule == "v2":
-        block_n = 64
-        block_k = min(128, max(16, triton.next_power_of_2(k)))
-        programs = triton.cdiv(n, block_n) * (2 if gated else 1)  # weight tiles across n
-        target = _SKINNY_PROGRAMS
+        k_tiles, n_blocks = triton.cdiv(k, block_k), triton.cdiv(n, block_n)
+        split = 1 if n_blocks >= 264 else min(k_tiles, triton.cdiv(528, n_blocks))
+    elif rule == "v2":  # 64 × 128 tiles, K split until ~_SKINNY_PROGRAMS programs
+        block_n, block_k = 64, min(128, max(16, triton.next_power_of_2(k)))
+        k_tiles = triton.cdiv(k, block_k)
+        tiles_n = triton.cdiv(n, block_n) * (2 if gated else 1)  # weight tiles across n
+        split = max(1, min(k_tiles, _SKINNY_PROGRAMS // tiles_n))
     else:
         raise ValueError(f"unknown FLASHDRAFT_SKINNY_RULE {rule!r}: use v1 or v2")
-    k_tiles = triton.cdiv(k, block_k)
-    if rule == "v1":
-        split = 1 if programs >= target // 2 else min(k_tiles, triton.cdiv(target, programs))
-    else:
-        split = max(1, min(k_tiles, target // programs))
     k_steps = triton.cdiv(k_tiles, split)
     split = triton.cdiv(k_tiles, k_steps)
     pre = 1
