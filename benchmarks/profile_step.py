@@ -72,27 +72,46 @@ def set_variant(name: str) -> None:
         setattr(kernels, key, value)
 
 
+def target(shape: str, quant: str | None, context: int):
+    """A random-weight model of the shape, a filled cache and the bytes a decode step reads."""
+    cfg = get_shape(shape)
+    model = build_random_model(cfg, torch.bfloat16, "cuda", quant=quant)
+    cache = KVCache.for_model(cfg, 1, 1024, torch.bfloat16, "cuda")
+    cache.kv.normal_()
+    return cfg, model, cache, step_bytes(model, cfg, context, 1, torch.bfloat16)["bytes"]
+
+
+def time_decode(model, cache, cfg, context: int) -> tuple[StepRunner, float, float, float]:
+    """A fresh StepRunner (graphs captured under the current settings) and its t1, t16 (s)
+    and plain decoding tokens/s over 128 steps."""
+    runner = StepRunner(model, "cuda")
+    t1 = _time_steps(runner, cache, 1, context, cfg.vocab_size, 30)
+    t16 = _time_steps(runner, cache, 16, context, cfg.vocab_size, 30)
+    return runner, t1, t16, _decode_loop(runner, cache, context, cfg.vocab_size, 128)
+
+
+def dram_ring(w: torch.Tensor):
+    """An endless cycle over w and enough copies of it (>= 256 MB in all) that each call of a
+    timed product reads its weight from DRAM, not from the 50 MB L2 (where a single small
+    weight stays between calls and times up to 2x faster than in the model)."""
+    copies = [w] + [w.clone() for _ in range(min(63, -(-(256 << 20) // (w.numel() * 2)) - 1))]
+    return itertools.cycle(copies)
+
+
 @torch.inference_mode()
 def variants(shape: str, context: int, bandwidth: float) -> dict:
     """Decode (t1, t16, tokens/s over 128 steps) of the model under each variant, default
     setting otherwise; a variant that fails is recorded and skipped."""
-    cfg = get_shape(shape)
-    model = build_random_model(cfg, torch.bfloat16, "cuda")
-    cache = KVCache.for_model(cfg, 1, 1024, torch.bfloat16, "cuda")
-    cache.kv.normal_()
-    need = step_bytes(model, cfg, context, 1, torch.bfloat16)
+    cfg, model, cache, need = target(shape, None, context)
     set_path(DEFAULT)
     saved = {key: getattr(kernels, key) for key in ENV}
     out = {}
     for name in VARIANTS:
         set_variant(name)
         try:
-            runner = StepRunner(model, "cuda")
-            t1 = _time_steps(runner, cache, 1, context, cfg.vocab_size, 30)
-            t16 = _time_steps(runner, cache, 16, context, cfg.vocab_size, 30)
-            tps = _decode_loop(runner, cache, context, cfg.vocab_size, 128)
+            runner, t1, t16, tps = time_decode(model, cache, cfg, context)
             out[name] = {"t1_ms": t1 * 1e3, "t16_ms": t16 * 1e3, "decode_tokens_per_s": tps,
-                         "roofline_fraction": tps * need["bytes"] / bandwidth}
+                         "roofline_fraction": tps * need / bandwidth}
             print(f"  variant {shape} {name:16s} t1 {t1 * 1e3:.3f} ms  t16 {t16 * 1e3:.3f} ms  "
                   f"decode {tps:.1f} tok/s = {100 * out[name]['roofline_fraction']:.1f}%",
                   flush=True)
@@ -137,31 +156,22 @@ def kernel_table(runner, cache, context, vocab, steps: int = 10) -> dict:
 
 @torch.inference_mode()
 def compare(shape: str, quant: str | None, context: int, bandwidth: float) -> dict:
-    cfg = get_shape(shape)
-    model = build_random_model(cfg, torch.bfloat16, "cuda", quant=quant)
-    cache = KVCache.for_model(cfg, 1, 1024, torch.bfloat16, "cuda")
-    cache.kv.normal_()
-    need = step_bytes(model, cfg, context, 1, torch.bfloat16)
-    out = {"roofline_tokens_per_s": bandwidth / need["bytes"], "settings": {}}
+    cfg, model, cache, need = target(shape, quant, context)
+    out = {"roofline_tokens_per_s": bandwidth / need, "settings": {}}
     for name in SETTINGS:
         set_path(name)
-        runner = StepRunner(model, "cuda")
-        t1 = _time_steps(runner, cache, 1, context, cfg.vocab_size, 30)
-        t16 = _time_steps(runner, cache, 16, context, cfg.vocab_size, 30)
-        tps = _decode_loop(runner, cache, context, cfg.vocab_size, 128)
+        runner, t1, t16, tps = time_decode(model, cache, cfg, context)
         out["settings"][name] = {"t1_ms": t1 * 1e3, "t16_ms": t16 * 1e3, "t16_over_t1": t16 / t1,
                                  "decode_tokens_per_s": tps,
                                  "roofline_fraction": tps / out["roofline_tokens_per_s"],
-                                 "step_roofline_fraction": need["bytes"] / t1 / bandwidth}
+                                 "step_roofline_fraction": need / t1 / bandwidth}
         if name in PROFILED:
             out["settings"][name]["profile"] = kernel_table(runner, cache, context, cfg.vocab_size)
         del runner
     set_path(DEFAULT)
     out["products_us"] = {}
     for (n, k, gated), w in matrices(model).items():
-        # enough copies of the weight that every call reads it from DRAM, not from the 50 MB L2
-        copies = [w] + [w.clone() for _ in range(min(63, -(-(256 << 20) // (w.numel() * 2)) - 1))]
-        ring = itertools.cycle(copies)
+        ring = dram_ring(w)
         x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
         x9 = torch.randn(9, k, dtype=torch.bfloat16, device="cuda")
         if gated:
@@ -175,7 +185,6 @@ def compare(shape: str, quant: str | None, context: int, bandwidth: float) -> di
             row[rule] = graph_us(lambda: ours(x))
             row[rule + "_9rows"] = graph_us(lambda: ours(x9))
             row[rule + "_config"] = c
-        del copies
         nbytes = w.numel() * 2
         row.update({f"{key}_TBps": nbytes / row[key] / 1e6 for key in ("cublas", "v1", "v2")})
         out["products_us"][f"{w.shape[0]}x{k}{' gated' if gated else ''}"] = row
@@ -217,7 +226,7 @@ def candidates(n: int, k: int, gated: bool):
 @torch.inference_mode()
 def sweep(shape: str, budget_s: float) -> dict:
     """Launch parameters of the skinny kernel for each matrix of the shape: one row, µs per call
-    (graph of 20 back-to-back calls, default setting), best first; the three best then with 2
+    (graph of 20 back-to-back calls, weights read from DRAM, default setting), best first; the three best then with 2
     and 4 pipeline stages, and the best and the rule's config at 16 rows."""
     cfg = dataclasses.replace(get_shape(shape), num_layers=1)
     model = build_random_model(cfg, torch.bfloat16, "cuda")
@@ -227,7 +236,8 @@ def sweep(shape: str, budget_s: float) -> dict:
     for (n, k, gated), w in matrices(model).items():
         x1 = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
         x16 = torch.randn(16, k, dtype=torch.bfloat16, device="cuda")
-        run = lambda x, c: kernels._skinny(x, w, None, gated, c)
+        ring = dram_ring(w)
+        run = lambda x, c: kernels._skinny(x, next(ring), None, gated, c)
         timed = []
         default = kernels.skinny_config(n, k, gated, kernels.SKINNY_RULE)
         for c in [default, *candidates(n, k, gated)]:

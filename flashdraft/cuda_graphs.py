@@ -1,6 +1,6 @@
 """Fixed-shape forward steps captured as CUDA graphs and replayed.
 
-One decode step of a 1.5B model launches hundreds of kernels (~13 a layer with the fused
+One decode step of a 1.5B model launches hundreds of kernels (~9 a layer with the fused
 kernels of `flashdraft.kernels`, ~28 with the PyTorch path); launched one by one from Python
 they take several times longer than the GPU needs to stream the weights. A CUDA graph records
 the launches of one step once and replays them with one call, so the step costs what its

@@ -43,7 +43,6 @@ except ImportError:  # pragma: no cover - CPU machines without triton
     triton = None
 if triton is not None:
     from .kernels import _sum_slices_kernel  # the fixed-order sum of K slices
-from .kernels import INTERPRET  # noqa: E402  (the tests run the kernels on a CPU through it)
 
 
 # -- quantize / dequantize (reference definitions) -------------------------------------------

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from flashdraft import quant
+from flashdraft import kernels, quant
 from flashdraft.config import ModelConfig
 from flashdraft.kv_cache import KVCache
 from flashdraft.shapes import build_random_model
@@ -96,7 +96,7 @@ def _interpreter_takes_scalar_masks() -> bool:
     return (major, minor) < (3, 7)
 
 
-@pytest.mark.skipif(quant.triton is None or torch.cuda.is_available() or not quant.INTERPRET
+@pytest.mark.skipif(quant.triton is None or torch.cuda.is_available() or not kernels.INTERPRET
                     or not _interpreter_takes_scalar_masks(),
                     reason="the CPU run of these Triton kernels needs Triton <= 3.6's interpreter")
 @pytest.mark.parametrize("mode", ["int8", "int4"])
