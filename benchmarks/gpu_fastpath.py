@@ -198,57 +198,6 @@ def main() -> None:
             torch.cuda.empty_cache()
         return {"int8pack_mm": int8pack, "layers": table}
 
-    if not args.quick:
-        @item("triton_config_sweep", out, budget, 40)
-        def sweep():
-            """int4 / int8 kernel launch parameters on a down projection (12288 -> 4096)."""
-            lin = torch.nn.Linear(12288, 4096, bias=False, device=dev, dtype=torch.bfloat16)
-            torch.nn.init.normal_(lin.weight, 0, 0.02)
-            res = {}
-            for mode in ("int4", "int8"):
-                layer = quant.QuantLinear(lin, mode, "triton")
-                for block_n in (64, 128, 256):
-                    for warps in (4, 8):
-                        for m in (1, 16):
-                            x = torch.randn(m, 12288, device=dev, dtype=torch.bfloat16)
-                            key = f"{mode}/n{block_n}/w{warps}/m{m}"
-                            try:
-                                res[key] = bench_us(lambda: quant.triton_matmul(
-                                    x, layer, block_n=block_n, num_warps=warps), reps=20)
-                            except Exception as e:
-                                res[key] = f"{type(e).__name__}: {str(e)[:80]}"
-            return res
-
-    @item("gemv_probe", out, budget, 15)
-    def gemv_probe():
-        """One-row products: the tensor-core-free GEMV kernel against the tile kernel,
-        tinygemm and bf16 (µs, graph-replayed), plus its launch parameters on one layer."""
-        res = {}
-        for k, n in ((1536, 17920), (8960, 1536), (4096, 24576), (12288, 4096), (25600, 5120)):
-            lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
-            torch.nn.init.normal_(lin.weight, 0, 0.02)
-            x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
-            row = {"bf16": bench_us(lambda: lin(x))}
-            for mode in ("int8", "int4"):
-                layer = quant.QuantLinear(lin, mode, "triton")
-                ref = x.double() @ layer.dequantized(torch.bfloat16).double().t()
-                y = quant.triton_matmul(x, layer, gemv=True).double()
-                row[f"{mode}-gemv-rel-error"] = ((y - ref).norm() / ref.norm()).item()
-                row[f"{mode}-tile"] = bench_us(lambda: quant.triton_matmul(x, layer, gemv=False))
-                row[f"{mode}-gemv"] = bench_us(lambda: quant.triton_matmul(x, layer, gemv=True))
-                if k == 12288:
-                    for bn in (64, 128, 256):
-                        for w in (4, 8):
-                            row[f"{mode}-gemv/n{bn}/w{w}"] = bench_us(lambda: quant.triton_matmul(
-                                x, layer, gemv=True, block_n=bn, num_warps=w), reps=20)
-                if mode == "int4":
-                    tg = quant.QuantLinear(lin, "int4", "tinygemm")
-                    row["int4-tinygemm"] = bench_us(lambda: tg(x))
-                row[f"{mode}-MB"] = quant.weight_bytes(torch.nn.ModuleList([layer])) / 1e6
-            res[f"{k}x{n}"] = row
-            del lin
-        return res
-
     @item("attention", out, budget, 20)
     def attention():
         """One layer's decode / verification attention over the static cache (8B shape:
@@ -337,27 +286,10 @@ def print_table() -> None:
             errs = ", ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k} ERR"
                              for k, v in row["max_rel_error_vs_reference"].items())
             print(f"  {row['k']}x{row['n']}: " + "; ".join(cells) + f" | {errs}")
-    sw = items.get("triton_config_sweep")
-    if sw:
-        for mode in ("int4", "int8"):
-            for m in (1, 16):
-                cands = {k: v for k, v in sw.items() if k.startswith(mode + "/")
-                         and k.endswith(f"/m{m}") and isinstance(v, float)}
-                if cands:
-                    best = min(cands, key=cands.get)
-                    dflt = cands.get(f"{mode}/n128/w4/m{m}", float("nan"))
-                    print(f"triton sweep 12288x4096 {mode} rows {m}: best {best} "
-                          f"{cands[best]:.1f}us (default n128/w4: {dflt:.1f}us)")
     at = items.get("attention")
     if at:
         print("attention 1 layer (8B heads), masked GQA SDPA vs heads folded into T: " + ", ".join(
             f"{k} {v['us']:.1f}/{v.get('folded_us', float('nan')):.1f}us" for k, v in at.items()))
-    gp = items.get("gemv_probe")
-    if gp:
-        print("one row (us): " + "; ".join(
-            f"{k}: bf16 {r['bf16']:.1f}, int8 tile/gemv {r['int8-tile']:.1f}/{r['int8-gemv']:.1f}, "
-            f"int4 tile/gemv/tinygemm {r['int4-tile']:.1f}/{r['int4-gemv']:.1f}/"
-            f"{r['int4-tinygemm']:.1f} (err {r['int4-gemv-rel-error']:.0e})" for k, r in gp.items()))
     print(f"{'shape':34s} {'tok/s':>8s} {'roofline':>8s} {'%':>6s} {'t1 ms':>7s} {'t16/t1':>6s} "
           f"{'t32/t1':>6s} {'draft ms':>8s}")
     for name, r in items.items():

@@ -61,6 +61,16 @@ for phase in "$@"; do
     python3 benchmarks/profile_step.py --out "$OUT/profile" ${PROFILE_ARGS:-} ${PROFILE_SHAPES:-qwen2.5-1.5b \
       qwen3-8b qwen3-32b:int4 dense-27b:int4-hybrid} 2>&1 | grep -v Warn | tee "$OUT/profile.log"
     ;;
+  qkernels)
+    # Weight-only int4 / int8 products of every matrix shape (from DRAM, with a launch sweep),
+    # then the int4 shapes in the model: the official figures only.
+    python3 benchmarks/profile_step.py --out "$OUT/qkernels" --no-official --no-compare \
+      --quant-products "${QUANT_SWEEP_S:-25}" ${QUANT_SHAPES:-qwen3-32b dense-27b qwen3-8b qwen2.5-1.5b} \
+      2>&1 | grep -v Warn | tee "$OUT/qkernels.log"
+    python3 benchmarks/profile_step.py --out "$OUT/qshapes" --no-compare ${QUANT_MODEL_SHAPES:-\
+      qwen3-32b:int4 dense-27b:int4 dense-27b:int4-hybrid qwen3-8b:int4 qwen3-8b:int8} 2>&1 \
+      | grep -v Warn | tee "$OUT/qshapes.log"
+    ;;
   variants)
     # The skinny-path variants measured in the model (random weights); the fastest on the 1.5B
     # shape is written to /root/best.env, which later phases (and calls) then use.

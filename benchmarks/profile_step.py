@@ -90,11 +90,14 @@ def time_decode(model, cache, cfg, context: int) -> tuple[StepRunner, float, flo
     return runner, t1, t16, _decode_loop(runner, cache, context, cfg.vocab_size, 128)
 
 
-def dram_ring(w: torch.Tensor):
-    """An endless cycle over w and enough copies of it (>= 256 MB in all) that each call of a
-    timed product reads its weight from DRAM, not from the 50 MB L2 (where a single small
-    weight stays between calls and times up to 2x faster than in the model)."""
-    copies = [w] + [w.clone() for _ in range(min(63, -(-(256 << 20) // (w.numel() * 2)) - 1))]
+def dram_ring(*tensors: torch.Tensor):
+    """An endless cycle over the tuple of tensors (a weight, or a quantized weight's parts) and
+    enough copies of it (>= 256 MB in all) that each call of a timed product reads its weight
+    from DRAM, not from the 50 MB L2 (where a single small weight stays between calls and times
+    up to 2x faster than in the model)."""
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    copies = [tensors] + [tuple(t.clone() for t in tensors)
+                          for _ in range(min(63, -(-(256 << 20) // size) - 1))]
     return itertools.cycle(copies)
 
 
@@ -175,13 +178,13 @@ def compare(shape: str, quant: str | None, context: int, bandwidth: float) -> di
         x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
         x9 = torch.randn(9, k, dtype=torch.bfloat16, device="cuda")
         if gated:
-            ref = lambda x: kernels.silu_mul(torch.nn.functional.linear(x, next(ring)))
+            ref = lambda x: kernels.silu_mul(torch.nn.functional.linear(x, next(ring)[0]))
         else:
-            ref = lambda x: torch.nn.functional.linear(x, next(ring))
+            ref = lambda x: torch.nn.functional.linear(x, next(ring)[0])
         row = {"cublas": graph_us(lambda: ref(x)), "cublas_9rows": graph_us(lambda: ref(x9))}
         for rule in ("v1", "v2"):
             c = kernels.skinny_config(n, k, gated, rule)
-            ours = lambda x: kernels._skinny(x, next(ring), None, gated, c)
+            ours = lambda x: kernels._skinny(x, next(ring)[0], None, gated, c)
             row[rule] = graph_us(lambda: ours(x))
             row[rule + "_9rows"] = graph_us(lambda: ours(x9))
             row[rule + "_config"] = c
@@ -237,7 +240,7 @@ def sweep(shape: str, budget_s: float) -> dict:
         x1 = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
         x16 = torch.randn(16, k, dtype=torch.bfloat16, device="cuda")
         ring = dram_ring(w)
-        run = lambda x, c: kernels._skinny(x, next(ring), None, gated, c)
+        run = lambda x, c: kernels._skinny(x, next(ring)[0], None, gated, c)
         timed = []
         default = kernels.skinny_config(n, k, gated, kernels.SKINNY_RULE)
         for c in [default, *candidates(n, k, gated)]:
@@ -276,6 +279,81 @@ def sweep(shape: str, budget_s: float) -> dict:
     return result
 
 
+@torch.inference_mode()
+def quant_products(shape: str, budget_s: float) -> dict:
+    """Weight-only int4 / int8 products for each matrix of the shape (µs per call, graph of 20
+    back-to-back calls, weights from DRAM): our kernel at its rule's launch parameters (1 and 16
+    rows, int4 also without the bit-or conversion), a sweep of column block, program count and
+    warps (one row, S seconds a shape), torch's tinygemm int4 and cuBLAS bf16; with the error
+    against the dequantized weight in float64 and the bytes read."""
+    from flashdraft import quant
+    cfg = dataclasses.replace(get_shape(shape), num_layers=1)
+    model = build_random_model(cfg, torch.bfloat16, "cuda")
+    set_path(DEFAULT)
+    began = time.perf_counter()
+    result = {}
+    for (n, k, gated), w in matrices(model).items():
+        rows = w.shape[0]
+        lin = torch.nn.Linear(k, rows, bias=False, device="cuda", dtype=torch.bfloat16)
+        lin.weight.data = w
+        x1 = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+        x16 = torch.randn(16, k, dtype=torch.bfloat16, device="cuda")
+        bf16 = dram_ring(w)
+        row = {"bf16": graph_us(lambda: torch.nn.functional.linear(x1, next(bf16)[0]))}
+        for mode in ("int4", "int8"):
+            layer = quant.QuantLinear(lin, mode, "triton")
+            parts = (layer.qweight, layer.scale) + ((layer.zero,) if mode == "int4" else ())
+            nbytes = sum(t.numel() * t.element_size() for t in parts)
+            ring = dram_ring(*parts)
+            run = lambda x, c, magic=True: (lambda t: kernels.quant_linear(
+                x, t[0], t[1], t[2] if len(t) > 2 else None, None, rows, c, magic))(next(ring))
+            rule = kernels.quant_config(rows, k)
+            ref = x16.double() @ layer.dequantized().double().t()
+            y = kernels.quant_linear(x16, *parts[:2], parts[2] if len(parts) > 2 else None, None,
+                                     rows, rule)
+            row[f"{mode}_rel_error"] = ((y.double() - ref).norm() / ref.norm()).item()
+            row[f"{mode}_MB"] = nbytes / 1e6
+            row[mode] = graph_us(lambda: run(x1, rule))
+            row[f"{mode}_16rows"] = graph_us(lambda: run(x16, rule))
+            row[f"{mode}_TBps"] = nbytes / row[mode] / 1e6
+            row[f"{mode}_config"] = rule
+            if mode == "int4":
+                yp = kernels.quant_linear(x16, *parts, None, rows, rule, False)
+                row["int4_plain_convert_rel_error"] = ((yp.double() - ref).norm()
+                                                       / ref.norm()).item()
+                row["int4_plain_convert"] = graph_us(lambda: run(x1, rule, False))
+                tg = quant._tinygemm_pack(*parts)
+                tg_ring = dram_ring(*tg)
+                tgmm = lambda x: (lambda t: torch.ops.aten._weight_int4pack_mm(
+                    x, t[0], quant.GROUP, t[1]))(next(tg_ring))
+                row["tinygemm"] = graph_us(lambda: tgmm(x1))
+                row["tinygemm_16rows"] = graph_us(lambda: tgmm(x16))
+            timed = []
+            for block_n, programs, warps in itertools.product((64, 128, 256), (128, 256, 512),
+                                                              (4, 8)):
+                if time.perf_counter() - began > budget_s:
+                    break
+                c = kernels.quant_config(rows, k, block_n, programs)._replace(num_warps=warps)
+                try:
+                    timed.append((graph_us(lambda: run(x1, c)), tuple(c)))
+                except Exception as e:  # resources the compiler refuses
+                    timed.append((float("inf"), f"{tuple(c)}: {type(e).__name__}"))
+            timed.sort(key=lambda r: r[0])
+            row[f"{mode}_sweep"] = timed[:6]
+        key = f"{rows}x{k}"
+        result[key] = row
+        best = row["int4_sweep"][0] if row["int4_sweep"] else (None, None)
+        print(f"  quant {shape} {key:>12s} (from DRAM) bf16 {row['bf16']:6.1f} us | int4 "
+              f"{row['int4']:6.1f} us ({row['int4_TBps']:.2f} TB/s, err {row['int4_rel_error']:.1e}) "
+              f"plain-convert {row['int4_plain_convert']:.1f} tinygemm {row['tinygemm']:.1f} | "
+              f"16 rows int4 {row['int4_16rows']:.1f} tinygemm {row['tinygemm_16rows']:.1f} | "
+              f"int8 {row['int8']:.1f} us ({row['int8_TBps']:.2f} TB/s) | best int4 {best}",
+              flush=True)
+        del lin
+        torch.cuda.empty_cache()
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("shapes", nargs="+", help="SHAPE or SHAPE:QUANT (int4, int8, int4-hybrid)")
@@ -287,6 +365,9 @@ def main() -> None:
     ap.add_argument("--best-env", default=None,
                     help="write the fastest variant of the first shape as shell exports here")
     ap.add_argument("--no-compare", action="store_true")
+    ap.add_argument("--quant-products", type=float, default=0.0, metavar="S",
+                    help="weight-only int4/int8 products of each matrix, with S seconds a shape "
+                         "for a launch-parameter sweep")
     ap.add_argument("--sweep", type=float, default=0.0,
                     help="seconds per shape for a launch-parameter sweep of the skinny kernel")
     args = ap.parse_args()
@@ -318,6 +399,8 @@ def main() -> None:
             print(format_shape_bench(r["official"]), flush=True)
         if args.sweep and not quant:
             r["sweep"] = sweep(shape, args.sweep)
+        if args.quant_products:
+            r["quant_products"] = quant_products(shape, args.quant_products)
         if args.no_compare:
             results["shapes"][spec] = r
             (out / "profile.json").write_text(json.dumps(results, indent=1, default=str))

@@ -30,8 +30,8 @@ depend on the previous kernel, so their transfer overlaps the small kernels' lat
 Every kernel here is batch-invariant: what it computes for one token (one row) does not depend
 on how many other tokens the step carries. Decoding one token and verifying k + 1 tokens
 therefore give bit-identical logits for the same position, so greedy speculative decoding
-returns exactly the tokens of plain decoding, in bfloat16 as in float32. Not so with weight-only
-quantization yet: the int8/int4 kernels of `flashdraft.quant` choose their tiling by row count.
+returns exactly the tokens of plain decoding, in bfloat16 as in float32, and with weight-only
+int8/int4 weights (`quant_linear`: the same kernel dequantizing in registers).
 
 Each has a PyTorch twin (`*_reference`, the code the model runs on a CPU) that the tests
 compare against, on the GPU and on the CPU through Triton's interpreter (TRITON_INTERPRET=1).
@@ -443,6 +443,105 @@ if triton is not None:
                 u = tl.load(w_rows + n * stride_wn + offs_k[None, :],
                             mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 acc_up = tl.dot(u, tl.trans(xk), acc_up, input_precision=PRECISION)
+        _skinny_finish(acc, acc_up, ss, b_ptr, out_ptr, part_ptr, count_ptr, offs_n, offs_m,
+                       n_ok, m_ok, m, n, k, eps, stride_om, HAS_BIAS, GATED, NORM, SPLIT,
+                       LAST_REDUCE)
+
+    @triton.jit
+    def _quant_tile(w_ptr, offs_n, n_ok, g, k, stride_wk, BITS: tl.constexpr):
+        # The stored weights of K group g (128 inputs) for columns offs_n: int4 [BLOCK_N, 64]
+        # bytes (inputs i and i + 64 of the group in one byte), int8 [BLOCK_N, 128].
+        if BITS == 4:
+            offs = tl.arange(0, 64)
+            ok = n_ok[:, None] & (g * 128 + offs < k)[None, :]
+            return tl.load(w_ptr + (g * 64 + offs)[None, :] * stride_wk + offs_n[:, None],
+                           mask=ok, other=0)
+        else:
+            offs = g * 128 + tl.arange(0, 128)
+            return tl.load(w_ptr + offs[None, :] * stride_wk + offs_n[:, None],
+                           mask=n_ok[:, None] & (offs < k)[None, :], other=0)
+
+    @triton.jit
+    def _quant_step(acc, wt, x_ptr, s_ptr, z_ptr, offs_m, m_ok, offs_n, g, n, k, stride_xm,
+                    BITS: tl.constexpr, MAGIC: tl.constexpr, PRECISION: tl.constexpr):
+        # acc [BLOCK_N, BLOCK_M] += the products of K group g: weights wt (from _quant_tile)
+        # times x's inputs of the group, on tensor cores. int4: w = (q - 8) · s + z per group
+        # and column, so the group adds s · Σ x (q - 8) + z · Σ x, applied to the group's
+        # [BLOCK_N, BLOCK_M] sums, not to each weight. With MAGIC (0x4300 for bfloat16,
+        # 0x6400 for float16) a code becomes a float by a bit-or, q + 128 (bf16) or q + 1024
+        # (fp16) exactly, and the offset comes off the sums: no integer-to-float conversion.
+        dt = x_ptr.dtype.element_ty
+        if BITS == 4:
+            offs = g * 128 + tl.arange(0, 64)
+            ok = m_ok[:, None] & (offs < k)[None, :]
+            rows = x_ptr + offs_m[:, None] * stride_xm
+            x_lo = tl.load(rows + offs[None, :], mask=ok, other=0.0)
+            x_hi = tl.load(rows + (offs + 64)[None, :], mask=ok, other=0.0)
+            if MAGIC:
+                w16 = wt.to(tl.uint16)
+                lo = ((w16 & 0xF) | MAGIC).to(dt, bitcast=True)
+                hi = ((w16 >> 4) | MAGIC).to(dt, bitcast=True)
+                offset = 136.0 if MAGIC == 0x4300 else 1032.0
+            else:
+                lo = ((wt & 0xF).to(tl.float32) - 8.0).to(dt)
+                hi = ((wt >> 4).to(tl.float32) - 8.0).to(dt)
+                offset = 0.0
+            d = tl.dot(lo, tl.trans(x_lo), input_precision=PRECISION, out_dtype=tl.float32)
+            d = tl.dot(hi, tl.trans(x_hi), d, input_precision=PRECISION)
+            xs = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
+            g_ok = offs_n < tl.where(g * 128 < k, n, 0)
+            s = tl.load(s_ptr + g * n + offs_n, mask=g_ok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g * n + offs_n, mask=g_ok, other=0.0).to(tl.float32)
+            acc += s[:, None] * (d - offset * xs[None, :]) + z[:, None] * xs[None, :]
+        else:
+            offs = g * 128 + tl.arange(0, 128)
+            xk = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs[None, :],
+                         mask=m_ok[:, None] & (offs < k)[None, :], other=0.0)
+            acc = tl.dot(wt.to(dt), tl.trans(xk), acc, input_precision=PRECISION)
+        return acc
+
+    @triton.jit
+    def _skinny_quant_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, count_ptr,
+                             m, n, k, stride_xm, stride_wk, stride_om, BITS: tl.constexpr,
+                             MAGIC: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                             K_STEPS: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
+                             PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+                             EARLY_LAUNCH: tl.constexpr = False):
+        # out [m, n] = x [m, k] @ W^T for weight-only int4 / int8 W (flashdraft.quant's formats:
+        # w [k/2, n] packed int4 with s, z [k/128, n]; or w [k, n] int8 with s [n]), as
+        # `_skinny_kernel`: program (n block, K slice, row block), K walked one group of 128 at
+        # a time, slices added by the last program of a tile; batch-invariant.
+        pid_n = tl.program_id(0)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        n_ok = offs_n < n
+        m_ok = offs_m < m
+        g0 = tl.program_id(1) * K_STEPS
+        if not PREFETCH:
+            _pdl_wait(USE_PDL, EARLY_LAUNCH)
+        wt = _quant_tile(w_ptr, offs_n, n_ok, g0, k, stride_wk, BITS)
+        if PREFETCH:
+            _pdl_wait(USE_PDL, EARLY_LAUNCH)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        acc = _quant_step(acc, wt, x_ptr, s_ptr, z_ptr, offs_m, m_ok, offs_n, g0, n, k,
+                          stride_xm, BITS, MAGIC, PRECISION)
+        for i in range(1, K_STEPS):
+            wt = _quant_tile(w_ptr, offs_n, n_ok, g0 + i, k, stride_wk, BITS)
+            acc = _quant_step(acc, wt, x_ptr, s_ptr, z_ptr, offs_m, m_ok, offs_n, g0 + i, n, k,
+                              stride_xm, BITS, MAGIC, PRECISION)
+        if BITS == 8:  # the per-column scale, once
+            acc = acc * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        _skinny_finish(acc, acc, tl.zeros([BLOCK_M], tl.float32), b_ptr, out_ptr, part_ptr,
+                       count_ptr, offs_n, offs_m, n_ok, m_ok, m, n, k, 0.0, stride_om, HAS_BIAS,
+                       False, False, SPLIT, True)
+
+    @triton.jit
+    def _skinny_finish(acc, acc_up, ss, b_ptr, out_ptr, part_ptr, count_ptr, offs_n, offs_m,
+                       n_ok, m_ok, m, n, k, eps, stride_om, HAS_BIAS: tl.constexpr,
+                       GATED: tl.constexpr, NORM: tl.constexpr, SPLIT: tl.constexpr,
+                       LAST_REDUCE: tl.constexpr):
+        # A program's sums over its K slice -> the output (bf16 and quantized products alike).
         if SPLIT == 1:
             _skinny_epilogue(acc, acc_up, ss, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, n, k,
                              eps, stride_om, HAS_BIAS, GATED, NORM)
@@ -454,20 +553,20 @@ if triton is not None:
             width = 2 * n if GATED else n
             part = part_ptr + offs_m[None, :] * width + offs_n[:, None]
             ok = n_ok[:, None] & m_ok[None, :]
-            tl.store(part + pid_k * m * width, acc, mask=ok)
+            tl.store(part + tl.program_id(1) * m * width, acc, mask=ok)
             if GATED:
-                tl.store(part + pid_k * m * width + n, acc_up, mask=ok)
+                tl.store(part + tl.program_id(1) * m * width + n, acc_up, mask=ok)
             # the rows' sums of squares of this K slice, per n block (only this tile's own
             # slices are known to be finished when its last program runs)
-            ss_part = part_ptr + SPLIT * m * width + pid_n * SPLIT * m + offs_m
+            ss_part = part_ptr + SPLIT * m * width + tl.program_id(0) * SPLIT * m + offs_m
             if NORM:
-                tl.store(ss_part + pid_k * m, ss, mask=m_ok)
+                tl.store(ss_part + tl.program_id(1) * m, ss, mask=m_ok)
             tl.debug_barrier()  # every thread's slice is stored before the counter moves
-            tile = count_ptr + pid_m * tl.num_programs(0) + pid_n
+            tile = count_ptr + tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
             if LAST_REDUCE and tl.atomic_add(tile, 1, sem="acq_rel") == SPLIT - 1:
-                acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+                acc = tl.zeros_like(acc)
                 acc_up = acc
-                ss = tl.zeros([BLOCK_M], tl.float32)
+                ss = tl.zeros_like(ss)
                 for s in tl.static_range(SPLIT):
                     acc += tl.load(part + s * m * width, mask=ok, other=0.0, cache_modifier=".cg")
                     if GATED:
@@ -700,6 +799,16 @@ class _Norm(NamedTuple):
     has_delta: bool
 
 
+def _split_buffers(out: torch.Tensor, grid: tuple, split: int, width: int, extra: int = 0):
+    """The float32 K slices ([split, rows, width] + extra) and tile counters of a product over
+    grid (n blocks, split, row blocks); unused (out) without a split."""
+    if split == 1:
+        return out, out
+    parts = torch.empty(split * out.shape[0] * width + extra, dtype=torch.float32,
+                        device=out.device)
+    return parts, _counters(out.device, grid[0] * grid[2])
+
+
 def _skinny(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated: bool,
             cfg: SkinnyConfig, norm: _Norm | None = None) -> torch.Tensor:
     """x2 [rows, k] @ w^T through `_skinny_kernel` with launch parameters cfg (see there for
@@ -709,14 +818,8 @@ def _skinny(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated:
     out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split, triton.cdiv(rows, 16))
     last = SPLIT_REDUCE != "kernel" or gated or norm is not None
-    if cfg.split == 1:
-        parts = counters = out  # unused
-    else:
-        width = 2 * n if gated else n
-        sums = grid[0] * cfg.split * rows if norm is not None else 0
-        parts = torch.empty(cfg.split * rows * width + sums, dtype=torch.float32,
-                            device=x2.device)
-        counters = _counters(x2.device, grid[0] * grid[2])
+    sums = grid[0] * cfg.split * rows if norm is not None else 0
+    parts, counters = _split_buffers(out, grid, cfg.split, 2 * n if gated else n, sums)
     r, r_out, nw, eps = (norm.residual, norm.out, norm.weight, norm.eps) if norm is not None \
         else (x2, x2, x2, 0.0)
     _skinny_kernel[grid](
@@ -733,6 +836,53 @@ def _skinny(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated:
         _sum_slices_kernel[(triton.cdiv(total, 1024),)](
             parts, bias if bias is not None else parts, out, total, n, SPLIT=cfg.split,
             HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4, **_pdl(x2))
+    return out
+
+
+# Weight-only int4 / int8 products of up to QUANT_MAX_ROWS rows (flashdraft.quant's formats):
+# `_skinny_quant_kernel`, launched like the bf16 products but with the K tile fixed to a group
+# of 128 and wider column blocks (an int4 tile of 64 × 128 is only 4 KB).
+# FLASHDRAFT_QUANT_BLOCK_N / FLASHDRAFT_QUANT_PROGRAMS override the tile width and program count
+# (benchmarks/profile_step.py --quant-sweep measures them).
+QUANT_MAX_ROWS = 64
+QUANT_BLOCK_N = int(os.environ.get("FLASHDRAFT_QUANT_BLOCK_N", "128"))
+QUANT_PROGRAMS = int(os.environ.get("FLASHDRAFT_QUANT_PROGRAMS", str(_SKINNY_PROGRAMS)))
+_MAGIC = {torch.bfloat16: 0x4300, torch.float16: 0x6400}
+
+
+@functools.cache
+def quant_config(n: int, k: int, block_n: int = 0, programs: int = 0) -> SkinnyConfig:
+    """Launch parameters of `_skinny_quant_kernel` for an [n, k] weight (k a multiple of 128):
+    a function of the shape only, as `skinny_config`."""
+    block_n = block_n or QUANT_BLOCK_N
+    groups, tiles_n = k // 128, triton.cdiv(n, block_n)
+    split = max(1, min(groups, (programs or QUANT_PROGRAMS) // tiles_n))
+    k_steps = triton.cdiv(groups, split)
+    split = triton.cdiv(groups, k_steps)
+    return SkinnyConfig(block_n, 128, k_steps, split, 1, 4, 4 if k_steps >= 8 else 3)
+
+
+def quant_linear(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                 zero: torch.Tensor | None, bias: torch.Tensor | None, n: int,
+                 cfg: SkinnyConfig | None = None, magic: bool = True) -> torch.Tensor:
+    """x2 [rows, k] (contiguous rows) @ W^T + bias for a weight-only quantized W: int4 when
+    zero is given (qweight [k/2, n] uint8, scale and zero [k/128, n]), else int8 (qweight
+    [k, n] int8, scale [n]). magic=False converts the int4 codes to floats the plain way."""
+    rows, k = x2.shape
+    bits = 4 if zero is not None else 8
+    cfg = cfg or quant_config(n, k)
+    out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split, triton.cdiv(rows, 16))
+    parts, counters = _split_buffers(out, grid, cfg.split, n)
+    _skinny_quant_kernel[grid](
+        x2, qweight, scale, zero if zero is not None else scale,
+        bias if bias is not None else scale, out, parts, counters, rows, n, k, x2.stride(0),
+        qweight.stride(0), out.stride(0), BITS=bits,
+        MAGIC=_MAGIC.get(x2.dtype, 0) if magic and bits == 4 else 0,
+        HAS_BIAS=bias is not None, SPLIT=cfg.split, K_STEPS=cfg.k_steps,
+        BLOCK_N=cfg.block_n, BLOCK_M=16,
+        PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", PREFETCH=PREFETCH,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl(x2))
     return out
 
 

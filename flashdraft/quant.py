@@ -16,11 +16,14 @@ Formats (one place, shared by every path):
 Paths, chosen per layer at run time (`QuantLinear.backend`):
 - "reference": dequantize the whole weight in PyTorch, then F.linear. Works everywhere (CPU);
   the definition the fast paths are tested against.
-- "triton": one Triton kernel for 1 to 32 rows (split over K so that small layers still fill
-  the GPU; deterministic: partial sums are added by one reduction, not by atomics).
+- "triton": `kernels._skinny_quant_kernel` for up to 64 rows: the bf16 products' kernel with
+  the weights dequantized in registers for the tensor cores (int4: a bit-or makes each code a
+  float, group scales applied to the sums), K split by the weight's shape alone, the slices added
+  by the last program of a tile; batch-invariant, so quantized speculative decoding returns the
+  tokens of quantized plain decoding. More rows (prefill) dequantize the weight and use cuBLAS.
 - "tinygemm" (int4 only): torch's built-in `_weight_int4pack_mm` over its own packing.
-- "hybrid" (int4 only): tinygemm for up to HYBRID_MAX_ROWS rows (plain decode), Triton above
-  (verification); keeps both packings, so 0.5 byte per weight more memory.
+- "hybrid" (int4 only): tinygemm for up to HYBRID_MAX_ROWS rows, Triton above; keeps both
+  packings, so 0.5 byte per weight more memory (kept for comparison: not batch-invariant).
 `quantize_model(..., backend="auto")` picks triton on CUDA when Triton imports, else reference.
 """
 from __future__ import annotations
@@ -29,6 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
+
+triton = kernels.triton  # None where Triton is not installed: the reference path serves
+
 GROUP = 128
 MODES = ("int8", "int4")
 BACKENDS = ("auto", "reference", "triton", "tinygemm", "hybrid")
@@ -36,13 +43,6 @@ BACKENDS = ("auto", "reference", "triton", "tinygemm", "hybrid")
 # ~2x faster for 1-2 rows and 2-4x slower from 8 rows on; the crossover lies at 4-8 rows.
 HYBRID_MAX_ROWS = 2
 
-try:  # Triton only where CUDA is present; the reference path everywhere else.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - CPU machines without triton
-    triton = None
-if triton is not None:
-    from .kernels import _sum_slices_kernel  # the fixed-order sum of K slices
 
 
 # -- quantize / dequantize (reference definitions) -------------------------------------------
@@ -98,158 +98,15 @@ def dequantize_int4(packed, scale, zero, dtype) -> torch.Tensor:
     return w.reshape(out_f, in_f).to(dtype)
 
 
-# -- the Triton kernel ------------------------------------------------------------------------
+# -- the Triton path ---------------------------------------------------------------------------
 
-if triton is not None:
-    @triton.jit
-    def _wo_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K,
-                          stride_xm, stride_wk, stride_os, stride_om,
-                          K_STEPS: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # x [M, K]; w int8 [K, N] (BITS 8) or packed uint8 [K/2, N] (BITS 4);
-        # out [split, M, N]: program (n, s) sums K blocks s * K_STEPS … (s + 1) * K_STEPS - 1
-        # (those past K are masked), stored in out's dtype.
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_ok = offs_m[:, None] < M
-        n_ok = offs_n < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for i in range(0, K_STEPS):
-            k0 = (pid_k * K_STEPS + i) * BLOCK_K
-            k_ok = k0 < K
-            if BITS == 8:
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                            mask=m_ok & k_ok, other=0.0)
-                w = tl.load(w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :],
-                            mask=n_ok[None, :] & k_ok, other=0)
-                acc += tl.dot(x, w.to(x.dtype))
-            else:  # BLOCK_K == GROUP: one scale and zero per column for the whole tile
-                offs_h = tl.arange(0, BLOCK_K // 2)
-                packed = tl.load(w_ptr + (k0 // 2 + offs_h)[:, None] * stride_wk + offs_n[None, :],
-                                 mask=n_ok[None, :] & k_ok, other=0)
-                g = k0 // BLOCK_K
-                s = tl.load(s_ptr + g * N + offs_n, mask=n_ok & k_ok, other=0.0).to(tl.float32)
-                z = tl.load(z_ptr + g * N + offs_n, mask=n_ok & k_ok, other=0.0).to(tl.float32)
-                x_lo = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_h)[None, :],
-                               mask=m_ok & k_ok, other=0.0)
-                x_hi = tl.load(x_ptr + offs_m[:, None] * stride_xm
-                               + (k0 + BLOCK_K // 2 + offs_h)[None, :], mask=m_ok & k_ok,
-                               other=0.0)
-                w_lo = ((packed & 0xF).to(tl.float32) - 8.0) * s[None, :] + z[None, :]
-                w_hi = ((packed >> 4).to(tl.float32) - 8.0) * s[None, :] + z[None, :]
-                acc += tl.dot(x_lo, w_lo.to(x_lo.dtype))
-                acc += tl.dot(x_hi, w_hi.to(x_lo.dtype))
-        if BITS == 8:
-            acc = acc * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-        tl.store(out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=m_ok & n_ok[None, :])
-
-    @triton.jit
-    def _wo_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_wk, stride_os,
-                        K_STEPS: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
-        # One row: x [K]; w as in _wo_matmul_kernel; out [split, N]. No tensor cores: products
-        # accumulate elementwise in a [BLOCK_K(/2), BLOCK_N] tile, reduced over K once at the
-        # end, and the int4 scale and zero are applied once per group and column:
-        # sum_k x_k ((q_k - 8) s + z) = s · sum_k x_k q_k + (z - 8 s) · sum_k x_k.
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        if BITS == 8:
-            acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_K // 2, BLOCK_N), dtype=tl.float32)
-        for i in range(0, K_STEPS):
-            k0 = (pid_k * K_STEPS + i) * BLOCK_K
-            k_ok = k0 < K
-            if BITS == 8:
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-                w = tl.load(w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :],
-                            mask=n_ok[None, :] & k_ok, other=0)
-                acc += x[:, None] * w.to(tl.float32)
-            else:
-                offs_h = tl.arange(0, BLOCK_K // 2)
-                packed = tl.load(w_ptr + (k0 // 2 + offs_h)[:, None] * stride_wk + offs_n[None, :],
-                                 mask=n_ok[None, :] & k_ok, other=0)
-                g = k0 // BLOCK_K
-                s = tl.load(s_ptr + g * N + offs_n, mask=n_ok & k_ok, other=0.0).to(tl.float32)
-                z = tl.load(z_ptr + g * N + offs_n, mask=n_ok & k_ok, other=0.0).to(tl.float32)
-                x_lo = tl.load(x_ptr + k0 + offs_h, mask=k_ok, other=0.0).to(tl.float32)
-                x_hi = tl.load(x_ptr + k0 + BLOCK_K // 2 + offs_h, mask=k_ok,
-                               other=0.0).to(tl.float32)
-                xq = (x_lo[:, None] * (packed & 0xF).to(tl.float32)
-                      + x_hi[:, None] * (packed >> 4).to(tl.float32))
-                acc += s[None, :] * xq + (z - 8.0 * s)[None, :] * (x_lo + x_hi)[:, None]
-        y = tl.sum(acc, axis=0)
-        if BITS == 8:
-            y = y * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
-        tl.store(out_ptr + pid_k * stride_os + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
-_SMS: dict[int, int] = {}
-# Launch parameters of the kernel; benchmarks/gpu_fastpath.py sweeps them on the machine.
-TRITON_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 4, "programs_per_sm": 4,
-                 # Modes whose one-row products (plain decode) use the tensor-core-free GEMV
-                 # kernel: measured faster for int4 on large layers (4096x24576: 52.7 against
-                 # 61.2 us), slower for int8 (83.1 against 46.8 us).
-                 "gemv_modes": ("int4",), "gemv_block_n": 128, "gemv_warps": 8}
-
-
-def triton_matmul(x: torch.Tensor, layer: "QuantLinear", block_n: int | None = None,
-                  split: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None, gemv: bool | None = None) -> torch.Tensor:
-    """x [M, K] (M <= 64) -> [M, N] in x's dtype, through the Triton kernel.
-
-    A decode-sized product has too few output blocks to fill the GPU, so K is split into
-    slices (about `programs_per_sm` programs a multiprocessor in all); the float32 partial
-    sums are added by a second small kernel in a fixed order, so results are deterministic.
-    """
-    m, k = x.shape
-    if gemv is None:
-        gemv = layer.mode in TRITON_CONFIG["gemv_modes"]
-    gemv = gemv and m == 1
-    block_n = block_n or TRITON_CONFIG["gemv_block_n" if gemv else "block_n"]
-    num_warps = num_warps or TRITON_CONFIG["gemv_warps" if gemv else "num_warps"]
-    num_stages = num_stages or TRITON_CONFIG["num_stages"]
-    n = layer.out_features
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    n_blocks = triton.cdiv(n, block_n)
-    steps = k // GROUP
-    if split is None:
-        dev = x.device.index or 0
-        if dev not in _SMS:
-            _SMS[dev] = torch.cuda.get_device_properties(x.device).multi_processor_count
-        want = TRITON_CONFIG["programs_per_sm"] * _SMS[dev]
-        split = max(1, min(triton.cdiv(want, n_blocks), steps // 2))
-    k_steps = triton.cdiv(steps, split)
-    split = triton.cdiv(steps, k_steps)  # no slice left without work
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    partial = out.unsqueeze(0) if split == 1 else \
-        torch.empty(split, m, n, device=x.device, dtype=torch.float32)
-    bits = 8 if layer.mode == "int8" else 4
-    zero = layer.zero if bits == 4 else layer.scale
-    if gemv:
-        _wo_gemv_kernel[(n_blocks, split)](
-            x, layer.qweight, layer.scale, zero, partial, n, k, layer.qweight.stride(0),
-            partial.stride(0), K_STEPS=k_steps, BITS=bits, BLOCK_N=block_n, BLOCK_K=GROUP,
-            num_warps=num_warps, num_stages=num_stages)
-    else:
-        _wo_matmul_kernel[(n_blocks, split)](
-            x, layer.qweight, layer.scale, zero, partial, m, n, k,
-            x.stride(0), layer.qweight.stride(0), partial.stride(0), partial.stride(1),
-            K_STEPS=k_steps, BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP,
-            num_warps=num_warps, num_stages=num_stages)
-    if split > 1:
-        total = m * n
-        _sum_slices_kernel[(triton.cdiv(total, 1024),)](partial, partial, out, total, n,
-                                                         SPLIT=split, HAS_BIAS=False,
-                                                         BLOCK=1024, USE_PDL=False)
-    return out
+def triton_matmul(x: torch.Tensor, layer: "QuantLinear", cfg=None, magic: bool = True
+                  ) -> torch.Tensor:
+    """x [M, K] (M <= kernels.QUANT_MAX_ROWS, contiguous rows) -> x @ W^T + bias [M, N] in x's
+    dtype, through `kernels._skinny_quant_kernel` (launch parameters cfg, else
+    `kernels.quant_config`'s; magic: see there)."""
+    return kernels.quant_linear(x, layer.qweight, layer.scale, layer.zero, layer.bias,
+                                layer.out_features, cfg, magic)
 
 
 # -- the layer ----------------------------------------------------------------------------------
@@ -310,17 +167,17 @@ class QuantLinear(nn.Module):
         # x: [..., in] -> [..., out]
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.backend == "reference" or x2.shape[0] > 64:
+        rows = x2.shape[0]
+        if self.backend == "reference" or rows > kernels.QUANT_MAX_ROWS:
             # Prefill: compute-bound, so dequantizing the weight once is cheap next to it.
-            y = F.linear(x2, self.dequantized(x.dtype))
-        elif self.backend == "tinygemm" or (self.backend == "hybrid"
-                                            and x2.shape[0] <= HYBRID_MAX_ROWS):
+            y = F.linear(x2, self.dequantized(x.dtype), self.bias)
+        elif self.backend == "tinygemm" or (self.backend == "hybrid" and rows <= HYBRID_MAX_ROWS):
             packed, scales_zeros = self._tinygemm
             y = torch.ops.aten._weight_int4pack_mm(x2.contiguous(), packed, GROUP, scales_zeros)
-        else:
+            if self.bias is not None:
+                y = y + self.bias
+        else:  # the bias is added inside the kernel
             y = triton_matmul(x2.contiguous(), self)
-        if self.bias is not None:
-            y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
