@@ -284,15 +284,15 @@ def quant_products(shape: str, budget_s: float) -> dict:
     """Weight-only int4 / int8 products for each matrix of the shape (µs per call, graph of 20
     back-to-back calls, weights from DRAM): our kernel at its rule's launch parameters (1 and 16
     rows, int4 also without the bit-or conversion), a sweep of column block, program count and
-    warps (one row, S seconds a shape), torch's tinygemm int4 and cuBLAS bf16; with the error
+    warps, weight layout and code conversion (one row, S seconds a matrix), torch's tinygemm int4 and cuBLAS bf16; with the error
     against the dequantized weight in float64 and the bytes read."""
     from flashdraft import quant
     cfg = dataclasses.replace(get_shape(shape), num_layers=1)
     model = build_random_model(cfg, torch.bfloat16, "cuda")
     set_path(DEFAULT)
-    began = time.perf_counter()
     result = {}
     for (n, k, gated), w in matrices(model).items():
+        began = time.perf_counter()  # budget_s for each matrix's sweep
         rows = w.shape[0]
         lin = torch.nn.Linear(k, rows, bias=False, device="cuda", dtype=torch.bfloat16)
         lin.weight.data = w
@@ -322,32 +322,49 @@ def quant_products(shape: str, budget_s: float) -> dict:
                 row["int4_plain_convert_rel_error"] = ((yp.double() - ref).norm()
                                                        / ref.norm()).item()
                 row["int4_plain_convert"] = graph_us(lambda: run(x1, rule, False))
+                for label, q in (("asm", parts[0]), ("nk_asm", parts[0].t().contiguous().t())):
+                    ya = kernels.quant_linear(x16, q, *parts[1:], None, rows, rule, "asm")
+                    row[f"int4_{label}_rel_error"] = ((ya.double() - ref).norm()
+                                                      / ref.norm()).item()
+                    row[f"int4_{label}_equals_magic"] = bool(torch.equal(ya, y))
                 tg = quant._tinygemm_pack(*parts)
                 tg_ring = dram_ring(*tg)
                 tgmm = lambda x: (lambda t: torch.ops.aten._weight_int4pack_mm(
                     x, t[0], quant.GROUP, t[1]))(next(tg_ring))
                 row["tinygemm"] = graph_us(lambda: tgmm(x1))
                 row["tinygemm_16rows"] = graph_us(lambda: tgmm(x16))
+            # the sweep: weights stored [k, n] (as now) or [n, k] (transposed copies), int4
+            # codes converted by Triton ops or inline PTX, tile width, warps, program count
+            flip = tuple(t.t().contiguous().t() if t is parts[0] else t for t in parts)
+            flipped = dram_ring(*flip)
             timed = []
-            for block_n, programs, warps in itertools.product((64, 128, 256), (128, 256, 512),
-                                                              (4, 8)):
+            for layout, conv, (block_n, warps), programs in itertools.product(
+                    ("kn", "nk"), (True, "asm") if mode == "int4" else (True,),
+                    ((128, 4), (256, 4), (256, 8), (128, 8)), (256, 512)):
                 if time.perf_counter() - began > budget_s:
                     break
                 c = kernels.quant_config(rows, k, block_n, programs)._replace(num_warps=warps)
+                r = flipped if layout == "nk" else ring
+                call = lambda: (lambda t: kernels.quant_linear(
+                    x1, t[0], t[1], t[2] if len(t) > 2 else None, None, rows, c, conv))(next(r))
+                label = (layout, conv, block_n, warps, programs, c.split)
                 try:
-                    timed.append((graph_us(lambda: run(x1, c)), tuple(c)))
+                    timed.append((graph_us(call), label))
                 except Exception as e:  # resources the compiler refuses
-                    timed.append((float("inf"), f"{tuple(c)}: {type(e).__name__}"))
+                    timed.append((float("inf"), f"{label}: {type(e).__name__}: {str(e)[:200]}"))
             timed.sort(key=lambda r: r[0])
             row[f"{mode}_sweep"] = timed[:6]
         key = f"{rows}x{k}"
         result[key] = row
-        best = row["int4_sweep"][0] if row["int4_sweep"] else (None, None)
+        best = row["int4_sweep"][:3]
         print(f"  quant {shape} {key:>12s} (from DRAM) bf16 {row['bf16']:6.1f} us | int4 "
               f"{row['int4']:6.1f} us ({row['int4_TBps']:.2f} TB/s, err {row['int4_rel_error']:.1e}) "
-              f"plain-convert {row['int4_plain_convert']:.1f} tinygemm {row['tinygemm']:.1f} | "
+              f"plain-convert {row['int4_plain_convert']:.1f} tinygemm {row['tinygemm']:.1f} "
+              f"(asm err {row['int4_asm_rel_error']:.1e} same {row['int4_asm_equals_magic']}, nk "
+              f"{row['int4_nk_asm_rel_error']:.1e}) | "
               f"16 rows int4 {row['int4_16rows']:.1f} tinygemm {row['tinygemm_16rows']:.1f} | "
-              f"int8 {row['int8']:.1f} us ({row['int8_TBps']:.2f} TB/s) | best int4 {best}",
+              f"int8 {row['int8']:.1f} us ({row['int8_TBps']:.2f} TB/s) | best int4 {best} int8 "
+              f"{row['int8_sweep'][:2]}",
               flush=True)
         del lin
         torch.cuda.empty_cache()
@@ -366,8 +383,8 @@ def main() -> None:
                     help="write the fastest variant of the first shape as shell exports here")
     ap.add_argument("--no-compare", action="store_true")
     ap.add_argument("--quant-products", type=float, default=0.0, metavar="S",
-                    help="weight-only int4/int8 products of each matrix, with S seconds a shape "
-                         "for a launch-parameter sweep")
+                    help="weight-only int4/int8 products of each matrix, with S seconds a "
+                         "matrix for a launch-parameter sweep")
     ap.add_argument("--sweep", type=float, default=0.0,
                     help="seconds per shape for a launch-parameter sweep of the skinny kernel")
     args = ap.parse_args()

@@ -5,8 +5,9 @@ The sequence invariant: `tokens` is prompt + generated, and the target's cache h
 keys and values of all of `tokens` but the last, so every verification pass runs over
 `[tokens[-1], d_1 … d_k]` at positions len - 1 … len - 1 + k.
 
-One host synchronisation per step: the accepted count, the next token and the draft come
-back together in one transfer.
+One host synchronisation per speculative step: the accepted count, the next token and the
+draft come back together in one transfer. Plain decoding runs one step ahead and never waits
+for the GPU: each token is read while the step after it runs.
 """
 from __future__ import annotations
 
@@ -167,6 +168,25 @@ class Engine:
         step = finish([tokens[-1]])
         try:
             yield step
+            if drafter is None:
+                # Plain decoding runs one step ahead: the step after token n is launched on
+                # token n while it is still on the device, before the host reads it, so the
+                # host's work per token (the read, stop checks, the caller's detokenizing)
+                # overlaps the GPU's next step. At the end the step ahead is dropped (its
+                # cache entry lies past the last token; the capacity has room for it).
+                reader = _TokenReader(self.device)
+                cur = self._plain_step(last, len(tokens) - 1, params, generator, reader)
+                while step.finish_reason is None:
+                    ahead = None
+                    if len(tokens) + 1 - len(prompt) < max_new:  # a token may follow cur's
+                        ahead = self._plain_step(cur[0], len(tokens), params, generator, reader)
+                    new = [reader.read(cur[1])]
+                    metrics.target_passes += 1
+                    tokens.extend(new)
+                    metrics.generated_tokens += 1
+                    step = finish(new)
+                    yield step
+                    cur = ahead
             while step.finish_reason is None:
                 # Leave room for the bonus token within the budget and the context.
                 budget = min(k, max_new - (len(tokens) - len(prompt)) - 1) if drafter else 0
@@ -210,6 +230,14 @@ class Engine:
             metrics.decode_time_s = time.perf_counter() - decode_start
             metrics.total_time_s = time.perf_counter() - start
 
+    def _plain_step(self, last: torch.Tensor, position: int, params: SamplingParams, generator,
+                    reader: "_TokenReader"):
+        """Launch a plain decoding step on `last` ([1, 1] on the device) at `position`: returns
+        the next token ([1, 1], on the device) and reader's handle to it."""
+        logits, _ = self._forward(last, position, ())
+        token = self._pick(logits[:, -1], params, generator).view(1, 1)
+        return token, reader.start(token)
+
     def _pick(self, logits: torch.Tensor, params: SamplingParams, generator) -> torch.Tensor:
         # logits: [1, vocab] -> [1]
         if params.greedy:
@@ -221,3 +249,32 @@ class Engine:
         if k <= 0:
             return Draft(torch.empty(1, 0, dtype=torch.long, device=self.device))
         return drafter.propose(DraftContext(tokens, params, generator, hidden), k)
+
+
+class _TokenReader:
+    """Reads device tokens on the host without waiting for the work queued after them: each
+    token is copied to pinned memory as soon as it is computed, with an event behind the copy
+    (two buffers in turn: a token is read before the buffer is reused)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        if self.cuda:
+            self.buffers = [torch.empty(1, dtype=torch.long, pin_memory=True) for _ in range(2)]
+            self.turn = 0
+
+    def start(self, token: torch.Tensor):
+        if not self.cuda:
+            return token
+        buf = self.buffers[self.turn]
+        self.turn ^= 1
+        buf.copy_(token.view(-1), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return buf, event
+
+    def read(self, handle) -> int:
+        if not self.cuda:
+            return int(handle)
+        buf, event = handle
+        event.synchronize()
+        return int(buf[0])

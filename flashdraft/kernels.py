@@ -448,22 +448,23 @@ if triton is not None:
                        LAST_REDUCE)
 
     @triton.jit
-    def _quant_tile(w_ptr, offs_n, n_ok, g, k, stride_wk, BITS: tl.constexpr):
+    def _quant_tile(w_ptr, offs_n, n_ok, g, k, stride_wn, stride_wk, BITS: tl.constexpr):
         # The stored weights of K group g (128 inputs) for columns offs_n: int4 [BLOCK_N, 64]
         # bytes (inputs i and i + 64 of the group in one byte), int8 [BLOCK_N, 128].
         if BITS == 4:
             offs = tl.arange(0, 64)
             ok = n_ok[:, None] & (g * 128 + offs < k)[None, :]
-            return tl.load(w_ptr + (g * 64 + offs)[None, :] * stride_wk + offs_n[:, None],
-                           mask=ok, other=0)
+            return tl.load(w_ptr + (g * 64 + offs)[None, :] * stride_wk
+                           + offs_n[:, None] * stride_wn, mask=ok, other=0)
         else:
             offs = g * 128 + tl.arange(0, 128)
-            return tl.load(w_ptr + offs[None, :] * stride_wk + offs_n[:, None],
+            return tl.load(w_ptr + offs[None, :] * stride_wk + offs_n[:, None] * stride_wn,
                            mask=n_ok[:, None] & (offs < k)[None, :], other=0)
 
     @triton.jit
     def _quant_step(acc, wt, x_ptr, s_ptr, z_ptr, offs_m, m_ok, offs_n, g, n, k, stride_xm,
-                    BITS: tl.constexpr, MAGIC: tl.constexpr, PRECISION: tl.constexpr):
+                    BITS: tl.constexpr, MAGIC: tl.constexpr, ASM_LO: tl.constexpr,
+                    ASM_HI: tl.constexpr, PRECISION: tl.constexpr):
         # acc [BLOCK_N, BLOCK_M] += the products of K group g: weights wt (from _quant_tile)
         # times x's inputs of the group, on tensor cores. int4: w = (q - 8) · s + z per group
         # and column, so the group adds s · Σ x (q - 8) + z · Σ x, applied to the group's
@@ -477,7 +478,13 @@ if triton is not None:
             rows = x_ptr + offs_m[:, None] * stride_xm
             x_lo = tl.load(rows + offs[None, :], mask=ok, other=0.0)
             x_hi = tl.load(rows + (offs + 64)[None, :], mask=ok, other=0.0)
-            if MAGIC:
+            if ASM_LO != "":  # the same in PTX, four codes at a time (see _nibble_asm)
+                lo = tl.inline_asm_elementwise(ASM_LO, "=r,=r,r", [wt], dtype=dt, is_pure=True,
+                                               pack=4)
+                hi = tl.inline_asm_elementwise(ASM_HI, "=r,=r,r", [wt], dtype=dt, is_pure=True,
+                                               pack=4)
+                offset = 136.0 if MAGIC == 0x4300 else 1032.0
+            elif MAGIC:
                 w16 = wt.to(tl.uint16)
                 lo = ((w16 & 0xF) | MAGIC).to(dt, bitcast=True)
                 hi = ((w16 >> 4) | MAGIC).to(dt, bitcast=True)
@@ -502,8 +509,10 @@ if triton is not None:
 
     @triton.jit
     def _skinny_quant_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, count_ptr,
-                             m, n, k, stride_xm, stride_wk, stride_om, BITS: tl.constexpr,
-                             MAGIC: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                             m, n, k, stride_xm, stride_wn, stride_wk, stride_om, BITS: tl.constexpr,
+                             MAGIC: tl.constexpr, ASM_LO: tl.constexpr,
+                             ASM_HI: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             SPLIT: tl.constexpr,
                              K_STEPS: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
                              PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
@@ -520,16 +529,16 @@ if triton is not None:
         g0 = tl.program_id(1) * K_STEPS
         if not PREFETCH:
             _pdl_wait(USE_PDL, EARLY_LAUNCH)
-        wt = _quant_tile(w_ptr, offs_n, n_ok, g0, k, stride_wk, BITS)
+        wt = _quant_tile(w_ptr, offs_n, n_ok, g0, k, stride_wn, stride_wk, BITS)
         if PREFETCH:
             _pdl_wait(USE_PDL, EARLY_LAUNCH)
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         acc = _quant_step(acc, wt, x_ptr, s_ptr, z_ptr, offs_m, m_ok, offs_n, g0, n, k,
-                          stride_xm, BITS, MAGIC, PRECISION)
+                          stride_xm, BITS, MAGIC, ASM_LO, ASM_HI, PRECISION)
         for i in range(1, K_STEPS):
-            wt = _quant_tile(w_ptr, offs_n, n_ok, g0 + i, k, stride_wk, BITS)
+            wt = _quant_tile(w_ptr, offs_n, n_ok, g0 + i, k, stride_wn, stride_wk, BITS)
             acc = _quant_step(acc, wt, x_ptr, s_ptr, z_ptr, offs_m, m_ok, offs_n, g0 + i, n, k,
-                              stride_xm, BITS, MAGIC, PRECISION)
+                              stride_xm, BITS, MAGIC, ASM_LO, ASM_HI, PRECISION)
         if BITS == 8:  # the per-column scale, once
             acc = acc * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         _skinny_finish(acc, acc, tl.zeros([BLOCK_M], tl.float32), b_ptr, out_ptr, part_ptr,
@@ -847,7 +856,18 @@ def _skinny(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated:
 QUANT_MAX_ROWS = 64
 QUANT_BLOCK_N = int(os.environ.get("FLASHDRAFT_QUANT_BLOCK_N", "128"))
 QUANT_PROGRAMS = int(os.environ.get("FLASHDRAFT_QUANT_PROGRAMS", str(_SKINNY_PROGRAMS)))
+QUANT_WARPS = int(os.environ.get("FLASHDRAFT_QUANT_WARPS", "4"))
+QUANT_ASM = os.environ.get("FLASHDRAFT_QUANT_ASM", "0") == "1"  # int4 codes to floats in PTX
 _MAGIC = {torch.bfloat16: 0x4300, torch.float16: 0x6400}
+
+
+def _nibble_asm(magic: int, high: bool) -> str:
+    """PTX: four uint8 codes (one 32-bit register) -> four 16-bit floats magic | nibble (two
+    registers); a byte permute and one logic op make two floats (Marlin's trick)."""
+    shift = "shr.b32 r, $2, 4;" if high else "mov.b32 r, $2;"
+    m = f"0x{magic:04X}{magic:04X}"
+    return (f"{{ .reg .b32 r; {shift} prmt.b32 $0, r, 0, 0x4140; prmt.b32 $1, r, 0, 0x4342; "
+            f"lop3.b32 $0, $0, 0x000F000F, {m}, 0xEA; lop3.b32 $1, $1, 0x000F000F, {m}, 0xEA; }}")
 
 
 @functools.cache
@@ -859,17 +879,22 @@ def quant_config(n: int, k: int, block_n: int = 0, programs: int = 0) -> SkinnyC
     split = max(1, min(groups, (programs or QUANT_PROGRAMS) // tiles_n))
     k_steps = triton.cdiv(groups, split)
     split = triton.cdiv(groups, k_steps)
-    return SkinnyConfig(block_n, 128, k_steps, split, 1, 4, 4 if k_steps >= 8 else 3)
+    return SkinnyConfig(block_n, 128, k_steps, split, 1, QUANT_WARPS, 4 if k_steps >= 8 else 3)
 
 
 def quant_linear(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                  zero: torch.Tensor | None, bias: torch.Tensor | None, n: int,
-                 cfg: SkinnyConfig | None = None, magic: bool = True) -> torch.Tensor:
+                 cfg: SkinnyConfig | None = None, magic: bool | str = True) -> torch.Tensor:
     """x2 [rows, k] (contiguous rows) @ W^T + bias for a weight-only quantized W: int4 when
     zero is given (qweight [k/2, n] uint8, scale and zero [k/128, n]), else int8 (qweight
-    [k, n] int8, scale [n]). magic=False converts the int4 codes to floats the plain way."""
+    [k, n] int8, scale [n]; either may be a transposed view of an [n, k] tensor). magic=False
+    converts the int4 codes to floats the plain way, "asm" by inline PTX (default:
+    FLASHDRAFT_QUANT_ASM)."""
     rows, k = x2.shape
     bits = 4 if zero is not None else 8
+    magic = "asm" if magic is True and QUANT_ASM else magic
+    magic_bits = _MAGIC.get(x2.dtype, 0) if magic and bits == 4 else 0
+    asm = magic == "asm" and magic_bits and not INTERPRET
     cfg = cfg or quant_config(n, k)
     out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split, triton.cdiv(rows, 16))
@@ -877,8 +902,9 @@ def quant_linear(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     _skinny_quant_kernel[grid](
         x2, qweight, scale, zero if zero is not None else scale,
         bias if bias is not None else scale, out, parts, counters, rows, n, k, x2.stride(0),
-        qweight.stride(0), out.stride(0), BITS=bits,
-        MAGIC=_MAGIC.get(x2.dtype, 0) if magic and bits == 4 else 0,
+        qweight.stride(1), qweight.stride(0), out.stride(0), BITS=bits,
+        MAGIC=magic_bits, ASM_LO=_nibble_asm(magic_bits, False) if asm else "",
+        ASM_HI=_nibble_asm(magic_bits, True) if asm else "",
         HAS_BIAS=bias is not None, SPLIT=cfg.split, K_STEPS=cfg.k_steps,
         BLOCK_N=cfg.block_n, BLOCK_M=16,
         PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", PREFETCH=PREFETCH,

@@ -108,6 +108,10 @@ def test_triton_kernel_on_cpu_through_the_interpreter(mode, magic):
         ref = x.double() @ w.double().t() + layer.bias.double()
         y = quant.triton_matmul(x, layer, cfg, magic=magic)
         assert ((y.double() - ref).norm() / ref.norm()).item() < 2e-3, m
+        # the weight stored [n, k] instead (a transposed view): the same sums
+        flipped = layer.qweight.t().contiguous().t()
+        parts = (layer.scale, layer.zero, layer.bias, 80, cfg, magic)
+        torch.testing.assert_close(kernels.quant_linear(x, flipped, *parts), y, rtol=0, atol=0)
         # batch-invariant: each row alone gives the same bits
         assert torch.equal(quant.triton_matmul(x[:1], layer, cfg, magic=magic), y[:1])
     assert not kernels._counters(x.device, 1).any()  # every tile counter back to zero

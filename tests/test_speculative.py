@@ -103,3 +103,29 @@ def test_chat_uses_the_template(target):
                       SamplingParams(temperature=0, max_tokens=8))[0]
     text = target.tokenizer.decode(out.prompt_token_ids)
     assert text.startswith("<|im_start|>user\nhello<|im_end|>") and text.endswith("assistant\n")
+
+
+def test_plain_decoding_equals_recomputing_the_whole_sequence(target):
+    """The engine's plain loop (one step ahead of the host) against greedy decoding that runs
+    the whole sequence through a fresh cache for every token; a stop token ends it early."""
+    import torch
+
+    from flashdraft.cuda_graphs import eager_step
+    from flashdraft.kv_cache import KVCache
+    model, cfg = target.engine.model, target.engine.model.cfg
+    _, ids = target.encode(PROMPTS[2])
+    want = list(ids)
+    with torch.inference_mode():
+        for _ in range(10):
+            cache = KVCache.for_model(cfg, 1, 64, target.dtype, target.device)
+            logits, _ = eager_step(model, torch.tensor([want], device=target.device), 0, cache)
+            want.append(int(logits[0, -1].argmax()))
+    out = target.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=10,
+                                                       ignore_eos=True), draft=None)[0]
+    assert out.token_ids == want[len(ids):]
+    assert out.metrics.target_passes == out.metrics.generated_tokens == 10
+    stop = want[len(ids) + 4]
+    first = want[len(ids):].index(stop)
+    out = target.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=10,
+                                                       stop_token_ids=[stop]), draft=None)[0]
+    assert out.token_ids == want[len(ids):len(ids) + first + 1] and out.finish_reason == "stop"
