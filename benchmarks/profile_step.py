@@ -305,12 +305,12 @@ def quant_products(shape: str, budget_s: float) -> dict:
             parts = (layer.qweight, layer.scale) + ((layer.zero,) if mode == "int4" else ())
             nbytes = sum(t.numel() * t.element_size() for t in parts)
             ring = dram_ring(*parts)
-            run = lambda x, c, magic=True: (lambda t: kernels.quant_linear(
-                x, t[0], t[1], t[2] if len(t) > 2 else None, None, rows, c, magic))(next(ring))
+            run = lambda x, c, conv=None: (lambda t: kernels.quant_linear(
+                x, t[0], t[1], t[2] if len(t) > 2 else None, None, rows, c, conv))(next(ring))
             rule = kernels.quant_config(rows, k)
             ref = x16.double() @ layer.dequantized().double().t()
             y = kernels.quant_linear(x16, *parts[:2], parts[2] if len(parts) > 2 else None, None,
-                                     rows, rule)
+                                     rows, rule, "ops")
             row[f"{mode}_rel_error"] = ((y.double() - ref).norm() / ref.norm()).item()
             row[f"{mode}_MB"] = nbytes / 1e6
             row[mode] = graph_us(lambda: run(x1, rule))
@@ -318,15 +318,15 @@ def quant_products(shape: str, budget_s: float) -> dict:
             row[f"{mode}_TBps"] = nbytes / row[mode] / 1e6
             row[f"{mode}_config"] = rule
             if mode == "int4":
-                yp = kernels.quant_linear(x16, *parts, None, rows, rule, False)
+                yp = kernels.quant_linear(x16, *parts, None, rows, rule, "plain")
                 row["int4_plain_convert_rel_error"] = ((yp.double() - ref).norm()
                                                        / ref.norm()).item()
-                row["int4_plain_convert"] = graph_us(lambda: run(x1, rule, False))
+                row["int4_plain_convert"] = graph_us(lambda: run(x1, rule, "plain"))
                 for label, q in (("asm", parts[0]), ("nk_asm", parts[0].t().contiguous().t())):
                     ya = kernels.quant_linear(x16, q, *parts[1:], None, rows, rule, "asm")
                     row[f"int4_{label}_rel_error"] = ((ya.double() - ref).norm()
                                                       / ref.norm()).item()
-                    row[f"int4_{label}_equals_magic"] = bool(torch.equal(ya, y))
+                    row[f"int4_{label}_equals_ops"] = bool(torch.equal(ya, y))
                 tg = quant._tinygemm_pack(*parts)
                 tg_ring = dram_ring(*tg)
                 tgmm = lambda x: (lambda t: torch.ops.aten._weight_int4pack_mm(
@@ -339,7 +339,7 @@ def quant_products(shape: str, budget_s: float) -> dict:
             flipped = dram_ring(*flip)
             timed = []
             for layout, conv, (block_n, warps), programs in itertools.product(
-                    ("kn", "nk"), (True, "asm") if mode == "int4" else (True,),
+                    ("kn", "nk"), ("ops", "asm") if mode == "int4" else ("ops",),
                     ((128, 4), (256, 4), (256, 8), (128, 8)), (256, 512)):
                 if time.perf_counter() - began > budget_s:
                     break
@@ -360,7 +360,7 @@ def quant_products(shape: str, budget_s: float) -> dict:
         print(f"  quant {shape} {key:>12s} (from DRAM) bf16 {row['bf16']:6.1f} us | int4 "
               f"{row['int4']:6.1f} us ({row['int4_TBps']:.2f} TB/s, err {row['int4_rel_error']:.1e}) "
               f"plain-convert {row['int4_plain_convert']:.1f} tinygemm {row['tinygemm']:.1f} "
-              f"(asm err {row['int4_asm_rel_error']:.1e} same {row['int4_asm_equals_magic']}, nk "
+              f"(asm err {row['int4_asm_rel_error']:.1e} same {row['int4_asm_equals_ops']}, nk "
               f"{row['int4_nk_asm_rel_error']:.1e}) | "
               f"16 rows int4 {row['int4_16rows']:.1f} tinygemm {row['tinygemm_16rows']:.1f} | "
               f"int8 {row['int8']:.1f} us ({row['int8_TBps']:.2f} TB/s) | best int4 {best} int8 "

@@ -850,14 +850,15 @@ def _skinny(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated:
 
 # Weight-only int4 / int8 products of up to QUANT_MAX_ROWS rows (flashdraft.quant's formats):
 # `_skinny_quant_kernel`, launched like the bf16 products but with the K tile fixed to a group
-# of 128 and wider column blocks (an int4 tile of 64 × 128 is only 4 KB).
-# FLASHDRAFT_QUANT_BLOCK_N / FLASHDRAFT_QUANT_PROGRAMS override the tile width and program count
-# (benchmarks/profile_step.py --quant-sweep measures them).
+# of 128 and wider column blocks (an int4 tile of 64 × 128 is only 4 KB). Defaults measured on
+# an H200 (benchmarks/profile_step.py --quant-products, NOTES-gpu.md): 256 columns, 4 warps,
+# ~256 programs, int4 codes made floats in PTX; FLASHDRAFT_QUANT_BLOCK_N / _WARPS / _PROGRAMS /
+# _ASM=0 override them.
 QUANT_MAX_ROWS = 64
-QUANT_BLOCK_N = int(os.environ.get("FLASHDRAFT_QUANT_BLOCK_N", "128"))
+QUANT_BLOCK_N = int(os.environ.get("FLASHDRAFT_QUANT_BLOCK_N", "256"))
 QUANT_PROGRAMS = int(os.environ.get("FLASHDRAFT_QUANT_PROGRAMS", str(_SKINNY_PROGRAMS)))
 QUANT_WARPS = int(os.environ.get("FLASHDRAFT_QUANT_WARPS", "4"))
-QUANT_ASM = os.environ.get("FLASHDRAFT_QUANT_ASM", "0") == "1"  # int4 codes to floats in PTX
+QUANT_ASM = os.environ.get("FLASHDRAFT_QUANT_ASM", "1") != "0"  # int4 codes to floats in PTX
 _MAGIC = {torch.bfloat16: 0x4300, torch.float16: 0x6400}
 
 
@@ -884,17 +885,21 @@ def quant_config(n: int, k: int, block_n: int = 0, programs: int = 0) -> SkinnyC
 
 def quant_linear(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                  zero: torch.Tensor | None, bias: torch.Tensor | None, n: int,
-                 cfg: SkinnyConfig | None = None, magic: bool | str = True) -> torch.Tensor:
+                 cfg: SkinnyConfig | None = None, convert: str | None = None) -> torch.Tensor:
     """x2 [rows, k] (contiguous rows) @ W^T + bias for a weight-only quantized W: int4 when
     zero is given (qweight [k/2, n] uint8, scale and zero [k/128, n]), else int8 (qweight
-    [k, n] int8, scale [n]; either may be a transposed view of an [n, k] tensor). magic=False
-    converts the int4 codes to floats the plain way, "asm" by inline PTX (default:
-    FLASHDRAFT_QUANT_ASM)."""
+    [k, n] int8, scale [n]; either may be a transposed view of an [n, k] tensor). convert: how
+    int4 codes become floats: "asm" (a bit-or in inline PTX, four at a time), "ops" (the same
+    bit-or in Triton ops), "plain" (integer-to-float conversion); default "asm" unless
+    FLASHDRAFT_QUANT_ASM=0 (Triton's interpreter runs "ops" for "asm"). All give the same bits
+    but "plain", which differs in rounding of the sums."""
     rows, k = x2.shape
     bits = 4 if zero is not None else 8
-    magic = "asm" if magic is True and QUANT_ASM else magic
-    magic_bits = _MAGIC.get(x2.dtype, 0) if magic and bits == 4 else 0
-    asm = magic == "asm" and magic_bits and not INTERPRET
+    convert = convert or ("asm" if QUANT_ASM else "ops")
+    if convert not in ("asm", "ops", "plain"):
+        raise ValueError(f"convert={convert!r}: use 'asm', 'ops' or 'plain'")
+    magic_bits = _MAGIC.get(x2.dtype, 0) if convert != "plain" and bits == 4 else 0
+    asm = convert == "asm" and magic_bits and not INTERPRET
     cfg = cfg or quant_config(n, k)
     out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split, triton.cdiv(rows, 16))

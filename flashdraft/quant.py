@@ -100,13 +100,13 @@ def dequantize_int4(packed, scale, zero, dtype) -> torch.Tensor:
 
 # -- the Triton path ---------------------------------------------------------------------------
 
-def triton_matmul(x: torch.Tensor, layer: "QuantLinear", cfg=None, magic: bool = True
+def triton_matmul(x: torch.Tensor, layer: "QuantLinear", cfg=None, convert: str | None = None
                   ) -> torch.Tensor:
     """x [M, K] (M <= kernels.QUANT_MAX_ROWS, contiguous rows) -> x @ W^T + bias [M, N] in x's
     dtype, through `kernels._skinny_quant_kernel` (launch parameters cfg, else
-    `kernels.quant_config`'s; magic: see there)."""
+    `kernels.quant_config`'s; convert: see there)."""
     return kernels.quant_linear(x, layer.qweight, layer.scale, layer.zero, layer.bias,
-                                layer.out_features, cfg, magic)
+                                layer.out_features, cfg, convert)
 
 
 # -- the layer ----------------------------------------------------------------------------------

@@ -67,19 +67,21 @@ def test_bad_requests_say_what_to_do():
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-@pytest.mark.parametrize("backend", ["triton", "tinygemm", "hybrid"])
-def test_fast_kernels_match_the_reference(mode, backend):
+@pytest.mark.parametrize("backend, dtype", [("triton", torch.bfloat16), ("triton", torch.float16),
+                                            ("tinygemm", torch.bfloat16),
+                                            ("hybrid", torch.bfloat16)])
+def test_fast_kernels_match_the_reference(mode, backend, dtype):
     if backend in ("tinygemm", "hybrid") and mode == "int8":
         pytest.skip(f"{backend} is int4 only")
     if backend in ("triton", "hybrid") and quant.triton is None:
         pytest.skip("triton is not installed")
     torch.manual_seed(2)
     for k, n in ((512, 384), (1536, 8960), (4096, 1024)):
-        lin = nn.Linear(k, n, bias=True, device="cuda", dtype=torch.bfloat16)
+        lin = nn.Linear(k, n, bias=True, device="cuda", dtype=dtype)
         fast = quant.QuantLinear(lin, mode, backend)
-        w = fast.dequantized(torch.bfloat16)
+        w = fast.dequantized(dtype)
         for m in (1, 2, 7, 16, 32):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
             ref = (x.double() @ w.double().t() + lin.bias.double())
             y = fast(x)
             torch.testing.assert_close(y.isnan().any(), torch.tensor(False, device="cuda"))
@@ -87,17 +89,20 @@ def test_fast_kernels_match_the_reference(mode, backend):
             assert rel < (3e-3 if backend == "triton" else 1e-2), (k, n, m, rel)
             if backend == "triton":  # batch-invariant: row 0 alone gives the same bits
                 assert torch.equal(fast(x[:1]), y[:1]), (k, n, m)
+                # the int4 codes made floats in PTX or in Triton ops: the same bits
+                assert torch.equal(quant.triton_matmul(x, fast, None, "asm"),
+                                   quant.triton_matmul(x, fast, None, "ops")), (k, n, m)
 
 
 @pytest.mark.skipif(quant.triton is None or torch.cuda.is_available() or not kernels.INTERPRET,
                     reason="the CPU run of the Triton kernels needs Triton's interpreter")
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-@pytest.mark.parametrize("magic", [True, False])
-def test_triton_kernel_on_cpu_through_the_interpreter(mode, magic):
+@pytest.mark.parametrize("convert", ["ops", "plain"])
+def test_triton_kernel_on_cpu_through_the_interpreter(mode, convert):
     """The Triton product in float16 through Triton's interpreter, against the reference: K in
     two slices added by the last program, a partial column block, two row blocks, a bias."""
-    if mode == "int8" and not magic:
-        pytest.skip("magic only changes int4")
+    if mode == "int8" and convert == "plain":
+        pytest.skip("convert only changes int4")
     torch.manual_seed(3)
     layer = quant.QuantLinear(nn.Linear(256, 80, bias=True).half(), mode, "reference")
     w = layer.dequantized(torch.float32)
@@ -106,12 +111,12 @@ def test_triton_kernel_on_cpu_through_the_interpreter(mode, magic):
     for m in (1, 5, 17):
         x = torch.randn(m, 256).half()
         ref = x.double() @ w.double().t() + layer.bias.double()
-        y = quant.triton_matmul(x, layer, cfg, magic=magic)
+        y = quant.triton_matmul(x, layer, cfg, convert)
         assert ((y.double() - ref).norm() / ref.norm()).item() < 2e-3, m
         # the weight stored [n, k] instead (a transposed view): the same sums
         flipped = layer.qweight.t().contiguous().t()
-        parts = (layer.scale, layer.zero, layer.bias, 80, cfg, magic)
+        parts = (layer.scale, layer.zero, layer.bias, 80, cfg, convert)
         torch.testing.assert_close(kernels.quant_linear(x, flipped, *parts), y, rtol=0, atol=0)
         # batch-invariant: each row alone gives the same bits
-        assert torch.equal(quant.triton_matmul(x[:1], layer, cfg, magic=magic), y[:1])
+        assert torch.equal(quant.triton_matmul(x[:1], layer, cfg, convert), y[:1])
     assert not kernels._counters(x.device, 1).any()  # every tile counter back to zero
