@@ -371,6 +371,42 @@ def quant_products(shape: str, budget_s: float) -> dict:
     return result
 
 
+@torch.inference_mode()
+def convert_probe(shape: str, converts: list[str]) -> dict:
+    """int4 products of each matrix of the shape under each code conversion of
+    kernels.quant_linear, at the default launch parameters: µs for 1 and 16 rows (weights from
+    DRAM) and the error against the dequantized weight in float64."""
+    from flashdraft import quant
+    cfg = dataclasses.replace(get_shape(shape), num_layers=1)
+    model = build_random_model(cfg, torch.bfloat16, "cuda")
+    result = {}
+    for (n, k, gated), w in matrices(model).items():
+        rows = w.shape[0]
+        lin = torch.nn.Linear(k, rows, bias=False, device="cuda", dtype=torch.bfloat16)
+        lin.weight.data = w
+        layer = quant.QuantLinear(lin, "int4", "triton")
+        parts = (layer.qweight, layer.scale, layer.zero)
+        ring = dram_ring(*parts)
+        x1 = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+        x16 = torch.randn(16, k, dtype=torch.bfloat16, device="cuda")
+        ref = x16.double() @ layer.dequantized().double().t()
+        row = {}
+        for conv in converts:
+            run = lambda x: (lambda t: kernels.quant_linear(x, *t, None, rows, None, conv))(
+                next(ring))
+            try:
+                y = kernels.quant_linear(x16, *parts, None, rows, None, conv).double()
+                row[conv] = {"us": graph_us(lambda: run(x1)), "us_16rows": graph_us(lambda: run(x16)),
+                             "rel_error": ((y - ref).norm() / ref.norm()).item()}
+            except Exception as e:
+                row[conv] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        result[f"{rows}x{k}"] = row
+        print(f"  convert {shape} {rows}x{k}: " + "; ".join(
+            f"{c} {v['us']:.1f}/{v['us_16rows']:.1f} us err {v['rel_error']:.1e}" if "us" in v
+            else f"{c} {v['error']}" for c, v in row.items()), flush=True)
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("shapes", nargs="+", help="SHAPE or SHAPE:QUANT (int4, int8, int4-hybrid)")
@@ -385,6 +421,9 @@ def main() -> None:
     ap.add_argument("--quant-products", type=float, default=0.0, metavar="S",
                     help="weight-only int4/int8 products of each matrix, with S seconds a "
                          "matrix for a launch-parameter sweep")
+    ap.add_argument("--convert-probe", default="",
+                    help="comma-separated int4 code conversions to time on each matrix "
+                         "(kernels.quant_linear's convert)")
     ap.add_argument("--sweep", type=float, default=0.0,
                     help="seconds per shape for a launch-parameter sweep of the skinny kernel")
     args = ap.parse_args()
@@ -416,6 +455,8 @@ def main() -> None:
             print(format_shape_bench(r["official"]), flush=True)
         if args.sweep and not quant:
             r["sweep"] = sweep(shape, args.sweep)
+        if args.convert_probe:
+            r["convert_probe"] = convert_probe(shape, args.convert_probe.split(","))
         if args.quant_products:
             r["quant_products"] = quant_products(shape, args.quant_products)
         if args.no_compare:

@@ -463,8 +463,8 @@ if triton is not None:
 
     @triton.jit
     def _quant_step(acc, wt, x_ptr, s_ptr, z_ptr, offs_m, m_ok, offs_n, g, n, k, stride_xm,
-                    BITS: tl.constexpr, MAGIC: tl.constexpr, ASM_LO: tl.constexpr,
-                    ASM_HI: tl.constexpr, PRECISION: tl.constexpr):
+                    BITS: tl.constexpr, MAGIC: tl.constexpr, SCALED: tl.constexpr,
+                    ASM_LO: tl.constexpr, ASM_HI: tl.constexpr, PRECISION: tl.constexpr):
         # acc [BLOCK_N, BLOCK_M] += the products of K group g: weights wt (from _quant_tile)
         # times x's inputs of the group, on tensor cores. int4: w = (q - 8) · s + z per group
         # and column, so the group adds s · Σ x (q - 8) + z · Σ x, applied to the group's
@@ -479,10 +479,11 @@ if triton is not None:
             x_lo = tl.load(rows + offs[None, :], mask=ok, other=0.0)
             x_hi = tl.load(rows + (offs + 64)[None, :], mask=ok, other=0.0)
             if ASM_LO != "":  # the same in PTX, four codes at a time (see _nibble_asm)
-                lo = tl.inline_asm_elementwise(ASM_LO, "=r,=r,r", [wt], dtype=dt, is_pure=True,
-                                               pack=4)
-                hi = tl.inline_asm_elementwise(ASM_HI, "=r,=r,r", [wt], dtype=dt, is_pure=True,
-                                               pack=4)
+                if not SCALED:
+                    lo = tl.inline_asm_elementwise(ASM_LO, "=r,=r,r", [wt], dtype=dt,
+                                                   is_pure=True, pack=4)
+                    hi = tl.inline_asm_elementwise(ASM_HI, "=r,=r,r", [wt], dtype=dt,
+                                                   is_pure=True, pack=4)
                 offset = 136.0 if MAGIC == 0x4300 else 1032.0
             elif MAGIC:
                 w16 = wt.to(tl.uint16)
@@ -493,13 +494,31 @@ if triton is not None:
                 lo = ((wt & 0xF).to(tl.float32) - 8.0).to(dt)
                 hi = ((wt >> 4).to(tl.float32) - 8.0).to(dt)
                 offset = 0.0
-            d = tl.dot(lo, tl.trans(x_lo), input_precision=PRECISION, out_dtype=tl.float32)
-            d = tl.dot(hi, tl.trans(x_hi), d, input_precision=PRECISION)
-            xs = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
             g_ok = offs_n < tl.where(g * 128 < k, n, 0)
-            s = tl.load(s_ptr + g * n + offs_n, mask=g_ok, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g * n + offs_n, mask=g_ok, other=0.0).to(tl.float32)
-            acc += s[:, None] * (d - offset * xs[None, :]) + z[:, None] * xs[None, :]
+            s = tl.load(s_ptr + g * n + offs_n, mask=g_ok, other=0.0)
+            z = tl.load(z_ptr + g * n + offs_n, mask=g_ok, other=0.0)
+            if SCALED:
+                # each weight dequantized in full, (q - 8) · s + z, so that the tensor cores
+                # sum straight into acc (their sums chain from group to group, no wait)
+                sb, _ = tl.broadcast(s[:, None], wt)
+                zb, _ = tl.broadcast(z[:, None], wt)
+                if ASM_LO != "":  # bit-or, subtract and fused multiply-add on pairs, in PTX
+                    lo = tl.inline_asm_elementwise(ASM_LO, "=r,=r,r,r,r,r,r", [wt, sb, zb],
+                                                   dtype=dt, is_pure=True, pack=4)
+                    hi = tl.inline_asm_elementwise(ASM_HI, "=r,=r,r,r,r,r,r", [wt, sb, zb],
+                                                   dtype=dt, is_pure=True, pack=4)
+                else:
+                    sf, zf = sb.to(tl.float32), zb.to(tl.float32)
+                    lo = ((lo.to(tl.float32) - offset) * sf + zf).to(dt)
+                    hi = ((hi.to(tl.float32) - offset) * sf + zf).to(dt)
+                acc = tl.dot(lo, tl.trans(x_lo), acc, input_precision=PRECISION)
+                acc = tl.dot(hi, tl.trans(x_hi), acc, input_precision=PRECISION)
+            else:
+                d = tl.dot(lo, tl.trans(x_lo), input_precision=PRECISION, out_dtype=tl.float32)
+                d = tl.dot(hi, tl.trans(x_hi), d, input_precision=PRECISION)
+                xs = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
+                s, z = s.to(tl.float32), z.to(tl.float32)
+                acc += s[:, None] * (d - offset * xs[None, :]) + z[:, None] * xs[None, :]
         else:
             offs = g * 128 + tl.arange(0, 128)
             xk = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs[None, :],
@@ -510,7 +529,7 @@ if triton is not None:
     @triton.jit
     def _skinny_quant_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, count_ptr,
                              m, n, k, stride_xm, stride_wn, stride_wk, stride_om, BITS: tl.constexpr,
-                             MAGIC: tl.constexpr, ASM_LO: tl.constexpr,
+                             MAGIC: tl.constexpr, SCALED: tl.constexpr, ASM_LO: tl.constexpr,
                              ASM_HI: tl.constexpr, HAS_BIAS: tl.constexpr,
                              SPLIT: tl.constexpr,
                              K_STEPS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -534,11 +553,11 @@ if triton is not None:
             _pdl_wait(USE_PDL, EARLY_LAUNCH)
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         acc = _quant_step(acc, wt, x_ptr, s_ptr, z_ptr, offs_m, m_ok, offs_n, g0, n, k,
-                          stride_xm, BITS, MAGIC, ASM_LO, ASM_HI, PRECISION)
+                          stride_xm, BITS, MAGIC, SCALED, ASM_LO, ASM_HI, PRECISION)
         for i in range(1, K_STEPS):
             wt = _quant_tile(w_ptr, offs_n, n_ok, g0 + i, k, stride_wn, stride_wk, BITS)
             acc = _quant_step(acc, wt, x_ptr, s_ptr, z_ptr, offs_m, m_ok, offs_n, g0 + i, n, k,
-                              stride_xm, BITS, MAGIC, ASM_LO, ASM_HI, PRECISION)
+                              stride_xm, BITS, MAGIC, SCALED, ASM_LO, ASM_HI, PRECISION)
         if BITS == 8:  # the per-column scale, once
             acc = acc * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         _skinny_finish(acc, acc, tl.zeros([BLOCK_M], tl.float32), b_ptr, out_ptr, part_ptr,
@@ -853,22 +872,31 @@ def _skinny(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated:
 # of 128 and wider column blocks (an int4 tile of 64 × 128 is only 4 KB). Defaults measured on
 # an H200 (benchmarks/profile_step.py --quant-products, NOTES-gpu.md): 256 columns, 4 warps,
 # ~256 programs, int4 codes made floats in PTX; FLASHDRAFT_QUANT_BLOCK_N / _WARPS / _PROGRAMS /
-# _ASM=0 override them.
+# _CONVERT override them.
 QUANT_MAX_ROWS = 64
 QUANT_BLOCK_N = int(os.environ.get("FLASHDRAFT_QUANT_BLOCK_N", "256"))
 QUANT_PROGRAMS = int(os.environ.get("FLASHDRAFT_QUANT_PROGRAMS", str(_SKINNY_PROGRAMS)))
 QUANT_WARPS = int(os.environ.get("FLASHDRAFT_QUANT_WARPS", "4"))
-QUANT_ASM = os.environ.get("FLASHDRAFT_QUANT_ASM", "1") != "0"  # int4 codes to floats in PTX
+QUANT_CONVERT = os.environ.get("FLASHDRAFT_QUANT_CONVERT", "asm")  # see quant_linear
 _MAGIC = {torch.bfloat16: 0x4300, torch.float16: 0x6400}
 
 
-def _nibble_asm(magic: int, high: bool) -> str:
+def _nibble_asm(magic: int, high: bool, scaled: bool = False) -> str:
     """PTX: four uint8 codes (one 32-bit register) -> four 16-bit floats magic | nibble (two
-    registers); a byte permute and one logic op make two floats (Marlin's trick)."""
+    registers); a byte permute and one logic op make two floats (Marlin's trick). scaled: then
+    (that - magic - 8) · s + z, s and z given as two registers each, on pairs (exact up to the
+    FMA's one rounding)."""
     shift = "shr.b32 r, $2, 4;" if high else "mov.b32 r, $2;"
     m = f"0x{magic:04X}{magic:04X}"
-    return (f"{{ .reg .b32 r; {shift} prmt.b32 $0, r, 0, 0x4140; prmt.b32 $1, r, 0, 0x4342; "
-            f"lop3.b32 $0, $0, 0x000F000F, {m}, 0xEA; lop3.b32 $1, $1, 0x000F000F, {m}, 0xEA; }}")
+    code = (f"{shift} prmt.b32 a, r, 0, 0x4140; prmt.b32 b, r, 0, 0x4342; "
+            f"lop3.b32 a, a, 0x000F000F, {m}, 0xEA; lop3.b32 b, b, 0x000F000F, {m}, 0xEA; ")
+    if not scaled:
+        return "{ .reg .b32 r, a, b; " + code + "mov.b32 $0, a; mov.b32 $1, b; }"
+    kind = "bf16x2" if magic == 0x4300 else "f16x2"
+    one, off = ("0x3F803F80", "0xC308C308") if magic == 0x4300 else ("0x3C003C00", "0xE408E408")
+    return ("{ .reg .b32 r, a, b, one, off; " + code + f"mov.b32 one, {one}; mov.b32 off, {off}; "
+            f"fma.rn.{kind} a, a, one, off; fma.rn.{kind} b, b, one, off; "
+            f"fma.rn.{kind} $0, a, $3, $5; fma.rn.{kind} $1, b, $4, $6; }}")
 
 
 @functools.cache
@@ -889,17 +917,22 @@ def quant_linear(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     """x2 [rows, k] (contiguous rows) @ W^T + bias for a weight-only quantized W: int4 when
     zero is given (qweight [k/2, n] uint8, scale and zero [k/128, n]), else int8 (qweight
     [k, n] int8, scale [n]; either may be a transposed view of an [n, k] tensor). convert: how
-    int4 codes become floats: "asm" (a bit-or in inline PTX, four at a time), "ops" (the same
-    bit-or in Triton ops), "plain" (integer-to-float conversion); default "asm" unless
-    FLASHDRAFT_QUANT_ASM=0 (Triton's interpreter runs "ops" for "asm"). All give the same bits
-    but "plain", which differs in rounding of the sums."""
+    int4 codes become floats (default FLASHDRAFT_QUANT_CONVERT, else "asm"):
+      "asm"     a bit-or in inline PTX, four codes at a time; scale and zero applied to each
+                group's sums      (Triton's interpreter runs the "ops" twin of an "asm" mode)
+      "ops"     the same in Triton ops (bit for bit as "asm")
+      "plain"   integer-to-float conversion (rounds the sums differently)
+      "scaled", "scaled-asm"  each weight dequantized in full, (q - 8) · s + z, so that the
+                tensor cores sum every group into one accumulator (rounds differently)."""
     rows, k = x2.shape
     bits = 4 if zero is not None else 8
-    convert = convert or ("asm" if QUANT_ASM else "ops")
-    if convert not in ("asm", "ops", "plain"):
-        raise ValueError(f"convert={convert!r}: use 'asm', 'ops' or 'plain'")
+    convert = convert or QUANT_CONVERT
+    if convert not in ("asm", "ops", "plain", "scaled", "scaled-asm"):
+        raise ValueError(f"convert={convert!r}: use 'asm', 'ops', 'plain', 'scaled' or "
+                         f"'scaled-asm'")
     magic_bits = _MAGIC.get(x2.dtype, 0) if convert != "plain" and bits == 4 else 0
-    asm = convert == "asm" and magic_bits and not INTERPRET
+    scaled = convert.startswith("scaled") and bits == 4 and bool(magic_bits)
+    asm = convert.endswith("asm") and magic_bits and not INTERPRET
     cfg = cfg or quant_config(n, k)
     out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split, triton.cdiv(rows, 16))
@@ -908,8 +941,9 @@ def quant_linear(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         x2, qweight, scale, zero if zero is not None else scale,
         bias if bias is not None else scale, out, parts, counters, rows, n, k, x2.stride(0),
         qweight.stride(1), qweight.stride(0), out.stride(0), BITS=bits,
-        MAGIC=magic_bits, ASM_LO=_nibble_asm(magic_bits, False) if asm else "",
-        ASM_HI=_nibble_asm(magic_bits, True) if asm else "",
+        MAGIC=magic_bits, SCALED=scaled,
+        ASM_LO=_nibble_asm(magic_bits, False, scaled) if asm else "",
+        ASM_HI=_nibble_asm(magic_bits, True, scaled) if asm else "",
         HAS_BIAS=bias is not None, SPLIT=cfg.split, K_STEPS=cfg.k_steps,
         BLOCK_N=cfg.block_n, BLOCK_M=16,
         PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", PREFETCH=PREFETCH,

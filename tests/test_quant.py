@@ -92,16 +92,19 @@ def test_fast_kernels_match_the_reference(mode, backend, dtype):
                 # the int4 codes made floats in PTX or in Triton ops: the same bits
                 assert torch.equal(quant.triton_matmul(x, fast, None, "asm"),
                                    quant.triton_matmul(x, fast, None, "ops")), (k, n, m)
+                for convert in ("scaled", "scaled-asm"):  # weights dequantized in full
+                    ys = quant.triton_matmul(x, fast, None, convert).double()
+                    assert ((ys - ref).norm() / ref.norm()).item() < 3e-3, (convert, k, n, m)
 
 
 @pytest.mark.skipif(quant.triton is None or torch.cuda.is_available() or not kernels.INTERPRET,
                     reason="the CPU run of the Triton kernels needs Triton's interpreter")
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-@pytest.mark.parametrize("convert", ["ops", "plain"])
+@pytest.mark.parametrize("convert", ["ops", "plain", "scaled"])
 def test_triton_kernel_on_cpu_through_the_interpreter(mode, convert):
     """The Triton product in float16 through Triton's interpreter, against the reference: K in
     two slices added by the last program, a partial column block, two row blocks, a bias."""
-    if mode == "int8" and convert == "plain":
+    if mode == "int8" and convert != "ops":
         pytest.skip("convert only changes int4")
     torch.manual_seed(3)
     layer = quant.QuantLinear(nn.Linear(256, 80, bias=True).half(), mode, "reference")
