@@ -166,6 +166,7 @@ class Engine:
             return StepOutput(new)
 
         step = finish([tokens[-1]])
+        ended = None  # when plain decoding read its last token
         try:
             yield step
             if drafter is None:
@@ -175,7 +176,8 @@ class Engine:
                 # overlaps the GPU's next step. At the end the step ahead is dropped (its
                 # cache entry lies past the last token; the capacity has room for it).
                 reader = _TokenReader(self.device)
-                cur = self._plain_step(last, len(tokens) - 1, params, generator, reader)
+                if step.finish_reason is None:
+                    cur = self._plain_step(last, len(tokens) - 1, params, generator, reader)
                 while step.finish_reason is None:
                     ahead = None
                     if len(tokens) + 1 - len(prompt) < max_new:  # a token may follow cur's
@@ -185,6 +187,8 @@ class Engine:
                     tokens.extend(new)
                     metrics.generated_tokens += 1
                     step = finish(new)
+                    if step.finish_reason is not None:  # the step ahead is not the request's
+                        ended = time.perf_counter()
                     yield step
                     cur = ahead
             while step.finish_reason is None:
@@ -227,8 +231,9 @@ class Engine:
                 yield step
         finally:
             _sync(self.device)
-            metrics.decode_time_s = time.perf_counter() - decode_start
-            metrics.total_time_s = time.perf_counter() - start
+            ended = ended or time.perf_counter()
+            metrics.decode_time_s = ended - decode_start
+            metrics.total_time_s = ended - start
 
     def _plain_step(self, last: torch.Tensor, position: int, params: SamplingParams, generator,
                     reader: "_TokenReader"):
@@ -267,9 +272,9 @@ class _TokenReader:
             return token
         buf = self.buffers[self.turn]
         self.turn ^= 1
-        buf.copy_(token.view(-1), non_blocking=True)
+        buf.copy_(token.view(-1), non_blocking=True)  # on the stream of token's device
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(token.device))
         return buf, event
 
     def read(self, handle) -> int:

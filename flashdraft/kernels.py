@@ -467,10 +467,11 @@ if triton is not None:
                     ASM_LO: tl.constexpr, ASM_HI: tl.constexpr, PRECISION: tl.constexpr):
         # acc [BLOCK_N, BLOCK_M] += the products of K group g: weights wt (from _quant_tile)
         # times x's inputs of the group, on tensor cores. int4: w = (q - 8) · s + z per group
-        # and column, so the group adds s · Σ x (q - 8) + z · Σ x, applied to the group's
-        # [BLOCK_N, BLOCK_M] sums, not to each weight. With MAGIC (0x4300 for bfloat16,
-        # 0x6400 for float16) a code becomes a float by a bit-or, q + 128 (bf16) or q + 1024
-        # (fp16) exactly, and the offset comes off the sums: no integer-to-float conversion.
+        # and column. With MAGIC (0x4300 for bfloat16, 0x6400 for float16) a code becomes a
+        # float by a bit-or, q + 128 (bf16) or q + 1024 (fp16) exactly: no integer-to-float
+        # conversion. SCALED: each weight is then dequantized in full and the tensor cores sum
+        # into acc directly; else the group adds s · Σ x (q - 8) + z · Σ x, applied to the
+        # group's [BLOCK_N, BLOCK_M] sums, the offset (136 or 1032) coming off those sums.
         dt = x_ptr.dtype.element_ty
         if BITS == 4:
             offs = g * 128 + tl.arange(0, 64)
@@ -871,40 +872,41 @@ def _skinny(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated:
 # `_skinny_quant_kernel`, launched like the bf16 products but with the K tile fixed to a group
 # of 128 and wider column blocks (an int4 tile of 64 × 128 is only 4 KB). Defaults measured on
 # an H200 (benchmarks/profile_step.py --quant-products, NOTES-gpu.md): 256 columns, 4 warps,
-# ~256 programs, int4 codes made floats in PTX; FLASHDRAFT_QUANT_BLOCK_N / _WARPS / _PROGRAMS /
-# _CONVERT override them.
+# ~256 programs, int4 weights dequantized in full in PTX; FLASHDRAFT_QUANT_BLOCK_N, _WARPS,
+# _PROGRAMS and _CONVERT override them.
 QUANT_MAX_ROWS = 64
 QUANT_BLOCK_N = int(os.environ.get("FLASHDRAFT_QUANT_BLOCK_N", "256"))
 QUANT_PROGRAMS = int(os.environ.get("FLASHDRAFT_QUANT_PROGRAMS", str(_SKINNY_PROGRAMS)))
 QUANT_WARPS = int(os.environ.get("FLASHDRAFT_QUANT_WARPS", "4"))
-QUANT_CONVERT = os.environ.get("FLASHDRAFT_QUANT_CONVERT", "asm")  # see quant_linear
+QUANT_CONVERT = os.environ.get("FLASHDRAFT_QUANT_CONVERT", "scaled-asm")  # see quant_linear
 _MAGIC = {torch.bfloat16: 0x4300, torch.float16: 0x6400}
 
 
 def _nibble_asm(magic: int, high: bool, scaled: bool = False) -> str:
     """PTX: four uint8 codes (one 32-bit register) -> four 16-bit floats magic | nibble (two
     registers); a byte permute and one logic op make two floats (Marlin's trick). scaled: then
-    (that - magic - 8) · s + z, s and z given as two registers each, on pairs (exact up to the
-    FMA's one rounding)."""
+    (that - 136) · s + z for bfloat16, s and z given as two registers each, on pairs (exact up
+    to the FMA's one rounding)."""
     shift = "shr.b32 r, $2, 4;" if high else "mov.b32 r, $2;"
     m = f"0x{magic:04X}{magic:04X}"
     code = (f"{shift} prmt.b32 a, r, 0, 0x4140; prmt.b32 b, r, 0, 0x4342; "
             f"lop3.b32 a, a, 0x000F000F, {m}, 0xEA; lop3.b32 b, b, 0x000F000F, {m}, 0xEA; ")
     if not scaled:
         return "{ .reg .b32 r, a, b; " + code + "mov.b32 $0, a; mov.b32 $1, b; }"
-    kind = "bf16x2" if magic == 0x4300 else "f16x2"
-    one, off = ("0x3F803F80", "0xC308C308") if magic == 0x4300 else ("0x3C003C00", "0xE408E408")
-    return ("{ .reg .b32 r, a, b, one, off; " + code + f"mov.b32 one, {one}; mov.b32 off, {off}; "
-            f"fma.rn.{kind} a, a, one, off; fma.rn.{kind} b, b, one, off; "
-            f"fma.rn.{kind} $0, a, $3, $5; fma.rn.{kind} $1, b, $4, $6; }}")
+    if magic != 0x4300:  # s and z are stored bf16: the pairs' FMAs need the model's dtype
+        raise ValueError("the scaled PTX conversion is for bfloat16 models only")
+    return ("{ .reg .b32 r, a, b, one, off; " + code + "mov.b32 one, 0x3F803F80; "
+            "mov.b32 off, 0xC308C308; fma.rn.bf16x2 a, a, one, off; "  # 128 + q - 136
+            "fma.rn.bf16x2 b, b, one, off; fma.rn.bf16x2 $0, a, $3, $5; "
+            "fma.rn.bf16x2 $1, b, $4, $6; }")
 
 
 @functools.cache
 def quant_config(n: int, k: int, block_n: int = 0, programs: int = 0) -> SkinnyConfig:
-    """Launch parameters of `_skinny_quant_kernel` for an [n, k] weight (k a multiple of 128):
-    a function of the shape only, as `skinny_config`."""
+    """Launch parameters of `_skinny_quant_kernel` for an [n, k] weight (int4: k a multiple of
+    128): a function of the shape only, as `skinny_config`."""
     block_n = block_n or QUANT_BLOCK_N
-    groups, tiles_n = k // 128, triton.cdiv(n, block_n)
+    groups, tiles_n = triton.cdiv(k, 128), triton.cdiv(n, block_n)
     split = max(1, min(groups, (programs or QUANT_PROGRAMS) // tiles_n))
     k_steps = triton.cdiv(groups, split)
     split = triton.cdiv(groups, k_steps)
@@ -917,19 +919,22 @@ def quant_linear(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     """x2 [rows, k] (contiguous rows) @ W^T + bias for a weight-only quantized W: int4 when
     zero is given (qweight [k/2, n] uint8, scale and zero [k/128, n]), else int8 (qweight
     [k, n] int8, scale [n]; either may be a transposed view of an [n, k] tensor). convert: how
-    int4 codes become floats (default FLASHDRAFT_QUANT_CONVERT, else "asm"):
+    int4 codes become floats (default FLASHDRAFT_QUANT_CONVERT, else "scaled-asm"):
       "asm"     a bit-or in inline PTX, four codes at a time; scale and zero applied to each
                 group's sums      (Triton's interpreter runs the "ops" twin of an "asm" mode)
       "ops"     the same in Triton ops (bit for bit as "asm")
       "plain"   integer-to-float conversion (rounds the sums differently)
       "scaled", "scaled-asm"  each weight dequantized in full, (q - 8) · s + z, so that the
-                tensor cores sum every group into one accumulator (rounds differently)."""
+                tensor cores sum every group into one accumulator (rounds differently; in
+                PTX for bfloat16 only: float16 models get "asm" for "scaled-asm")."""
     rows, k = x2.shape
     bits = 4 if zero is not None else 8
     convert = convert or QUANT_CONVERT
     if convert not in ("asm", "ops", "plain", "scaled", "scaled-asm"):
         raise ValueError(f"convert={convert!r}: use 'asm', 'ops', 'plain', 'scaled' or "
                          f"'scaled-asm'")
+    if convert == "scaled-asm" and x2.dtype != torch.bfloat16:
+        convert = "asm"  # scales and zeros are bf16, which float16 FMAs cannot take
     magic_bits = _MAGIC.get(x2.dtype, 0) if convert != "plain" and bits == 4 else 0
     scaled = convert.startswith("scaled") and bits == 4 and bool(magic_bits)
     asm = convert.endswith("asm") and magic_bits and not INTERPRET

@@ -18,9 +18,10 @@ Paths, chosen per layer at run time (`QuantLinear.backend`):
   the definition the fast paths are tested against.
 - "triton": `kernels._skinny_quant_kernel` for up to 64 rows: the bf16 products' kernel with
   the weights dequantized in registers for the tensor cores (int4: a bit-or makes each code a
-  float, group scales applied to the sums), K split by the weight's shape alone, the slices added
-  by the last program of a tile; batch-invariant, so quantized speculative decoding returns the
-  tokens of quantized plain decoding. More rows (prefill) dequantize the weight and use cuBLAS.
+  float, then (q - 8) · s + z in paired FMAs; see `kernels.quant_linear` for the variants), K
+  split by the weight's shape alone, the slices added by the last program of a tile;
+  batch-invariant, so quantized speculative decoding returns the tokens of quantized plain
+  decoding. More rows (prefill) dequantize the weight and use cuBLAS.
 - "tinygemm" (int4 only): torch's built-in `_weight_int4pack_mm` over its own packing.
 - "hybrid" (int4 only): tinygemm for up to HYBRID_MAX_ROWS rows, Triton above; keeps both
   packings, so 0.5 byte per weight more memory (kept for comparison: not batch-invariant).

@@ -103,16 +103,22 @@ def test_fast_kernels_match_the_reference(mode, backend, dtype):
 @pytest.mark.parametrize("convert", ["ops", "plain", "scaled"])
 def test_triton_kernel_on_cpu_through_the_interpreter(mode, convert):
     """The Triton product in float16 through Triton's interpreter, against the reference: K in
-    two slices added by the last program, a partial column block, two row blocks, a bias."""
+    two slices added by the last program (the second shorter), a partial column block, two row
+    blocks, a bias."""
     if mode == "int8" and convert != "ops":
         pytest.skip("convert only changes int4")
     torch.manual_seed(3)
-    layer = quant.QuantLinear(nn.Linear(256, 80, bias=True).half(), mode, "reference")
+    for k, steps in ((256, 1), (640, 3)):  # 640: 5 groups in slices of 3 and 2
+        _check_through_the_interpreter(mode, convert, k, steps)
+
+
+def _check_through_the_interpreter(mode, convert, k, steps):
+    layer = quant.QuantLinear(nn.Linear(k, 80, bias=True).half(), mode, "reference")
     w = layer.dequantized(torch.float32)
-    cfg = kernels.quant_config(80, 256, block_n=32, programs=6)
-    assert cfg.split == 2 and cfg.k_steps == 1
+    cfg = kernels.quant_config(80, k, block_n=32, programs=6)
+    assert cfg.split == 2 and cfg.k_steps == steps
     for m in (1, 5, 17):
-        x = torch.randn(m, 256).half()
+        x = torch.randn(m, k).half()
         ref = x.double() @ w.double().t() + layer.bias.double()
         y = quant.triton_matmul(x, layer, cfg, convert)
         assert ((y.double() - ref).norm() / ref.norm()).item() < 2e-3, m
@@ -123,3 +129,23 @@ def test_triton_kernel_on_cpu_through_the_interpreter(mode, convert):
         # batch-invariant: each row alone gives the same bits
         assert torch.equal(quant.triton_matmul(x[:1], layer, cfg, convert), y[:1])
     assert not kernels._counters(x.device, 1).any()  # every tile counter back to zero
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_speculative_decoding_equals_quantized_plain(tmp_path, mode):
+    """The quantized products are batch-invariant: greedy speculation returns the tokens of
+    plain decoding with the same quantized weights, bf16, graphs on (hidden 128: int4 groups)."""
+    from flashdraft import LLM, SamplingParams
+    from tests.tiny import build_model
+    target = build_model(tmp_path / "target", "qwen2", seed=1, hidden=128)
+    draft_model = build_model(tmp_path / "draft", "qwen2", seed=7, layers=1, hidden=128,
+                              tokenizer_from=target)
+    llm = LLM(str(target), device="cuda", dtype="bfloat16", quantization=mode)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = ["def add(a, b):", "The quick brown fox jumps"]
+    plain = [o.token_ids for o in llm.generate(prompts, params, draft=None)]
+    for draft in ("ngram", str(draft_model), str(target)):
+        outs = llm.generate(prompts, params, draft=draft, num_speculative_tokens=4)
+        assert [o.token_ids for o in outs] == plain, draft
