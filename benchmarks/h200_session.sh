@@ -65,8 +65,8 @@ for phase in "$@"; do
     # Weight-only int4 / int8 products of every matrix shape (from DRAM, with a launch sweep),
     # then the int4 shapes in the model: the official figures only.
     python3 benchmarks/profile_step.py --out "$OUT/qkernels" --no-official --no-compare \
-      --quant-products "${QUANT_SWEEP_S:-25}" ${QUANT_SHAPES:-qwen3-32b dense-27b qwen3-8b qwen2.5-1.5b} \
-      2>&1 | grep -v Warn | tee "$OUT/qkernels.log"
+      --convert-probe scaled-asm,asm,scaled --quant-products "${QUANT_SWEEP_S:-25}" \
+      ${QUANT_SHAPES:-qwen3-32b dense-27b qwen2.5-1.5b} 2>&1 | grep -v Warn | tee "$OUT/qkernels.log"
     python3 benchmarks/profile_step.py --out "$OUT/qshapes" --no-compare ${QUANT_MODEL_SHAPES:-\
       qwen3-32b:int4 dense-27b:int4 dense-27b:int4-hybrid qwen3-8b:int4 qwen3-8b:int8} 2>&1 \
       | grep -v Warn | tee "$OUT/qshapes.log"

@@ -56,15 +56,14 @@ PROFILED = ("torch", "fused+skinny", DEFAULT)
 
 # In-model variants of the skinny-kernel path (PDL and prefetch on), see kernels.SKINNY_RULE
 VARIANTS = {
-    "v1/sum-kernel": dict(SKINNY_RULE="v1", SPLIT_REDUCE="kernel", GATED=False, NORM_FUSED=False),
-    "v1": dict(SKINNY_RULE="v1", SPLIT_REDUCE="last", GATED=False, NORM_FUSED=False),
-    "v1+gated": dict(SKINNY_RULE="v1", SPLIT_REDUCE="last", GATED=True, NORM_FUSED=False),
-    "v1+gated+norm": dict(SKINNY_RULE="v1", SPLIT_REDUCE="last", GATED=True, NORM_FUSED=True),
-    "v2": dict(SKINNY_RULE="v2", SPLIT_REDUCE="last", GATED=False, NORM_FUSED=False),
-    "v2+gated+norm": dict(SKINNY_RULE="v2", SPLIT_REDUCE="last", GATED=True, NORM_FUSED=True),
+    "v1/sum-kernel": dict(SKINNY_RULE="v1", SPLIT_REDUCE="kernel", GATED=False),
+    "v1": dict(SKINNY_RULE="v1", SPLIT_REDUCE="last", GATED=False),
+    "v1+gated": dict(SKINNY_RULE="v1", SPLIT_REDUCE="last", GATED=True),
+    "v2": dict(SKINNY_RULE="v2", SPLIT_REDUCE="last", GATED=False),
+    "v2+gated": dict(SKINNY_RULE="v2", SPLIT_REDUCE="last", GATED=True),
 }
 ENV = {"SKINNY_RULE": "FLASHDRAFT_SKINNY_RULE", "SPLIT_REDUCE": "FLASHDRAFT_SPLIT_REDUCE",
-       "GATED": "FLASHDRAFT_GATED", "NORM_FUSED": "FLASHDRAFT_NORM_FUSED"}
+       "GATED": "FLASHDRAFT_GATED"}
 
 
 def set_variant(name: str) -> None:

@@ -3,8 +3,8 @@
 On a GPU a decode or verification step is bound by how many kernels a layer runs, not by their
 arithmetic: after CUDA graphs removed the launch cost, each kernel still costs ~2 µs, and the
 1.5B example spent two thirds of its step outside the four matrix products. These kernels
-bring a layer down to nine: four products and five small kernels (six with the norm and the
-activation inside the products, FLASHDRAFT_NORM_FUSED / FLASHDRAFT_GATED, which measured slower):
+bring a layer down to nine: four products and five small kernels (eight with the activation
+inside the gate/up product, FLASHDRAFT_GATED, not faster in the model):
 
 - `rms_norm(x, weight, eps, residual)`: residual += x, then RMSNorm of the sum, in one pass
   (the residual add of the previous sublayer fused into the norm of the next, as vLLM does).
@@ -19,9 +19,10 @@ activation inside the products, FLASHDRAFT_NORM_FUSED / FLASHDRAFT_GATED, which 
 - `silu_mul(gate_up)`: SiLU(gate) · up.
 - `linear(x, module)`: products of up to 32 rows (`_skinny_kernel`, tensor cores, K split in a
   fixed way per weight shape, the slices added by the last program of a tile to finish).
-  `gated_linear` (SiLU · up inside the gate/up product) and `norm_linear` (residual add and
-  RMSNorm inside the product after them) are the same kernel with more work in it; by default
-  they run as `silu_mul` / `rms_norm` and `linear`.
+  `gated_linear` (SiLU · up inside the gate/up product) is the same kernel with more work in
+  it, by default `silu_mul` after `linear`; `norm_linear` is `rms_norm` then `linear`.
+- `quant_linear(x, ...)`: the same for weight-only int8 / int4 weights, dequantized in
+  registers (`_skinny_quant_kernel`).
 
 With programmatic dependent launch (Hopper on) each kernel starts while its predecessor
 finishes, and the products load their first weight tiles before waiting for it: weights never
@@ -335,17 +336,11 @@ if triton is not None:
                 tl.atomic_xchg(counter, 0)  # ready for the next launch
 
     @triton.jit
-    def _skinny_epilogue(acc, acc_up, ss, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, n, k, eps,
-                         stride_om, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                         NORM: tl.constexpr):
+    def _skinny_epilogue(acc, acc_up, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, n, stride_om,
+                         HAS_BIAS: tl.constexpr, GATED: tl.constexpr):
         # acc [BLOCK_N, BLOCK_M]: the finished sums of this tile; with GATED, acc holds the gate
-        # and acc_up the up projection of the same output columns. With NORM, ss holds each
-        # row's sum of squares of the (un-normalised) input: RMSNorm's factor is applied here.
+        # and acc_up the up projection of the same output columns.
         dt = out_ptr.dtype.element_ty
-        if NORM:
-            inv = tl.rsqrt(ss / k + eps)[None, :]
-            acc = acc * inv
-            acc_up = acc_up * inv
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         if GATED:
@@ -359,34 +354,9 @@ if triton is not None:
                  mask=n_ok[:, None] & m_ok[None, :])
 
     @triton.jit
-    def _skinny_input(x_ptr, r_ptr, ro_ptr, nw_ptr, offs_m, offs_k, m_ok, k_ok, store_ok,
-                      stride_xm, stride_rm, stride_rom, NORM: tl.constexpr,
-                      HAS_DELTA: tl.constexpr):
-        # A [BLOCK_M, len(offs_k)] tile of the product's input, and its rows' sums of squares.
-        # Plain: x. NORM: s = r + x (the residual stream plus the sublayer's output, rounded as
-        # stored, and stored to ro by the programs of store_ok rows), returned as s * the norm's
-        # weight; the rows' 1 / rms is applied to the product in the epilogue.
-        ok = m_ok[:, None] & k_ok[None, :]
-        if NORM:
-            s = tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_k[None, :], mask=ok, other=0.0)
-            if HAS_DELTA:
-                d = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=ok,
-                            other=0.0)
-                s = (s.to(tl.float32) + d.to(tl.float32)).to(r_ptr.dtype.element_ty)
-                tl.store(ro_ptr + offs_m[:, None] * stride_rom + offs_k[None, :], s,
-                         mask=store_ok[:, None] & k_ok[None, :])
-            f = s.to(tl.float32)
-            w = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            return (f * w[None, :]).to(r_ptr.dtype.element_ty), tl.sum(f * f, axis=1)
-        else:
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=ok, other=0.0)
-            return x, tl.zeros([offs_m.shape[0]], tl.float32)
-
-    @triton.jit
-    def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, r_ptr, ro_ptr, nw_ptr,
-                       eps, m, n, k, stride_xm, stride_wn, stride_om, stride_rm, stride_rom,
-                       HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
-                       HAS_DELTA: tl.constexpr, SPLIT: tl.constexpr, K_STEPS: tl.constexpr,
+    def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, m, n, k, stride_xm,
+                       stride_wn, stride_om, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                       SPLIT: tl.constexpr, K_STEPS: tl.constexpr,
                        PRE_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
                        LAST_REDUCE: tl.constexpr, USE_PDL: tl.constexpr,
@@ -394,8 +364,7 @@ if triton is not None:
         # out [m, n] = x [m, k] @ w [n, k]^T, as (w @ x^T)^T so that the few rows of x are the
         # narrow side of the tensor-core product. With GATED, w is [2 n, k] (gate rows, then up
         # rows) and out = SiLU(x @ gate^T) * (x @ up^T): the MLP's first product and its
-        # activation in one kernel. With NORM the input is RMSNorm(r + x) (r alone without
-        # HAS_DELTA), r + x being stored to ro: the norm before the product, in it.
+        # activation in one kernel.
         # Program (n block, K slice, row block of BLOCK_M = 16). A row's result depends on that
         # row and the weights alone, never on m: the decode of one token and the verification
         # of k+1 tokens compute each row bit for bit alike.
@@ -406,7 +375,6 @@ if triton is not None:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         n_ok = offs_n < n
         m_ok = offs_m < m
-        store_ok = offs_m < tl.where(pid_n == 0, m, 0)  # one n block stores the residual stream
         k0 = pid_k * K_STEPS * BLOCK_K
         # Weights do not depend on the kernels before this one: with PREFETCH the first
         # PRE_STEPS tiles are loaded before waiting for them (programmatic dependent launch), so
@@ -422,9 +390,8 @@ if triton is not None:
                             mask=n_ok[:, None] & p_ok[None, :], other=0.0)
         if PREFETCH:
             _pdl_wait(USE_PDL, EARLY_LAUNCH)
-        x_pre, ss = _skinny_input(x_ptr, r_ptr, ro_ptr, nw_ptr, offs_m, offs_p, m_ok, p_ok,
-                                  store_ok, stride_xm, stride_rm, stride_rom, NORM,
-                                  HAS_DELTA)
+        x_pre = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_p[None, :],
+                        mask=m_ok[:, None] & p_ok[None, :], other=0.0)
         acc = tl.dot(w_pre, tl.trans(x_pre), input_precision=PRECISION, out_dtype=tl.float32)
         acc_up = acc
         if GATED:
@@ -433,19 +400,16 @@ if triton is not None:
         for i in range(PRE_STEPS, K_STEPS):
             offs_k = k0 + i * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = offs_k < k
-            xk, ss_k = _skinny_input(x_ptr, r_ptr, ro_ptr, nw_ptr, offs_m, offs_k, m_ok, k_ok,
-                                     store_ok, stride_xm, stride_rm, stride_rom, NORM,
-                                     HAS_DELTA)
-            ss += ss_k
+            xk = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                         mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(w, tl.trans(xk), acc, input_precision=PRECISION)
             if GATED:
                 u = tl.load(w_rows + n * stride_wn + offs_k[None, :],
                             mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 acc_up = tl.dot(u, tl.trans(xk), acc_up, input_precision=PRECISION)
-        _skinny_finish(acc, acc_up, ss, b_ptr, out_ptr, part_ptr, count_ptr, offs_n, offs_m,
-                       n_ok, m_ok, m, n, k, eps, stride_om, HAS_BIAS, GATED, NORM, SPLIT,
-                       LAST_REDUCE)
+        _skinny_finish(acc, acc_up, b_ptr, out_ptr, part_ptr, count_ptr, offs_n, offs_m, n_ok,
+                       m_ok, m, n, stride_om, HAS_BIAS, GATED, SPLIT, LAST_REDUCE)
 
     @triton.jit
     def _quant_tile(w_ptr, offs_n, n_ok, g, k, stride_wn, stride_wk, BITS: tl.constexpr):
@@ -561,19 +525,17 @@ if triton is not None:
                               stride_xm, BITS, MAGIC, SCALED, ASM_LO, ASM_HI, PRECISION)
         if BITS == 8:  # the per-column scale, once
             acc = acc * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        _skinny_finish(acc, acc, tl.zeros([BLOCK_M], tl.float32), b_ptr, out_ptr, part_ptr,
-                       count_ptr, offs_n, offs_m, n_ok, m_ok, m, n, k, 0.0, stride_om, HAS_BIAS,
-                       False, False, SPLIT, True)
+        _skinny_finish(acc, acc, b_ptr, out_ptr, part_ptr, count_ptr, offs_n, offs_m, n_ok, m_ok,
+                       m, n, stride_om, HAS_BIAS, False, SPLIT, True)
 
     @triton.jit
-    def _skinny_finish(acc, acc_up, ss, b_ptr, out_ptr, part_ptr, count_ptr, offs_n, offs_m,
-                       n_ok, m_ok, m, n, k, eps, stride_om, HAS_BIAS: tl.constexpr,
-                       GATED: tl.constexpr, NORM: tl.constexpr, SPLIT: tl.constexpr,
-                       LAST_REDUCE: tl.constexpr):
+    def _skinny_finish(acc, acc_up, b_ptr, out_ptr, part_ptr, count_ptr, offs_n, offs_m, n_ok,
+                       m_ok, m, n, stride_om, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                       SPLIT: tl.constexpr, LAST_REDUCE: tl.constexpr):
         # A program's sums over its K slice -> the output (bf16 and quantized products alike).
         if SPLIT == 1:
-            _skinny_epilogue(acc, acc_up, ss, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, n, k,
-                             eps, stride_om, HAS_BIAS, GATED, NORM)
+            _skinny_epilogue(acc, acc_up, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, n, stride_om,
+                             HAS_BIAS, GATED)
         else:
             # K split across SPLIT programs: each stores its float32 slice; with LAST_REDUCE the
             # last of them to finish adds the slices in slice order (so the result does not
@@ -585,26 +547,18 @@ if triton is not None:
             tl.store(part + tl.program_id(1) * m * width, acc, mask=ok)
             if GATED:
                 tl.store(part + tl.program_id(1) * m * width + n, acc_up, mask=ok)
-            # the rows' sums of squares of this K slice, per n block (only this tile's own
-            # slices are known to be finished when its last program runs)
-            ss_part = part_ptr + SPLIT * m * width + tl.program_id(0) * SPLIT * m + offs_m
-            if NORM:
-                tl.store(ss_part + tl.program_id(1) * m, ss, mask=m_ok)
             tl.debug_barrier()  # every thread's slice is stored before the counter moves
             tile = count_ptr + tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
             if LAST_REDUCE and tl.atomic_add(tile, 1, sem="acq_rel") == SPLIT - 1:
                 acc = tl.zeros_like(acc)
                 acc_up = acc
-                ss = tl.zeros_like(ss)
                 for s in tl.static_range(SPLIT):
                     acc += tl.load(part + s * m * width, mask=ok, other=0.0, cache_modifier=".cg")
                     if GATED:
                         acc_up += tl.load(part + s * m * width + n, mask=ok, other=0.0,
                                           cache_modifier=".cg")
-                    if NORM:
-                        ss += tl.load(ss_part + s * m, mask=m_ok, other=0.0, cache_modifier=".cg")
-                _skinny_epilogue(acc, acc_up, ss, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, n,
-                                 k, eps, stride_om, HAS_BIAS, GATED, NORM)
+                _skinny_epilogue(acc, acc_up, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, n,
+                                 stride_om, HAS_BIAS, GATED)
                 tl.atomic_xchg(tile, 0)  # ready for the next launch
 
     @triton.jit
@@ -783,12 +737,11 @@ class SkinnyConfig(NamedTuple):
 # FLASHDRAFT_SPLIT_REDUCE  last (default): the last program of a tile adds the K slices;
 #                          kernel: a second kernel does (plain products only)
 # FLASHDRAFT_GATED=1       SiLU · up inside the gate/up product (default: its own kernel after it)
-# FLASHDRAFT_NORM_FUSED=1  residual add + RMSNorm inside the product after them (default: their
-#                          own kernel; fused, each program re-reads its input rows: slower)
+# (Residual add + RMSNorm inside the next product was measured too, 2x slower: every program
+# re-normalised its input rows; removed after session 4, see NOTES-gpu.md.)
 SKINNY_RULE = os.environ.get("FLASHDRAFT_SKINNY_RULE", "v2")
 SPLIT_REDUCE = os.environ.get("FLASHDRAFT_SPLIT_REDUCE", "last")
 GATED = os.environ.get("FLASHDRAFT_GATED", "0") == "1"
-NORM_FUSED = os.environ.get("FLASHDRAFT_NORM_FUSED", "0") == "1"
 
 
 @functools.cache
@@ -820,43 +773,29 @@ def skinny_config(n: int, k: int, gated: bool = False, rule: str = "v2") -> Skin
     return SkinnyConfig(block_n, block_k, k_steps, split, pre, 4, stages)
 
 
-class _Norm(NamedTuple):
-    residual: torch.Tensor  # [rows, k]: the residual stream
-    out: torch.Tensor  # where residual + delta goes
-    weight: torch.Tensor
-    eps: float
-    has_delta: bool
-
-
-def _split_buffers(out: torch.Tensor, grid: tuple, split: int, width: int, extra: int = 0):
-    """The float32 K slices ([split, rows, width] + extra) and tile counters of a product over
-    grid (n blocks, split, row blocks); unused (out) without a split."""
+def _split_buffers(out: torch.Tensor, grid: tuple, split: int, width: int):
+    """The float32 K slices [split, rows, width] and tile counters of a product over grid
+    (n blocks, split, row blocks); unused (out) without a split."""
     if split == 1:
         return out, out
-    parts = torch.empty(split * out.shape[0] * width + extra, dtype=torch.float32,
-                        device=out.device)
+    parts = torch.empty(split * out.shape[0] * width, dtype=torch.float32, device=out.device)
     return parts, _counters(out.device, grid[0] * grid[2])
 
 
 def _skinny(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated: bool,
-            cfg: SkinnyConfig, norm: _Norm | None = None) -> torch.Tensor:
+            cfg: SkinnyConfig) -> torch.Tensor:
     """x2 [rows, k] @ w^T through `_skinny_kernel` with launch parameters cfg (see there for
-    gated and norm)."""
+    gated)."""
     rows, k = x2.shape
     n = w.shape[0] // 2 if gated else w.shape[0]
     out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split, triton.cdiv(rows, 16))
-    last = SPLIT_REDUCE != "kernel" or gated or norm is not None
-    sums = grid[0] * cfg.split * rows if norm is not None else 0
-    parts, counters = _split_buffers(out, grid, cfg.split, 2 * n if gated else n, sums)
-    r, r_out, nw, eps = (norm.residual, norm.out, norm.weight, norm.eps) if norm is not None \
-        else (x2, x2, x2, 0.0)
+    last = SPLIT_REDUCE != "kernel" or gated
+    parts, counters = _split_buffers(out, grid, cfg.split, 2 * n if gated else n)
     _skinny_kernel[grid](
-        x2, w, bias if bias is not None else w, out, parts, counters, r, r_out, nw, eps, rows, n,
-        k, x2.stride(0), w.stride(0), out.stride(0), r.stride(0), r_out.stride(0),
-        HAS_BIAS=bias is not None and (last or cfg.split == 1),
-        GATED=gated, NORM=norm is not None, HAS_DELTA=norm is not None and norm.has_delta,
-        SPLIT=cfg.split, K_STEPS=cfg.k_steps, PRE_STEPS=cfg.pre_steps, BLOCK_N=cfg.block_n,
+        x2, w, bias if bias is not None else w, out, parts, counters, rows, n, k, x2.stride(0),
+        w.stride(0), out.stride(0), HAS_BIAS=bias is not None and (last or cfg.split == 1),
+        GATED=gated, SPLIT=cfg.split, K_STEPS=cfg.k_steps, PRE_STEPS=cfg.pre_steps, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, BLOCK_M=16, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         PREFETCH=PREFETCH, LAST_REDUCE=last, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **_pdl(x2))
@@ -992,23 +931,11 @@ def norm_linear(delta: torch.Tensor | None, residual: torch.Tensor, norm: torch.
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add, the norm and the product that follows them: returns
     (module(norm(residual + delta)), residual + delta), or with `gated` SiLU(gate) · up of that
-    product; delta None: no add. norm: an RMSNorm (weight, eps).
-
-    For a plain nn.Linear and at most SKINNY_MAX_ROWS rows all of it is one `_skinny_kernel`,
-    and residual + delta is a new tensor; otherwise `rms_norm` (which adds delta into residual
-    in place) and the product."""
-    if not (NORM_FUSED and _skinny_serves(residual, module)):
-        h = rms_norm(residual if delta is None else delta, norm.weight, norm.eps,
-                     None if delta is None else residual)
-        return (gated_linear(h, module) if gated else linear(h, module)), residual
-    r2 = _rows(residual)
-    d2 = r2 if delta is None else _rows(delta)
-    summed = r2 if delta is None else torch.empty_like(r2)
-    w = module.weight
-    n = w.shape[0] // 2 if gated else w.shape[0]
-    out = _skinny(d2, w, module.bias, gated, skinny_config(n, w.shape[1], gated, SKINNY_RULE),
-                  _Norm(r2, summed, norm.weight, norm.eps, delta is not None))
-    return out.view(*residual.shape[:-1], n), summed.view(residual.shape)
+    product; delta None: no add. norm: an RMSNorm (weight, eps). `rms_norm` adds delta into
+    residual in place (one kernel with the norm), then the product."""
+    h = rms_norm(residual if delta is None else delta, norm.weight, norm.eps,
+                 None if delta is None else residual)
+    return (gated_linear(h, module) if gated else linear(h, module)), residual
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

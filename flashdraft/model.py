@@ -139,8 +139,7 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """x + attn(norm(x)), then + mlp(norm(·)); run as "residual stream + sublayer output" pairs:
     each residual add goes with the norm after it and the product after that
-    (`kernels.norm_linear`: add and norm in one kernel on the GPU, or all three with
-    FLASHDRAFT_NORM_FUSED=1)."""
+    (`kernels.norm_linear`: add and norm in one kernel on the GPU)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
