@@ -278,64 +278,75 @@ def sweep(shape: str, budget_s: float) -> dict:
     return result
 
 
+def _one_layer_linears(shape: str):
+    """A bf16 nn.Linear for each distinct matrix of a one-layer random model of the shape."""
+    cfg = dataclasses.replace(get_shape(shape), num_layers=1)
+    model = build_random_model(cfg, torch.bfloat16, "cuda")
+    for (_, k, _), w in matrices(model).items():
+        lin = torch.nn.Linear(k, w.shape[0], bias=False, device="cuda", dtype=torch.bfloat16)
+        lin.weight.data = w
+        yield lin
+
+
+def _quantized(x, parts, rows: int, cfg=None, convert=None):
+    """kernels.quant_linear over a quantized weight's parts (qweight, scale[, zero])."""
+    return kernels.quant_linear(x, parts[0], parts[1], parts[2] if len(parts) > 2 else None,
+                                None, rows, cfg, convert)
+
+
+def _rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
 @torch.inference_mode()
 def quant_products(shape: str, budget_s: float) -> dict:
     """Weight-only int4 / int8 products for each matrix of the shape (µs per call, graph of 20
     back-to-back calls, weights from DRAM): our kernel at its rule's launch parameters (1 and 16
-    rows, int4 also without the bit-or conversion), a sweep of column block, program count and
-    warps, weight layout and code conversion (one row, S seconds a matrix), torch's tinygemm int4 and cuBLAS bf16; with the error
-    against the dequantized weight in float64 and the bytes read."""
+    rows, int4 also without the bit-or conversion), a sweep of column block, program count,
+    warps, weight layout and code conversion (one row, S seconds a matrix), torch's tinygemm
+    int4 and cuBLAS bf16; with the error against the dequantized weight in float64 and the
+    bytes read."""
     from flashdraft import quant
-    cfg = dataclasses.replace(get_shape(shape), num_layers=1)
-    model = build_random_model(cfg, torch.bfloat16, "cuda")
     set_path(DEFAULT)
     result = {}
-    for (n, k, gated), w in matrices(model).items():
+    for lin in _one_layer_linears(shape):
         began = time.perf_counter()  # budget_s for each matrix's sweep
-        rows = w.shape[0]
-        lin = torch.nn.Linear(k, rows, bias=False, device="cuda", dtype=torch.bfloat16)
-        lin.weight.data = w
+        rows, k = lin.weight.shape
         x1 = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
         x16 = torch.randn(16, k, dtype=torch.bfloat16, device="cuda")
-        bf16 = dram_ring(w)
+        bf16 = dram_ring(lin.weight)
         row = {"bf16": graph_us(lambda: torch.nn.functional.linear(x1, next(bf16)[0]))}
         for mode in ("int4", "int8"):
             layer = quant.QuantLinear(lin, mode, "triton")
             parts = (layer.qweight, layer.scale) + ((layer.zero,) if mode == "int4" else ())
             nbytes = sum(t.numel() * t.element_size() for t in parts)
             ring = dram_ring(*parts)
-            run = lambda x, c, conv=None: (lambda t: kernels.quant_linear(
-                x, t[0], t[1], t[2] if len(t) > 2 else None, None, rows, c, conv))(next(ring))
+            run = lambda x, c, conv=None: _quantized(x, next(ring), rows, c, conv)
             rule = kernels.quant_config(rows, k)
             ref = x16.double() @ layer.dequantized().double().t()
-            y = kernels.quant_linear(x16, *parts[:2], parts[2] if len(parts) > 2 else None, None,
-                                     rows, rule, "ops")
-            row[f"{mode}_rel_error"] = ((y.double() - ref).norm() / ref.norm()).item()
+            y = _quantized(x16, parts, rows, rule, "ops")
+            row[f"{mode}_rel_error"] = _rel_error(y, ref)
             row[f"{mode}_MB"] = nbytes / 1e6
             row[mode] = graph_us(lambda: run(x1, rule))
             row[f"{mode}_16rows"] = graph_us(lambda: run(x16, rule))
             row[f"{mode}_TBps"] = nbytes / row[mode] / 1e6
             row[f"{mode}_config"] = rule
             if mode == "int4":
-                yp = kernels.quant_linear(x16, *parts, None, rows, rule, "plain")
-                row["int4_plain_convert_rel_error"] = ((yp.double() - ref).norm()
-                                                       / ref.norm()).item()
+                row["int4_plain_convert_rel_error"] = _rel_error(
+                    _quantized(x16, parts, rows, rule, "plain"), ref)
                 row["int4_plain_convert"] = graph_us(lambda: run(x1, rule, "plain"))
                 for label, q in (("asm", parts[0]), ("nk_asm", parts[0].t().contiguous().t())):
-                    ya = kernels.quant_linear(x16, q, *parts[1:], None, rows, rule, "asm")
-                    row[f"int4_{label}_rel_error"] = ((ya.double() - ref).norm()
-                                                      / ref.norm()).item()
+                    ya = _quantized(x16, (q, *parts[1:]), rows, rule, "asm")
+                    row[f"int4_{label}_rel_error"] = _rel_error(ya, ref)
                     row[f"int4_{label}_equals_ops"] = bool(torch.equal(ya, y))
-                tg = quant._tinygemm_pack(*parts)
-                tg_ring = dram_ring(*tg)
+                tg_ring = dram_ring(*quant._tinygemm_pack(*parts))
                 tgmm = lambda x: (lambda t: torch.ops.aten._weight_int4pack_mm(
                     x, t[0], quant.GROUP, t[1]))(next(tg_ring))
                 row["tinygemm"] = graph_us(lambda: tgmm(x1))
                 row["tinygemm_16rows"] = graph_us(lambda: tgmm(x16))
             # the sweep: weights stored [k, n] (as now) or [n, k] (transposed copies), int4
             # codes converted by Triton ops or inline PTX, tile width, warps, program count
-            flip = tuple(t.t().contiguous().t() if t is parts[0] else t for t in parts)
-            flipped = dram_ring(*flip)
+            flipped = dram_ring(parts[0].t().contiguous().t(), *parts[1:])
             timed = []
             for layout, conv, (block_n, warps), programs in itertools.product(
                     ("kn", "nk"), ("ops", "asm") if mode == "int4" else ("ops",),
@@ -344,11 +355,9 @@ def quant_products(shape: str, budget_s: float) -> dict:
                     break
                 c = kernels.quant_config(rows, k, block_n, programs)._replace(num_warps=warps)
                 r = flipped if layout == "nk" else ring
-                call = lambda: (lambda t: kernels.quant_linear(
-                    x1, t[0], t[1], t[2] if len(t) > 2 else None, None, rows, c, conv))(next(r))
                 label = (layout, conv, block_n, warps, programs, c.split)
                 try:
-                    timed.append((graph_us(call), label))
+                    timed.append((graph_us(lambda: _quantized(x1, next(r), rows, c, conv)), label))
                 except Exception as e:  # resources the compiler refuses
                     timed.append((float("inf"), f"{label}: {type(e).__name__}: {str(e)[:200]}"))
             timed.sort(key=lambda r: r[0])
@@ -365,7 +374,6 @@ def quant_products(shape: str, budget_s: float) -> dict:
               f"int8 {row['int8']:.1f} us ({row['int8_TBps']:.2f} TB/s) | best int4 {best} int8 "
               f"{row['int8_sweep'][:2]}",
               flush=True)
-        del lin
         torch.cuda.empty_cache()
     return result
 
@@ -376,13 +384,9 @@ def convert_probe(shape: str, converts: list[str]) -> dict:
     kernels.quant_linear, at the default launch parameters: µs for 1 and 16 rows (weights from
     DRAM) and the error against the dequantized weight in float64."""
     from flashdraft import quant
-    cfg = dataclasses.replace(get_shape(shape), num_layers=1)
-    model = build_random_model(cfg, torch.bfloat16, "cuda")
     result = {}
-    for (n, k, gated), w in matrices(model).items():
-        rows = w.shape[0]
-        lin = torch.nn.Linear(k, rows, bias=False, device="cuda", dtype=torch.bfloat16)
-        lin.weight.data = w
+    for lin in _one_layer_linears(shape):
+        rows, k = lin.weight.shape
         layer = quant.QuantLinear(lin, "int4", "triton")
         parts = (layer.qweight, layer.scale, layer.zero)
         ring = dram_ring(*parts)
@@ -391,12 +395,10 @@ def convert_probe(shape: str, converts: list[str]) -> dict:
         ref = x16.double() @ layer.dequantized().double().t()
         row = {}
         for conv in converts:
-            run = lambda x: (lambda t: kernels.quant_linear(x, *t, None, rows, None, conv))(
-                next(ring))
+            run = lambda x: _quantized(x, next(ring), rows, None, conv)
             try:
-                y = kernels.quant_linear(x16, *parts, None, rows, None, conv).double()
                 row[conv] = {"us": graph_us(lambda: run(x1)), "us_16rows": graph_us(lambda: run(x16)),
-                             "rel_error": ((y - ref).norm() / ref.norm()).item()}
+                             "rel_error": _rel_error(_quantized(x16, parts, rows, None, conv), ref)}
             except Exception as e:
                 row[conv] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         result[f"{rows}x{k}"] = row

@@ -443,39 +443,35 @@ if triton is not None:
             rows = x_ptr + offs_m[:, None] * stride_xm
             x_lo = tl.load(rows + offs[None, :], mask=ok, other=0.0)
             x_hi = tl.load(rows + (offs + 64)[None, :], mask=ok, other=0.0)
-            if ASM_LO != "":  # the same in PTX, four codes at a time (see _nibble_asm)
-                if not SCALED:
-                    lo = tl.inline_asm_elementwise(ASM_LO, "=r,=r,r", [wt], dtype=dt,
-                                                   is_pure=True, pack=4)
-                    hi = tl.inline_asm_elementwise(ASM_HI, "=r,=r,r", [wt], dtype=dt,
-                                                   is_pure=True, pack=4)
-                offset = 136.0 if MAGIC == 0x4300 else 1032.0
+            offset = 0.0 if MAGIC == 0 else (136.0 if MAGIC == 0x4300 else 1032.0)
+            g_ok = offs_n < tl.where(g * 128 < k, n, 0)
+            s = tl.load(s_ptr + g * n + offs_n, mask=g_ok, other=0.0)
+            z = tl.load(z_ptr + g * n + offs_n, mask=g_ok, other=0.0)
+            if SCALED:  # each weight dequantized in full, (q - 8) · s + z
+                sb, _ = tl.broadcast(s[:, None], wt)
+                zb, _ = tl.broadcast(z[:, None], wt)
+            if ASM_LO != "" and SCALED:  # bit-or, subtract and FMA on pairs, in PTX
+                lo = tl.inline_asm_elementwise(ASM_LO, "=r,=r,r,r,r,r,r", [wt, sb, zb], dtype=dt,
+                                               is_pure=True, pack=4)
+                hi = tl.inline_asm_elementwise(ASM_HI, "=r,=r,r,r,r,r,r", [wt, sb, zb], dtype=dt,
+                                               is_pure=True, pack=4)
+            elif ASM_LO != "":  # the bit-or in PTX, four codes at a time (see _nibble_asm)
+                lo = tl.inline_asm_elementwise(ASM_LO, "=r,=r,r", [wt], dtype=dt, is_pure=True,
+                                               pack=4)
+                hi = tl.inline_asm_elementwise(ASM_HI, "=r,=r,r", [wt], dtype=dt, is_pure=True,
+                                               pack=4)
             elif MAGIC:
                 w16 = wt.to(tl.uint16)
                 lo = ((w16 & 0xF) | MAGIC).to(dt, bitcast=True)
                 hi = ((w16 >> 4) | MAGIC).to(dt, bitcast=True)
-                offset = 136.0 if MAGIC == 0x4300 else 1032.0
             else:
                 lo = ((wt & 0xF).to(tl.float32) - 8.0).to(dt)
                 hi = ((wt >> 4).to(tl.float32) - 8.0).to(dt)
-                offset = 0.0
-            g_ok = offs_n < tl.where(g * 128 < k, n, 0)
-            s = tl.load(s_ptr + g * n + offs_n, mask=g_ok, other=0.0)
-            z = tl.load(z_ptr + g * n + offs_n, mask=g_ok, other=0.0)
-            if SCALED:
-                # each weight dequantized in full, (q - 8) · s + z, so that the tensor cores
-                # sum straight into acc (their sums chain from group to group, no wait)
-                sb, _ = tl.broadcast(s[:, None], wt)
-                zb, _ = tl.broadcast(z[:, None], wt)
-                if ASM_LO != "":  # bit-or, subtract and fused multiply-add on pairs, in PTX
-                    lo = tl.inline_asm_elementwise(ASM_LO, "=r,=r,r,r,r,r,r", [wt, sb, zb],
-                                                   dtype=dt, is_pure=True, pack=4)
-                    hi = tl.inline_asm_elementwise(ASM_HI, "=r,=r,r,r,r,r,r", [wt, sb, zb],
-                                                   dtype=dt, is_pure=True, pack=4)
-                else:
-                    sf, zf = sb.to(tl.float32), zb.to(tl.float32)
-                    lo = ((lo.to(tl.float32) - offset) * sf + zf).to(dt)
-                    hi = ((hi.to(tl.float32) - offset) * sf + zf).to(dt)
+            if SCALED and ASM_LO == "":  # the Triton twin of the PTX above
+                sf, zf = sb.to(tl.float32), zb.to(tl.float32)
+                lo = ((lo.to(tl.float32) - offset) * sf + zf).to(dt)
+                hi = ((hi.to(tl.float32) - offset) * sf + zf).to(dt)
+            if SCALED:  # the tensor cores sum straight into acc, chained from group to group
                 acc = tl.dot(lo, tl.trans(x_lo), acc, input_precision=PRECISION)
                 acc = tl.dot(hi, tl.trans(x_hi), acc, input_precision=PRECISION)
             else:
@@ -821,6 +817,7 @@ QUANT_CONVERT = os.environ.get("FLASHDRAFT_QUANT_CONVERT", "scaled-asm")  # see 
 _MAGIC = {torch.bfloat16: 0x4300, torch.float16: 0x6400}
 
 
+@functools.cache
 def _nibble_asm(magic: int, high: bool, scaled: bool = False) -> str:
     """PTX: four uint8 codes (one 32-bit register) -> four 16-bit floats magic | nibble (two
     registers); a byte permute and one logic op make two floats (Marlin's trick). scaled: then
