@@ -378,6 +378,68 @@ def quant_products(shape: str, budget_s: float) -> dict:
     return result
 
 
+MMA_SWEEP = ((4, 2, 8), (4, 2, 4), (4, 2, 2), (2, 4, 8), (2, 4, 16), (8, 1, 4), (4, 1, 4),
+             (2, 2, 8), (8, 2, 8))  # (tiles a block, warps along K, groups a split)
+
+
+@torch.inference_mode()
+def mma_products(shape: str, sweep: bool) -> dict:
+    """The int4 tensor-core kernel (flashdraft.mma) on each matrix of the shape, weights from
+    DRAM: µs for 1, 4, 16 and 32 rows at the default launch shape, error against the
+    dequantized weight, TB/s for one row; the Triton int4 kernel, tinygemm and cuBLAS bf16 for
+    one and 16 rows beside it; with sweep, one row under each of MMA_SWEEP's launch shapes."""
+    from flashdraft import mma, quant
+    set_path(DEFAULT)
+    result = {}
+    for lin in _one_layer_linears(shape):
+        n, k = lin.weight.shape
+        xs = torch.randn(32, k, dtype=torch.bfloat16, device="cuda")
+        bf16 = dram_ring(lin.weight)
+        row = {"bf16": graph_us(lambda: torch.nn.functional.linear(xs[:1], next(bf16)[0])),
+               "bf16_16rows": graph_us(lambda: torch.nn.functional.linear(xs[:16], next(bf16)[0]))}
+        layer = quant.QuantLinear(lin, "int4", "mma")
+        parts = (layer.qweight, layer.scale)
+        nbytes = sum(t.numel() * t.element_size() for t in parts)
+        ring = dram_ring(*parts)
+        run = lambda x, c=None: mma.linear(x, *next(ring), None, n, c)  # noqa: E731
+        ref = xs.double() @ layer.dequantized().double().t()
+        row["rel_error"] = _rel_error(mma.linear(xs, *parts, None, n), ref)
+        row["config"] = mma.config(n, k)
+        for m in (1, 4, 16, 32):
+            row[f"mma_{m}rows"] = graph_us(lambda: run(xs[:m]))
+        row["mma_TBps"] = nbytes / row["mma_1rows"] / 1e6
+        tri = quant.QuantLinear(lin, "int4", "triton")
+        tparts = (tri.qweight, tri.scale, tri.zero)
+        tring = dram_ring(*tparts)
+        row["triton"] = graph_us(lambda: _quantized(xs[:1], next(tring), n))
+        row["triton_16rows"] = graph_us(lambda: _quantized(xs[:16], next(tring), n))
+        tg_ring = dram_ring(*quant._tinygemm_pack(*tparts))
+        tgmm = lambda x: (lambda t: torch.ops.aten._weight_int4pack_mm(  # noqa: E731
+            x, t[0], quant.GROUP, t[1]))(next(tg_ring))
+        row["tinygemm"] = graph_us(lambda: tgmm(xs[:1]))
+        row["tinygemm_16rows"] = graph_us(lambda: tgmm(xs[:16]))
+        if sweep:
+            timed = []
+            for tn, wk, gps in MMA_SWEEP:
+                try:
+                    c = mma.config(n, k, tn, wk, gps)
+                    timed.append((graph_us(lambda: run(xs[:1], c)), graph_us(lambda: run(xs[:16], c)),
+                                  (tn, wk, gps, c.splits)))
+                except Exception as e:  # resources the launch refuses
+                    timed.append((float("inf"), float("inf"),
+                                  f"{(tn, wk, gps)}: {type(e).__name__}: {str(e)[:200]}"))
+            row["sweep"] = sorted(timed, key=lambda r: r[0])
+        result[f"{n}x{k}"] = row
+        print(f"  mma {shape} {n:>6d}x{k:<6d} (from DRAM) 1 row {row['mma_1rows']:6.1f} us "
+              f"({row['mma_TBps']:.2f} TB/s) 4 {row['mma_4rows']:.1f} 16 {row['mma_16rows']:.1f} "
+              f"32 {row['mma_32rows']:.1f} err {row['rel_error']:.1e} | triton {row['triton']:.1f} "
+              f"/ {row['triton_16rows']:.1f} tinygemm {row['tinygemm']:.1f} / "
+              f"{row['tinygemm_16rows']:.1f} bf16 {row['bf16']:.1f} / {row['bf16_16rows']:.1f} | "
+              f"{row['config']}" + (f" | sweep {row['sweep'][:4]}" if sweep else ""), flush=True)
+        torch.cuda.empty_cache()
+    return result
+
+
 @torch.inference_mode()
 def convert_probe(shape: str, converts: list[str]) -> dict:
     """int4 products of each matrix of the shape under each code conversion of
@@ -425,6 +487,9 @@ def main() -> None:
     ap.add_argument("--convert-probe", default="",
                     help="comma-separated int4 code conversions to time on each matrix "
                          "(kernels.quant_linear's convert)")
+    ap.add_argument("--mma-products", choices=["default", "sweep"], default=None,
+                    help="the int4 tensor-core kernel on each matrix against the others "
+                         "(sweep: also under each launch shape of MMA_SWEEP)")
     ap.add_argument("--sweep", type=float, default=0.0,
                     help="seconds per shape for a launch-parameter sweep of the skinny kernel")
     args = ap.parse_args()
@@ -458,6 +523,8 @@ def main() -> None:
             r["sweep"] = sweep(shape, args.sweep)
         if args.convert_probe:
             r["convert_probe"] = convert_probe(shape, args.convert_probe.split(","))
+        if args.mma_products:
+            r["mma_products"] = mma_products(shape, args.mma_products == "sweep")
         if args.quant_products:
             r["quant_products"] = quant_products(shape, args.quant_products)
         if args.no_compare:

@@ -22,10 +22,15 @@ Paths, chosen per layer at run time (`QuantLinear.backend`):
   split by the weight's shape alone, the slices added by the last program of a tile;
   batch-invariant, so quantized speculative decoding returns the tokens of quantized plain
   decoding. More rows (prefill) dequantize the weight and use cuBLAS.
+- "mma" (int4, bfloat16 only): `flashdraft.mma`, a CUDA kernel compiled at run time (NVRTC)
+  for up to 32 rows, with the weights shuffled at load into the tensor-core operand layout so
+  each thread turns 32 weights into operands from one 16-byte load; batch-invariant. Stores
+  only that layout (prefill dequantizes it with a second kernel, then cuBLAS).
 - "tinygemm" (int4 only): torch's built-in `_weight_int4pack_mm` over its own packing.
 - "hybrid" (int4 only): tinygemm for up to HYBRID_MAX_ROWS rows, Triton above; keeps both
   packings, so 0.5 byte per weight more memory (kept for comparison: not batch-invariant).
-`quantize_model(..., backend="auto")` picks triton on CUDA when Triton imports, else reference.
+`quantize_model(..., backend="auto")` picks mma for bfloat16 int4 on CUDA where NVRTC serves,
+else triton on CUDA when Triton imports, else reference.
 """
 from __future__ import annotations
 
@@ -33,13 +38,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
+from . import kernels, mma
 
 triton = kernels.triton  # None where Triton is not installed: the reference path serves
 
 GROUP = 128
 MODES = ("int8", "int4")
-BACKENDS = ("auto", "reference", "triton", "tinygemm", "hybrid")
+BACKENDS = ("auto", "reference", "triton", "mma", "tinygemm", "hybrid")
 # hybrid (int4): tinygemm up to this many rows, Triton above. Measured on an H200 against the
 # batch-invariant kernel: tinygemm 10-20 % faster for one row, 3-4x slower for 16.
 HYBRID_MAX_ROWS = 2
@@ -126,12 +131,18 @@ class QuantLinear(nn.Module):
         if mode == "int4" and self.in_features % GROUP:
             raise ValueError(f"int4 needs input features in multiples of {GROUP}; this layer "
                              f"has {self.in_features}: use int8 for this model")
+        backend = self._backend(backend, w)
         with torch.no_grad():
             if mode == "int8":
                 q, scale = quantize_int8(w)
                 # Stored [in, out] so that a kernel's loads run along out (coalesced).
                 self.register_buffer("qweight", q.t().contiguous())  # [in, out] int8
                 self.register_buffer("scale", scale)  # [out] float32
+                self.zero = None
+            elif backend == "mma":  # only the kernel's own layout (see flashdraft.mma)
+                qweight, scales = mma.pack_int4(*quantize_int4(w))
+                self.register_buffer("qweight", qweight)  # [out/16, in/128, 2, 32, 4] int32
+                self.register_buffer("scale", scales)  # [out/16, in/128, 8, 2] int32
                 self.zero = None
             else:
                 packed, scale, zero = quantize_int4(w)
@@ -141,26 +152,45 @@ class QuantLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
                                                                   requires_grad=False)
         self._tinygemm = None
+        if backend in ("tinygemm", "hybrid"):
+            self._tinygemm = _tinygemm_pack(self.qweight, self.scale, self.zero)
+        self.backend = backend
+
+    def _backend(self, backend: str, w: torch.Tensor) -> str:
+        """backend, with "auto" resolved and the choice checked against this layer."""
         if backend == "auto":
-            # The kernel walks K in whole blocks of 128.
+            # The kernels walk K in whole blocks of 128.
+            if (self.mode == "int4" and self.out_features % 16 == 0
+                    and mma.unavailable(w.device, w.dtype) is None):
+                return "mma"
             fits = triton is not None and w.is_cuda and self.in_features % GROUP == 0
-            backend = "triton" if fits else "reference"
+            return "triton" if fits else "reference"
         if backend == "triton" and (triton is None or not w.is_cuda or self.in_features % GROUP):
             raise ValueError(f"the triton quantization backend needs CUDA, Triton and input "
                              f"features in multiples of {GROUP} (this layer: {self.in_features}); "
                              f"use backend='reference' or 'auto'")
+        if backend == "mma":
+            why = mma.unavailable(w.device, w.dtype)
+            if why is None and (self.mode != "int4" or self.out_features % 16):
+                why = "it is int4 with output features in multiples of 16 only"
+            if why:
+                raise ValueError(f"the mma quantization backend cannot serve this {self.mode} "
+                                 f"layer ({self.in_features} -> {self.out_features}, {w.dtype}, "
+                                 f"{w.device}): {why}; use backend='auto'")
         if backend in ("tinygemm", "hybrid"):
-            if mode != "int4" or not w.is_cuda or (backend == "hybrid" and triton is None):
+            if self.mode != "int4" or not w.is_cuda or (backend == "hybrid" and triton is None):
                 raise ValueError(f"the {backend} backend is int4 on CUDA only (hybrid needs "
                                  f"Triton too); use backend='auto'")
-            self._tinygemm = _tinygemm_pack(self.qweight, self.scale, self.zero)
-        self.backend = backend
+        return backend
 
     def dequantized(self, dtype=None) -> torch.Tensor:
         """The weight the layer computes with, [out, in]."""
         dtype = dtype or self.dtype
         if self.mode == "int8":
             return dequantize_int8(self.qweight.t(), self.scale, dtype)
+        if self.backend == "mma":
+            w = mma.dequantize(self.qweight, self.scale, self.out_features, self.in_features)
+            return w.to(dtype)
         return dequantize_int4(self.qweight, self.scale, self.zero, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -168,7 +198,9 @@ class QuantLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         rows = x2.shape[0]
-        if self.backend == "reference" or rows > kernels.QUANT_MAX_ROWS:
+        if self.backend == "mma" and rows <= mma.MAX_ROWS:
+            y = mma.linear(x2, self.qweight, self.scale, self.bias, self.out_features)
+        elif self.backend in ("reference", "mma") or rows > kernels.QUANT_MAX_ROWS:
             # Prefill: compute-bound, so dequantizing the weight once is cheap next to it.
             y = F.linear(x2, self.dequantized(x.dtype), self.bias)
         elif self.backend == "tinygemm" or (self.backend == "hybrid" and rows <= HYBRID_MAX_ROWS):

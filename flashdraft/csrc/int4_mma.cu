@@ -1,0 +1,257 @@
+// Weight-only int4 product for up to 32 rows, y = x @ W^T + bias, on the tensor cores
+// (mma.sync m16n8k16, bfloat16 in, float32 accumulate). Compiled at run time by NVRTC
+// (flashdraft/mma.py); no headers, so it builds wherever torch's CUDA build does.
+//
+// Why not Triton: Triton chooses the register layout of a dot operand itself, so packed int4
+// tiles go through shared memory and are re-packed two bytes at a time (3.7-3.9 instructions
+// a weight, the whole issue budget at full bandwidth). Here the weights are shuffled once at
+// load time into the A operand's register layout (as Marlin does): each thread loads 32
+// weights with one 16-byte load and turns them into A fragments with no re-packing.
+//
+// Layout (built by mma.pack_int4 from the int4 format of flashdraft.quant):
+//   w  [n/16][groups][2 halves][32 lanes] x 16 bytes: lane (g = lane/4, t = lane%4) holds
+//      for each of four 16x16 tiles jj one 32-bit word whose nibbles are, in order
+//      n0..n7 = W[g][k0] W[g+8][k0] W[g][k2] W[g+8][k2] W[g][k1] W[g+8][k1] W[g][k3] W[g+8][k3]
+//      (features relative to the 16-feature tile), so that one lop3 on (word >> 4i) yields the
+//      bfloat16 pair of fragment register i. The inputs k0..k3 of (lane, half h, tile jj):
+//      k0 + e = 8 * (8h + t + 4 * (jj >> 1)) + 4 * (jj & 1) + e within the group of 128,
+//      chosen so that the same lane's x values are two contiguous 16-byte chunks per half
+//      (and, with the 64-byte row padding of the x tile, conflict-free shared-memory loads).
+//   sz [n/16][groups][8] x (scale | zero << 16, for feature g and g + 8), bfloat16 pairs.
+// Each weight is dequantized in full, w = (q - 8) * s + z (one rounding, in fma.rn.bf16x2),
+// so every group accumulates into one float32 accumulator.
+//
+// Work: block = TN tiles of 16 features x WK warps along K. Split s of the K range (gps
+// groups) is gridDim.y; warp wk takes groups wk, wk + WK, ... of it. Sums: a warp's groups in
+// order (mma accumulate), then the WK warps in order (shared memory), then the splits in order
+// by the last block to finish (float32 slices, a counter per block column). All of it is fixed
+// by the weight's shape, and a row's result never depends on the other rows (an mma column
+// is computed from its own B column), so 1 to 32 rows get bit-identical results: batch
+// invariance, which speculative decoding needs to return exactly the tokens of plain decoding.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+struct __align__(16) u32x4 { u32 x, y, z, w; };
+struct __align__(8) u32x2 { u32 x, y; };
+
+#ifndef NB
+#define NB 1  // row blocks of 8: rows <= 8 * NB
+#endif
+#ifndef TN
+#define TN 4  // 16-feature tiles per block
+#endif
+#ifndef WK
+#define WK 2  // warps along K per tile
+#endif
+#define WARPS (TN * WK)
+#define GMAX 4  // groups a warp holds: groups per split <= WK * GMAX
+
+__device__ __forceinline__ u32x4 load_stream(const u32x4* p) {
+    u32x4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ u32x2 load_pair(const u32x2* p) {
+    u32x2 v;
+    asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ float load_cg(const float* p) {  // past L1: other blocks' slices
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+// Nibbles 0 and 4 of q as (q - 8) * s + z, a bfloat16 pair (low half from nibble 0).
+__device__ __forceinline__ u32 dequant(u32 q, u32 s2, u32 z2) {
+    u32 v, d;
+    // (q & 0x000f000f) | 0x43004300: the bfloat16 pair 128 + nibble
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(v) : "r"(q), "r"(0x000f000fu), "r"(0x43004300u));
+    // 1 * v - 136 = q - 8, exact
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(v), "r"(0x3f803f80u), "r"(0xc308c308u));
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(v) : "r"(d), "r"(s2), "r"(z2));
+    return v;
+}
+
+__device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u16 to_bf16(float v) {
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+    return r;
+}
+
+__device__ __forceinline__ float from_bf16(u16 v) { return __uint_as_float((u32)v << 16); }
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* __restrict__ x,
+         const u16* __restrict__ bias, u16* __restrict__ y, float* __restrict__ parts,
+         int* __restrict__ counters, int rows, int n, int k, int ldx, int ldy, int gps,
+         int has_bias) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ int is_last;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int tile = blockIdx.x * TN + warp % TN, wk = warp / TN;
+    const int groups = k >> 7;
+    const int g0 = blockIdx.y * gps, g1 = min(g0 + gps, groups);
+    const bool live = tile < (n >> 4);
+
+    // The weights do not depend on the previous kernel: load them before waiting for it.
+    u32x4 wa[GMAX], wb[GMAX];
+    u32x2 sc[GMAX];
+#pragma unroll
+    for (int i = 0; i < GMAX; ++i) {
+        const int gr = g0 + wk + i * WK;
+        if (live && gr < g1) {
+            const size_t at = (size_t)tile * groups + gr;
+            wa[i] = load_stream(w + at * 64 + lane);
+            wb[i] = load_stream(w + at * 64 + 32 + lane);
+            sc[i] = load_pair(sz + at * 8 + g);
+        }
+    }
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+
+    // x rows [0, 8 NB) over this split's inputs into shared memory, zeros past `rows`. Row
+    // stride = 64 bytes more than a multiple of 128, so the lanes of a quarter-warp hit
+    // distinct banks.
+    const int stride = (gps << 7) + 32;  // bfloat16 elements
+    u16* xs = (u16*)smem;
+    const int chunks = (g1 - g0) << 4;  // 16-byte chunks of a row
+    for (int i = threadIdx.x; i < NB * 8 * chunks; i += WARPS * 32) {
+        const int r = i / chunks, c = i - r * chunks;
+        u32x4 v = {0u, 0u, 0u, 0u};
+        if (r < rows) v = *(const u32x4*)(x + (size_t)r * ldx + (g0 << 7) + c * 8);
+        *(u32x4*)(xs + r * stride + c * 8) = v;
+    }
+    __syncthreads();
+
+    float acc[NB][4];
+#pragma unroll
+    for (int b = 0; b < NB; ++b) acc[b][0] = acc[b][1] = acc[b][2] = acc[b][3] = 0.f;
+#pragma unroll
+    for (int i = 0; i < GMAX; ++i) {
+        const int gr = g0 + wk + i * WK;
+        if (!(live && gr < g1)) continue;
+        const u32 s_lo = __byte_perm(sc[i].x, 0, 0x1010), z_lo = __byte_perm(sc[i].x, 0, 0x3232);
+        const u32 s_hi = __byte_perm(sc[i].y, 0, 0x1010), z_hi = __byte_perm(sc[i].y, 0, 0x3232);
+        const u16* xg = xs + ((gr - g0) << 7);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const u32x4 q4 = h ? wb[i] : wa[i];
+            const u32 qs[4] = {q4.x, q4.y, q4.z, q4.w};
+            u32x4 xa[NB], xb[NB];
+#pragma unroll
+            for (int b = 0; b < NB; ++b) {
+                const u16* xr = xg + (b * 8 + g) * stride;
+                xa[b] = *(const u32x4*)(xr + 8 * (8 * h + t));
+                xb[b] = *(const u32x4*)(xr + 8 * (8 * h + 4 + t));
+            }
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj) {
+                const u32 q = qs[jj];
+                const u32 a0 = dequant(q, s_lo, z_lo), a1 = dequant(q >> 4, s_hi, z_hi);
+                const u32 a2 = dequant(q >> 8, s_lo, z_lo), a3 = dequant(q >> 12, s_hi, z_hi);
+#pragma unroll
+                for (int b = 0; b < NB; ++b) {
+                    const u32x4 c = jj < 2 ? xa[b] : xb[b];
+                    mma(acc[b], a0, a1, a2, a3, (jj & 1) ? c.z : c.x, (jj & 1) ? c.w : c.y);
+                }
+            }
+        }
+    }
+
+    // The WK warps of a tile, added in order by the first.
+    float* red = (float*)(smem + NB * 8 * stride * 2);  // [WARPS][NB * 4][32]
+    if (WK > 1) {
+        if (wk > 0) {
+#pragma unroll
+            for (int b = 0; b < NB; ++b)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) red[(warp * NB * 4 + b * 4 + c) * 32 + lane] = acc[b][c];
+        }
+        __syncthreads();
+        if (wk == 0) {
+#pragma unroll
+            for (int j = 1; j < WK; ++j)
+#pragma unroll
+                for (int b = 0; b < NB; ++b)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c)
+                        acc[b][c] += red[((warp + j * TN) * NB * 4 + b * 4 + c) * 32 + lane];
+        }
+    }
+
+    // Fragment c of row block b: feature g + 8 (c >> 1), row 8 b + 2 t + (c & 1).
+    const int splits = gridDim.y;
+    if (wk == 0 && live) {
+#pragma unroll
+        for (int b = 0; b < NB; ++b)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int row = b * 8 + 2 * t + (c & 1), f = tile * 16 + g + 8 * (c >> 1);
+                if (row >= rows) continue;
+                if (splits == 1)
+                    y[(size_t)row * ldy + f] =
+                        to_bf16(acc[b][c] + (has_bias ? from_bf16(bias[f]) : 0.f));
+                else
+                    parts[((size_t)blockIdx.y * rows + row) * n + f] = acc[b][c];
+            }
+    }
+    if (splits == 1) return;
+
+    // The last block of a column adds the splits' slices in order.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1) == splits - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    const int f0 = blockIdx.x * TN * 16, nf = min(TN * 16, n - f0);
+    for (int i = threadIdx.x; i < rows * nf; i += WARPS * 32) {
+        const int row = i / nf, f = f0 + i - row * nf;
+        float s = 0.f;
+        for (int sp = 0; sp < splits; ++sp) s += load_cg(parts + ((size_t)sp * rows + row) * n + f);
+        y[(size_t)row * ldy + f] = to_bf16(s + (has_bias ? from_bf16(bias[f]) : 0.f));
+    }
+    if (threadIdx.x == 0) counters[blockIdx.x] = 0;
+}
+
+// The weight of the layout above as a bfloat16 [n, k] matrix, for products of more rows
+// (prefill: dequantize once, then cuBLAS). One thread per 16-byte word group; each weight is
+// computed by the same `dequant` as in int4_mma.
+extern "C" __global__ void __launch_bounds__(256)
+int4_dequant(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, u16* __restrict__ out,
+             int n, int k) {
+    const int groups = k >> 7;
+    const long long i = (long long)blockIdx.x * 256 + threadIdx.x;
+    if (i >= (long long)(n >> 4) * groups * 64) return;
+    const int lane = (int)(i & 31), h = (int)((i >> 5) & 1);
+    const long long at = i >> 6;  // tile * groups + group
+    const int gr = (int)(at % groups), tile = (int)(at / groups);
+    const int g = lane >> 2, t = lane & 3;
+    const u32x4 q4 = w[i];
+    const u32x2 sc = sz[at * 8 + g];
+    const u32 s_lo = __byte_perm(sc.x, 0, 0x1010), z_lo = __byte_perm(sc.x, 0, 0x3232);
+    const u32 s_hi = __byte_perm(sc.y, 0, 0x1010), z_hi = __byte_perm(sc.y, 0, 0x3232);
+    const u32 qs[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+        const int k0 = (gr << 7) + 8 * (8 * h + t + 4 * (jj >> 1)) + 4 * (jj & 1);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {  // register r: feature g + 8 (r & 1), inputs k0 + 2 (r >> 1) + {0, 1}
+            const u32 v = (r & 1) ? dequant(qs[jj] >> (4 * r), s_hi, z_hi)
+                                  : dequant(qs[jj] >> (4 * r), s_lo, z_lo);
+            const int f = tile * 16 + g + 8 * (r & 1);
+            *(u32*)(out + (size_t)f * k + k0 + 2 * (r >> 1)) = v;
+        }
+    }
+}

@@ -1,0 +1,119 @@
+"""The int4 tensor-core kernel (flashdraft.mma): its weight layout on the CPU, through an
+emulation of the kernel's fragments; the kernel itself on a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from flashdraft import kernels, mma, quant
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _quantized(n: int, k: int, seed: int = 0, device="cpu"):
+    torch.manual_seed(seed)
+    w = torch.randn(n, k, device=device)
+    return quant.quantize_int4(w)  # packed [k/2, n], scale, zero [k/128, n]
+
+
+def test_pack_round_trip():
+    packed, scale, zero = _quantized(48, 384)
+    qweight, scales = mma.pack_int4(packed, scale, zero, chunk=2)  # chunks: 3 tiles in 2 + 1
+    assert qweight.shape == (3, 3, 2, 32, 4) and qweight.dtype == torch.int32
+    assert scales.shape == (3, 3, 8, 2)
+    assert torch.equal(mma.unpack_int4(qweight), quant.unpack_int4(packed))
+    s, z = mma.unpack_scales(scales)
+    assert torch.equal(s, scale) and torch.equal(z, zero)
+
+
+def _bf16_pairs(word: torch.Tensor, s: torch.Tensor, z: torch.Tensor, r: int):
+    """The kernel's `dequant(word >> 4r, s, z)`: nibbles r and r + 4 as (q - 8) * s + z,
+    rounded once to bfloat16 (float64 holds the exact value)."""
+    lo, hi = (word >> (4 * r)) & 0xF, (word >> (4 * r + 16)) & 0xF
+    return [((q.double() - 8) * s.double() + z.double()).to(torch.bfloat16) for q in (lo, hi)]
+
+
+def _emulate(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [rows <= 8, k] @ W^T as int4_mma computes it, lane by lane: which weight meets which
+    input in each m16n8k16 product is read off the kernel's own fragment code."""
+    tiles, groups = qweight.shape[:2]
+    rows = x.shape[0]
+    s_all, z_all = (t.float() for t in mma.unpack_scales(scales))  # [groups, n]
+    xb = torch.zeros(8, x.shape[1], dtype=torch.float64)
+    xb[:rows] = x.double()
+    y = torch.zeros(8, tiles * 16, dtype=torch.float64)
+    words = qweight.to(torch.int64) & 0xFFFFFFFF
+    for tile in range(tiles):
+        for gr in range(groups):
+            s = s_all[gr, tile * 16:(tile + 1) * 16]
+            z = z_all[gr, tile * 16:(tile + 1) * 16]
+            for h in range(2):
+                for jj in range(4):
+                    a = torch.zeros(16, 16, dtype=torch.float64)  # [feature, k position]
+                    b = torch.zeros(16, 8, dtype=torch.float64)  # [k position, row]
+                    for lane in range(32):
+                        g, t = lane // 4, lane % 4
+                        word = words[tile, gr, h, lane, jj]
+                        for r in range(4):  # fragment register r: a(2r), a(2r + 1)
+                            f = g + 8 * (r & 1)
+                            col = 2 * t + 8 * (r >> 1)
+                            a[f, col], a[f, col + 1] = _bf16_pairs(word, s[f], z[f], r)
+                        base = gr * 128 + 8 * (8 * h + t + (4 if jj >= 2 else 0)) + 4 * (jj & 1)
+                        b[2 * t:2 * t + 2, g] = xb[g, base:base + 2]  # b0 b1
+                        b[2 * t + 8:2 * t + 10, g] = xb[g, base + 2:base + 4]  # b2 b3
+                    y[:, tile * 16:(tile + 1) * 16] += (a @ b).t()
+    return y[:rows]
+
+
+def test_layout_pairs_each_weight_with_its_input():
+    packed, scale, zero = _quantized(32, 256, seed=1)
+    qweight, scales = mma.pack_int4(packed, scale, zero)
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    w = quant.dequantize_int4(packed, scale, zero, torch.bfloat16)  # rounded as the kernel does
+    ref = x.double() @ w.double().t()
+    torch.testing.assert_close(_emulate(x, qweight, scales), ref, rtol=1e-12, atol=1e-9)
+
+
+def test_launch_shape_depends_on_the_weight_alone():
+    assert mma.config(51200, 5120) == mma.MmaConfig(8, 5, 800)  # 32B gate/up: 4,000 blocks
+    assert mma.config(1536, 1536).groups_per_split == 2  # few tiles: more splits
+    with pytest.raises(ValueError, match="multiples of 16"):
+        mma.pack_int4(*_quantized(40, 128))
+
+
+def test_unavailable_says_why():
+    assert "CUDA" in mma.unavailable("cpu", torch.bfloat16)
+    layer = quant.QuantLinear(nn.Linear(128, 32), "int4")  # auto on the CPU: the reference
+    assert layer.backend == "reference"
+    with pytest.raises(ValueError, match="backend='auto'"):
+        quant.QuantLinear(nn.Linear(128, 32), "int4", "mma")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_kernel_matches_the_reference_and_is_batch_invariant():
+    torch.manual_seed(4)
+    # (k, n): one split, several splits (the last shorter), a partial block column, a bias
+    for k, n, bias in ((256, 64, False), (1536, 8960, True), (5120, 1040, True),
+                       (4096, 1024, False)):
+        lin = nn.Linear(k, n, bias=bias, device="cuda", dtype=torch.bfloat16)
+        layer = quant.QuantLinear(lin, "int4", "mma")
+        w = layer.dequantized()
+        packed, scale, zero = quant.quantize_int4(lin.weight.detach())
+        # the dequantization kernel computes each weight as the reference does
+        assert torch.equal(w, quant.dequantize_int4(packed, scale, zero, torch.bfloat16))
+        x = torch.randn(32, k, device="cuda", dtype=torch.bfloat16)
+        for m in (1, 2, 7, 8, 9, 16, 17, 32):
+            ref = x[:m].double() @ w.double().t() + (lin.bias.double() if bias else 0)
+            y = layer(x[:m])
+            rel = ((y.double() - ref).norm() / ref.norm()).item()
+            assert rel < 3e-3, (k, n, m, rel)
+            # batch invariance: each row's bits do not depend on the rows beside it
+            assert torch.equal(y[:1], layer(x[:1])), (k, n, m)
+            assert torch.equal(y[-1:], layer(x[m - 1:m])), (k, n, m)
+        assert not kernels._counters(x.device, 1).any()  # counters back to zero
+        # prefill: more rows than the kernel takes go through the dequantized weight
+        xs = torch.randn(40, k, device="cuda", dtype=torch.bfloat16)
+        ref = xs.double() @ w.double().t() + (lin.bias.double() if bias else 0)
+        assert ((layer(xs).double() - ref).norm() / ref.norm()).item() < 3e-3
