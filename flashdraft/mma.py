@@ -184,15 +184,8 @@ def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 def _allow_shared(fn, nbytes: int) -> None:
     """Raise the kernel's dynamic shared-memory limit to nbytes where it is past 48 KB."""
-    if nbytes <= max(48 * 1024, getattr(fn, "_allowed", 0)):
-        return
-    from torch.cuda._utils import _get_gpu_runtime_library
-    max_dynamic_shared_size = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    err = _get_gpu_runtime_library().cuFuncSetAttribute(fn.func, max_dynamic_shared_size, nbytes)
-    if err:
-        raise RuntimeError(f"cuFuncSetAttribute(max dynamic shared memory = {nbytes}) failed: "
-                           f"CUDA error {err}")
-    fn._allowed = nbytes
+    if nbytes >= 48 * 1024 and nbytes > getattr(fn, "_max_shared_mem_bytes", 0):
+        fn.set_shared_memory_config(nbytes)
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> torch.Tensor:
