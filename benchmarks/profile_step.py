@@ -378,9 +378,8 @@ def quant_products(shape: str, budget_s: float) -> dict:
     return result
 
 
-MMA_SWEEP = ((8, 4, 8, 4), (8, 4, 8, 2), (8, 4, 16, 4), (8, 4, 4, 4), (8, 8, 8, 2),
-             (8, 2, 8, 8), (4, 4, 8, 4), (16, 4, 8, 4), (8, 4, 8, 8))
-# (groups a split, warps a block, stages a ring, blocks aimed at a multiprocessor)
+MMA_SWEEP = ((4, 2, 8), (4, 2, 4), (4, 2, 2), (2, 4, 8), (2, 4, 16), (8, 1, 4), (4, 1, 4),
+             (2, 2, 8), (8, 2, 8))  # (tiles a block, warps along K, groups a split)
 
 
 @torch.inference_mode()
@@ -421,15 +420,14 @@ def mma_products(shape: str, sweep: bool) -> dict:
         row["tinygemm_16rows"] = graph_us(lambda: tgmm(xs[:16]))
         if sweep:
             timed = []
-            for gps, warps, stages, per_sm in MMA_SWEEP:
-                label = (gps, warps, stages, per_sm)
+            for tn, wk, gps in MMA_SWEEP:
                 try:
-                    c = mma.config(n, k, gps, warps=warps, stages=stages, blocks_per_sm=per_sm)
+                    c = mma.config(n, k, tn, wk, gps)
                     timed.append((graph_us(lambda: run(xs[:1], c)), graph_us(lambda: run(xs[:16], c)),
-                                  label))
+                                  (tn, wk, gps, c.splits)))
                 except Exception as e:  # resources the launch refuses
                     timed.append((float("inf"), float("inf"),
-                                  f"{label}: {type(e).__name__}: {str(e)[:200]}"))
+                                  f"{(tn, wk, gps)}: {type(e).__name__}: {str(e)[:200]}"))
             row["sweep"] = sorted(timed, key=lambda r: r[0])
         result[f"{n}x{k}"] = row
         print(f"  mma {shape} {n:>6d}x{k:<6d} (from DRAM) 1 row {row['mma_1rows']:6.1f} us "

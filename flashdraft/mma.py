@@ -14,7 +14,9 @@ wrapper: no compiler, headers or build step beyond torch's CUDA build) and launc
 """
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,8 +26,11 @@ from . import kernels
 
 GROUP = 128
 MAX_ROWS = 32  # rows of x in blocks of 8: 1, 2 or 4 blocks
-UNIT = 1088  # shared-memory bytes of a (16-feature tile, group) unit: 1 KB codes, 64 B scales
+TN, WK = 4, 2  # 16-feature tiles a block, warps along K a tile (the .cu file's defaults)
+GMAX = 4  # groups a warp holds: a split spans at most WK * GMAX groups
 SOURCE = Path(__file__).with_name("csrc") / "int4_mma.cu"
+# Splits of K chosen so that a product has at least this many blocks (two per SM on an H200).
+MIN_BLOCKS = int(os.environ.get("FLASHDRAFT_MMA_MIN_BLOCKS", "264"))
 
 
 def unavailable(device: torch.device | str, dtype: torch.dtype) -> str | None:
@@ -45,9 +50,9 @@ def unavailable(device: torch.device | str, dtype: torch.dtype) -> str | None:
 
 
 @functools.cache
-def _kernel(name: str, row_blocks: int = 1, warps: int = 4, stages: int = 8):
+def _kernel(name: str, row_blocks: int = 1, tn: int = TN, wk: int = WK):
     source = SOURCE.read_text()
-    options = [f"-DNB={row_blocks}", f"-DWARPS={warps}", f"-DD={stages}"]
+    options = [f"-DNB={row_blocks}", f"-DTN={tn}", f"-DWK={wk}"]
     try:
         return torch.cuda._compile_kernel(source, name, nvcc_options=options)
     except Exception as err:  # NVRTC's log says what failed
@@ -125,19 +130,25 @@ def unpack_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass(frozen=True)
 class MmaConfig:
-    groups_per_split: int  # groups of 128 inputs a split of K (the last may be shorter)
+    groups_per_split: int  # <= wk * GMAX
     splits: int
-    warps: int = 4  # a block
-    stages: int = 8  # of each warp's ring
-    blocks_per_sm: int = 4  # persistent blocks aimed at (shared memory permitting)
+    blocks_n: int  # blocks along n, tn tiles each
+    tn: int = TN  # 16-feature tiles a block
+    wk: int = WK  # warps along K a tile
 
 
-def config(n: int, k: int, groups_per_split: int = 8, **launch) -> MmaConfig:
-    """Launch shape from the weight's shape alone (batch invariance): K in splits of
-    groups_per_split groups, so that a block's x tile stays small for 32 rows."""
-    groups = k // GROUP
-    gps = min(groups_per_split, groups)
-    return MmaConfig(gps, -(-groups // gps), **launch)
+def config(n: int, k: int, tn: int = TN, wk: int = WK, groups_per_split: int = 0) -> MmaConfig:
+    """Launch shape from the weight's shape alone (batch invariance): by default the longest K
+    split (most weight bytes in flight a warp) that still gives MIN_BLOCKS blocks."""
+    groups, blocks_n = k // GROUP, -(-n // (16 * tn))
+    gps = groups_per_split
+    if not gps:
+        for gps in (wk * GMAX, wk * GMAX // 2, wk):
+            if blocks_n * -(-groups // gps) >= MIN_BLOCKS:
+                break
+    if not 0 < gps <= wk * GMAX:
+        raise ValueError(f"groups_per_split={gps}: a split holds 1 to {wk * GMAX} groups")
+    return MmaConfig(gps, -(-groups // gps), blocks_n, tn, wk)
 
 
 def _row_blocks(rows: int) -> int:
@@ -158,34 +169,56 @@ def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
     if cfg.splits > 1:
         parts = torch.empty(cfg.splits * rows * n, dtype=torch.float32, device=x2.device)
-        counters = kernels._counters(x2.device, n // 16)
+        counters = kernels._counters(x2.device, cfg.blocks_n)
     else:
         parts, counters = out, out
-    gps = cfg.groups_per_split
-    shared = nb * 8 * (gps * GROUP + 32) * 2 + gps * nb * 8 * 4 + cfg.warps * cfg.stages * UNIT
-    fn = _kernel("int4_mma", nb, cfg.warps, cfg.stages)
+    stride = cfg.groups_per_split * GROUP + 32
+    shared = nb * 8 * stride * 2 + cfg.tn * cfg.wk * nb * 4 * 32 * 4
+    fn = _kernel("int4_mma", nb, cfg.tn, cfg.wk)
     _allow_shared(fn, shared)
-    fn(grid=(_persistent_blocks(n // 16, cfg, shared, x2.device), cfg.splits, 1),
-       block=(cfg.warps * 32, 1, 1),
-       args=[qweight, scales, x2, bias if bias is not None else x2, out, parts, counters, rows,
-             n, k, x2.stride(0), out.stride(0), gps, int(bias is not None)],
-       shared_mem=shared)
+    _launch(fn, (cfg.blocks_n, cfg.splits, 1), (cfg.tn * cfg.wk * 32, 1, 1), shared,
+            [qweight, scales, x2, bias if bias is not None else x2, out, parts, counters, rows, n,
+             k, x2.stride(0), out.stride(0), cfg.groups_per_split, int(bias is not None)],
+            "launch_pdl" in kernels._pdl(x2))
     return out
 
 
+class _Attribute(ctypes.Structure):  # CUlaunchAttribute
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("rest", ctypes.c_char * 60)]
+
+
+class _Launch(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_Attribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_...
+
+
 @functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def _launch_kernel_ex():
+    fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    return fn
 
 
-def _persistent_blocks(tiles: int, cfg: MmaConfig, shared: int, device) -> int:
-    """Blocks along n for each split: about blocks_per_sm a multiprocessor in all, with the
-    tiles spread evenly over the warps. Which warp takes a tile changes no result."""
-    per_sm = max(1, min(cfg.blocks_per_sm, (227 << 10) // max(shared, 1)))
-    blocks = max(1, -(-_multiprocessors(device) * per_sm // cfg.splits))
-    blocks = min(blocks, -(-tiles // cfg.warps))
-    per_warp = -(-tiles // (blocks * cfg.warps))
-    return -(-tiles // (cfg.warps * per_warp))
+def _launch(fn, grid, block, shared: int, args: list, pdl: bool) -> None:
+    """fn on the current stream through cuLaunchKernelEx, with programmatic dependent launch
+    when pdl (the kernel then overlaps its weight loads with the previous kernel's tail, as the
+    Triton kernels do); tensors pass as pointers, ints as int."""
+    values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a)
+              for a in args]
+    pointers = (ctypes.c_void_p * len(values))(
+        *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
+    attribute = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    config = _Launch((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared,
+                     torch.cuda.current_stream().cuda_stream,
+                     ctypes.pointer(attribute) if pdl else None, int(pdl))
+    err = _launch_kernel_ex()(ctypes.byref(config), fn.func, pointers, None)
+    if err:
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUDA error {err}")
 
 
 def _allow_shared(fn, nbytes: int) -> None:
@@ -198,6 +231,6 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> t
     """W [n, k] bfloat16, each weight as the product kernel computes it."""
     out = torch.empty(n, k, dtype=torch.bfloat16, device=qweight.device)
     words = qweight.numel() // 4
-    _kernel("int4_dequant")(grid=(-(-words // 256), 1, 1), block=(256, 1, 1),
-                            args=[qweight, scales, out, n, k])
+    fn = _kernel("int4_dequant")
+    _launch(fn, (-(-words // 256), 1, 1), (256, 1, 1), 0, [qweight, scales, out, n, k], False)
     return out

@@ -18,69 +18,61 @@
 //      chosen so that the same lane's x values are two contiguous 16-byte chunks per half
 //      (and, with the 64-byte row padding of the x tile, conflict-free shared-memory loads).
 //   sz [n/16][groups][8] x (scale | zero << 16, for feature g and g + 8), bfloat16 pairs.
-// Weight of code q in a group with scale s and zero z: (q - 8) * s + z.
+// Each weight is dequantized in full, w = (q - 8) * s + z (one rounding, in fma.rn.bf16x2),
+// so every group accumulates into one float32 accumulator.
 //
-// Work: grid (P, S). Split s of K (gps groups, the last shorter) is blockIdx.y; the block
-// stages x over that range in shared memory once, with each row's sum over each group. Its
-// warps are persistent: warp w of block b takes the 16-feature tiles b * WARPS + w, then every
-// P * WARPS-th, and streams (tile, group) units through its own ring of D shared-memory stages
-// (cp.async), so its weight loads stay in flight while it computes. A unit's codes become the
-// A operand with one lop3 per pair of weights (the bfloat16 pair 128 + q); its sums d go to a
-// fresh accumulator, and the group's scale and zero are applied in float32:
-//     sum_k x (q - 8) s + z = s d + (z - 136 s) sum_k x.
-// Sums: a tile's groups in order, then the splits in order by the warp that finishes a tile
-// last (float32 slices, a counter per tile). All of it is fixed by the weight's shape (P only
-// decides which warp does a tile, not how), and an mma column is computed from its own B
-// column alone, so 1 to 32 rows get bit-identical results: batch invariance, which speculative
-// decoding needs to return exactly the tokens of plain decoding.
+// Work: block = TN tiles of 16 features x WK warps along K. Split s of the K range (gps
+// groups) is gridDim.y; warp wk takes groups wk, wk + WK, ... of it. Sums: a warp's groups in
+// order (mma accumulate), then the WK warps in order (shared memory), then the splits in order
+// by the last block to finish (float32 slices, a counter per block column). All of it is fixed
+// by the weight's shape, and a row's result never depends on the other rows (an mma column
+// is computed from its own B column), so 1 to 32 rows get bit-identical results: batch
+// invariance, which speculative decoding needs to return exactly the tokens of plain decoding.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
 struct __align__(16) u32x4 { u32 x, y, z, w; };
 struct __align__(8) u32x2 { u32 x, y; };
-struct __align__(8) f32x2 { float x, y; };
 
 #ifndef NB
 #define NB 1  // row blocks of 8: rows <= 8 * NB
 #endif
-#ifndef WARPS
-#define WARPS 4  // warps a block
+#ifndef TN
+#define TN 4  // 16-feature tiles per block
 #endif
-#ifndef D
-#define D 8  // stages of a warp's ring
+#ifndef WK
+#define WK 2  // warps along K per tile
 #endif
-#define UNIT_W 1024  // bytes of codes a (tile, group) unit
-#define UNIT 1088  // ... and its 8 scale/zero pairs
+#define WARPS (TN * WK)
+#define GMAX 4  // groups a warp holds: groups per split <= WK * GMAX
 
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
+__device__ __forceinline__ u32x4 load_stream(const u32x4* p) {
+    u32x4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
 }
 
-__device__ __forceinline__ void copy16(u32 dst, const void* src) {  // global -> shared, async
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+__device__ __forceinline__ u32x2 load_pair(const u32x2* p) {
+    u32x2 v;
+    asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
 }
 
-__device__ __forceinline__ float load_cg(const float* p) {  // past L1: other warps' slices
+__device__ __forceinline__ float load_cg(const float* p) {  // past L1: other blocks' slices
     float v;
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
     return v;
 }
 
-// (q - 8) * s + z for nibbles 0 and 4 of q, a bfloat16 pair rounded once (int4_dequant).
+// Nibbles 0 and 4 of q as (q - 8) * s + z, a bfloat16 pair (low half from nibble 0).
 __device__ __forceinline__ u32 dequant(u32 q, u32 s2, u32 z2) {
     u32 v, d;
+    // (q & 0x000f000f) | 0x43004300: the bfloat16 pair 128 + nibble
     asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(v) : "r"(q), "r"(0x000f000fu), "r"(0x43004300u));
+    // 1 * v - 136 = q - 8, exact
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(v), "r"(0x3f803f80u), "r"(0xc308c308u));
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(v) : "r"(d), "r"(s2), "r"(z2));
-    return v;
-}
-
-// Nibbles 0 and 4 of q as the bfloat16 pair 128 + nibble: (q & 0x000f000f) | 0x43004300.
-__device__ __forceinline__ u32 biased(u32 q) {
-    u32 v;
-    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(v) : "r"(q), "r"(0x000f000fu), "r"(0x43004300u));
     return v;
 }
 
@@ -97,8 +89,7 @@ __device__ __forceinline__ u16 to_bf16(float v) {
     return r;
 }
 
-__device__ __forceinline__ float lo_f32(u32 v) { return __uint_as_float(v << 16); }
-__device__ __forceinline__ float hi_f32(u32 v) { return __uint_as_float(v & 0xffff0000u); }
+__device__ __forceinline__ float from_bf16(u16 v) { return __uint_as_float((u32)v << 16); }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* __restrict__ x,
@@ -106,47 +97,38 @@ int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* _
          int* __restrict__ counters, int rows, int n, int k, int ldx, int ldy, int gps,
          int has_bias) {
     extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ int is_last;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int groups = k >> 7, tiles = n >> 4, splits = gridDim.y;
-    const int g0 = blockIdx.y * gps, ng = min(gps, groups - g0);
-    // Shared memory: x [8 NB][stride] bf16 | sums [gps][8 NB] f32 | rings [WARPS][D][UNIT].
-    // Row stride = 64 bytes more than a multiple of 128: a quarter-warp's loads hit distinct banks.
-    const int stride = (gps << 7) + 32;
-    u16* xs = (u16*)smem;
-    float* sums = (float*)(smem + NB * 8 * stride * 2);
-    unsigned char* ring = smem + NB * 8 * stride * 2 + gps * NB * 8 * 4 + warp * D * UNIT;
+    const int tile = blockIdx.x * TN + warp % TN, wk = warp / TN;
+    const int groups = k >> 7;
+    const int g0 = blockIdx.y * gps, g1 = min(g0 + gps, groups);
+    const bool live = tile < (n >> 4);
 
-    // This warp's tiles: first, first + step, ...; its units (tile, group) in that order, the
-    // next one to issue at (issue_tile, issue_group), unit u in stage u % D.
-    const int first = blockIdx.x * WARPS + warp, step = gridDim.x * WARPS;
-    const int units = first < tiles ? ((tiles - 1 - first) / step + 1) * ng : 0;
-    // Pointers run along the units (a tile's groups, then a jump to the next tile's).
-    const size_t unit0 = (size_t)first * groups + g0, jump = (size_t)step * groups - ng;
-    const u32x4* wp = w + unit0 * 64 + lane;
-    const u32x2* sp = sz + unit0 * 8 + 2 * lane;  // lanes 0-3: 16 bytes each
-    const u32 stage0 = smem_addr(ring) + lane * 16;
-    int issued = 0, issue_group = 0;
-    auto issue = [&]() {  // the next unit's codes and scales into its stage
-        if (issued < units) {
-            const u32 st = stage0 + (issued % D) * UNIT;
-            copy16(st, wp);
-            copy16(st + 512, wp + 32);
-            if (lane < 4) copy16(st + UNIT_W, sp);
-            wp += 64, sp += 8;
-            if (++issue_group == ng) issue_group = 0, wp += jump * 64, sp += jump * 8;
-        }
-        ++issued;
-        asm volatile("cp.async.commit_group;" ::: "memory");
-    };
-    // The weights do not depend on the previous kernel: start loading them before waiting.
+    // The weights do not depend on the previous kernel: load them before waiting for it.
+    u32x4 wa[GMAX], wb[GMAX];
+    u32x2 sc[GMAX];
 #pragma unroll
-    for (int u = 0; u < D - 1; ++u) issue();
+    for (int i = 0; i < GMAX; ++i) {
+        const int gr = g0 + wk + i * WK;
+        if (live && gr < g1) {
+            const size_t at = (size_t)tile * groups + gr;
+            wa[i] = load_stream(w + at * 64 + lane);
+            wb[i] = load_stream(w + at * 64 + 32 + lane);
+            sc[i] = load_pair(sz + at * 8 + g);
+        }
+    }
+    // Programmatic dependent launch: wait for the previous kernel's writes, then let the next
+    // kernel launch (it waits for ours in turn). Both are no-ops without the launch attribute.
     asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;");
 
-    // x over this split into shared memory (zeros past `rows`), then each row's group sums
-    // (one warp a sum, in a fixed tree).
-    const int chunks = ng << 4;  // 16-byte chunks of a row
+    // x rows [0, 8 NB) over this split's inputs into shared memory, zeros past `rows`. Row
+    // stride = 64 bytes more than a multiple of 128, so the lanes of a quarter-warp hit
+    // distinct banks.
+    const int stride = (gps << 7) + 32;  // bfloat16 elements
+    u16* xs = (u16*)smem;
+    const int chunks = (g1 - g0) << 4;  // 16-byte chunks of a row
     for (int i = threadIdx.x; i < NB * 8 * chunks; i += WARPS * 32) {
         const int r = i / chunks, c = i - r * chunks;
         u32x4 v = {0u, 0u, 0u, 0u};
@@ -154,114 +136,104 @@ int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* _
         *(u32x4*)(xs + r * stride + c * 8) = v;
     }
     __syncthreads();
-    for (int p = warp; p < NB * 8 * ng; p += WARPS) {
-        const int r = p / ng, gi = p - r * ng;
-        const u32x2 v = *(const u32x2*)(xs + r * stride + (gi << 7) + lane * 4);
-        float s = (lo_f32(v.x) + hi_f32(v.x)) + (lo_f32(v.y) + hi_f32(v.y));
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if (lane == 0) sums[gi * NB * 8 + r] = s;
-    }
-    __syncthreads();
 
     float acc[NB][4];
 #pragma unroll
     for (int b = 0; b < NB; ++b) acc[b][0] = acc[b][1] = acc[b][2] = acc[b][3] = 0.f;
-    // This lane's places: its x chunks, its 16 bytes of a stage, its scale pair, its row sums.
-    const u16* x_lane = xs + g * stride + 8 * t;
-    const unsigned char* codes_lane = ring + lane * 16;
-    const unsigned char* scales_lane = ring + UNIT_W + g * 8;
-    const float* sums_lane = sums + 2 * t;
-    int tile = first, gi = 0;  // unit u's
-    for (int u = 0; u < units; ++u) {
-        __syncwarp();  // every lane is done with stage (u - 1) % D, which the next issue refills
-        issue();
-        asm volatile("cp.async.wait_group %0;" ::"n"(D - 1) : "memory");
-        __syncwarp();  // the scales other lanes copied are visible
-        const int stage = (u % D) * UNIT;
-        const u16* xg = x_lane + (gi << 7);
-        float d[NB][4];
 #pragma unroll
-        for (int b = 0; b < NB; ++b) d[b][0] = d[b][1] = d[b][2] = d[b][3] = 0.f;
+    for (int i = 0; i < GMAX; ++i) {
+        const int gr = g0 + wk + i * WK;
+        if (!(live && gr < g1)) continue;
+        const u32 s_lo = __byte_perm(sc[i].x, 0, 0x1010), z_lo = __byte_perm(sc[i].x, 0, 0x3232);
+        const u32 s_hi = __byte_perm(sc[i].y, 0, 0x1010), z_hi = __byte_perm(sc[i].y, 0, 0x3232);
+        const u16* xg = xs + ((gr - g0) << 7);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const u32x4 q4 = *(const u32x4*)(codes_lane + stage + h * 512);
+            const u32x4 q4 = h ? wb[i] : wa[i];
             const u32 qs[4] = {q4.x, q4.y, q4.z, q4.w};
             u32x4 xa[NB], xb[NB];
 #pragma unroll
             for (int b = 0; b < NB; ++b) {
-                xa[b] = *(const u32x4*)(xg + b * 8 * stride + 64 * h);
-                xb[b] = *(const u32x4*)(xg + b * 8 * stride + 64 * h + 32);
+                const u16* xr = xg + (b * 8 + g) * stride;
+                xa[b] = *(const u32x4*)(xr + 8 * (8 * h + t));
+                xb[b] = *(const u32x4*)(xr + 8 * (8 * h + 4 + t));
             }
 #pragma unroll
             for (int jj = 0; jj < 4; ++jj) {
                 const u32 q = qs[jj];
-                const u32 a0 = biased(q), a1 = biased(q >> 4), a2 = biased(q >> 8),
-                          a3 = biased(q >> 12);
+                const u32 a0 = dequant(q, s_lo, z_lo), a1 = dequant(q >> 4, s_hi, z_hi);
+                const u32 a2 = dequant(q >> 8, s_lo, z_lo), a3 = dequant(q >> 12, s_hi, z_hi);
 #pragma unroll
                 for (int b = 0; b < NB; ++b) {
                     const u32x4 c = jj < 2 ? xa[b] : xb[b];
-                    mma(d[b], a0, a1, a2, a3, (jj & 1) ? c.z : c.x, (jj & 1) ? c.w : c.y);
+                    mma(acc[b], a0, a1, a2, a3, (jj & 1) ? c.z : c.x, (jj & 1) ? c.w : c.y);
                 }
             }
         }
-        // Fragment c of row block b: feature g + 8 (c >> 1), row 8 b + 2 t + (c & 1).
-        const u32x2 sc = *(const u32x2*)(scales_lane + stage);
-        const float s0 = lo_f32(sc.x), s1 = lo_f32(sc.y);
-        const float c0 = fmaf(-136.f, s0, hi_f32(sc.x)), c1 = fmaf(-136.f, s1, hi_f32(sc.y));
-#pragma unroll
-        for (int b = 0; b < NB; ++b) {
-            const f32x2 sx = *(const f32x2*)(sums_lane + gi * NB * 8 + b * 8);
-            acc[b][0] = fmaf(c0, sx.x, fmaf(s0, d[b][0], acc[b][0]));
-            acc[b][1] = fmaf(c0, sx.y, fmaf(s0, d[b][1], acc[b][1]));
-            acc[b][2] = fmaf(c1, sx.x, fmaf(s1, d[b][2], acc[b][2]));
-            acc[b][3] = fmaf(c1, sx.y, fmaf(s1, d[b][3], acc[b][3]));
-        }
-        if (++gi < ng) continue;
+    }
 
-        // The tile's last group: its sums out, to y or to this split's slice.
-        gi = 0;
-        const int done = tile;
-        tile += step;
+    // The WK warps of a tile, added in order by the first.
+    float* red = (float*)(smem + NB * 8 * stride * 2);  // [WARPS][NB * 4][32]
+    if (WK > 1) {
+        if (wk > 0) {
+#pragma unroll
+            for (int b = 0; b < NB; ++b)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) red[(warp * NB * 4 + b * 4 + c) * 32 + lane] = acc[b][c];
+        }
+        __syncthreads();
+        if (wk == 0) {
+#pragma unroll
+            for (int j = 1; j < WK; ++j)
+#pragma unroll
+                for (int b = 0; b < NB; ++b)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c)
+                        acc[b][c] += red[((warp + j * TN) * NB * 4 + b * 4 + c) * 32 + lane];
+        }
+    }
+
+    // Fragment c of row block b: feature g + 8 (c >> 1), row 8 b + 2 t + (c & 1).
+    const int splits = gridDim.y;
+    if (wk == 0 && live) {
 #pragma unroll
         for (int b = 0; b < NB; ++b)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
-                const int row = b * 8 + 2 * t + (c & 1), f = done * 16 + g + 8 * (c >> 1);
-                if (row < rows) {
-                    if (splits == 1)
-                        y[(size_t)row * ldy + f] =
-                            to_bf16(acc[b][c] + (has_bias ? lo_f32(bias[f]) : 0.f));
-                    else
-                        parts[((size_t)blockIdx.y * rows + row) * n + f] = acc[b][c];
-                }
-                acc[b][c] = 0.f;
+                const int row = b * 8 + 2 * t + (c & 1), f = tile * 16 + g + 8 * (c >> 1);
+                if (row >= rows) continue;
+                if (splits == 1)
+                    y[(size_t)row * ldy + f] =
+                        to_bf16(acc[b][c] + (has_bias ? from_bf16(bias[f]) : 0.f));
+                else
+                    parts[((size_t)blockIdx.y * rows + row) * n + f] = acc[b][c];
             }
-        if (splits == 1) continue;
-        // The warp that finishes a tile last adds the splits' slices in order.
-        __threadfence();
-        __syncwarp();
-        int last = 0;
-        if (lane == 0) last = atomicAdd(&counters[done], 1) == splits - 1;
-        if (!__shfl_sync(0xffffffffu, last, 0)) continue;
-        __threadfence();
-        for (int i = lane; i < rows * 16; i += 32) {
-            const int row = i >> 4, f = done * 16 + (i & 15);
-            const float* p = parts + (size_t)row * n + f;
-            const size_t slice = (size_t)rows * n;
-            float s = 0.f;
-            for (int sp = 0; sp < splits; sp += 8) {  // eight loads in flight, added in order
-                float v[8];
-#pragma unroll
-                for (int j = 0; j < 8; ++j) v[j] = sp + j < splits ? load_cg(p + (sp + j) * slice) : 0.f;
-#pragma unroll
-                for (int j = 0; j < 8; ++j) s += v[j];
-            }
-            y[(size_t)row * ldy + f] = to_bf16(s + (has_bias ? lo_f32(bias[f]) : 0.f));
-        }
-        if (lane == 0) counters[done] = 0;
     }
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    if (splits == 1) return;
+
+    // The last block of a column adds the splits' slices in order.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1) == splits - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    const int f0 = blockIdx.x * TN * 16, nf = min(TN * 16, n - f0);
+    for (int i = threadIdx.x; i < rows * nf; i += WARPS * 32) {
+        const int row = i / nf, f = f0 + i - row * nf;
+        const float* p = parts + (size_t)row * n + f;
+        const size_t slice = (size_t)rows * n;
+        float s = 0.f;
+        for (int sp = 0; sp < splits; sp += 8) {  // eight loads in flight, added in order
+            float v[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v[j] = sp + j < splits ? load_cg(p + (sp + j) * slice) : 0.f;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) s += v[j];
+        }
+        y[(size_t)row * ldy + f] = to_bf16(s + (has_bias ? from_bf16(bias[f]) : 0.f));
+    }
+    if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }
 
 // The weight of the layout above as a bfloat16 [n, k] matrix, for products of more rows
