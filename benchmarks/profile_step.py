@@ -378,8 +378,8 @@ def quant_products(shape: str, budget_s: float) -> dict:
     return result
 
 
-MMA_SWEEP = ((4, 2, 8), (4, 2, 4), (4, 2, 2), (2, 4, 8), (2, 4, 16), (8, 1, 4), (4, 1, 4),
-             (2, 2, 8), (8, 2, 8))  # (tiles a block, warps along K, groups a split)
+MMA_SWEEP = ((4, 2, 8), (4, 1, 4), (4, 1, 8), (4, 2, 16), (2, 4, 16), (4, 4, 8), (8, 1, 2),
+             (4, 2, 4), (2, 2, 4), (8, 2, 8))  # (tiles a block, warps along K, groups a split)
 
 
 @torch.inference_mode()

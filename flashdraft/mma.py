@@ -27,7 +27,7 @@ from . import kernels
 GROUP = 128
 MAX_ROWS = 32  # rows of x in blocks of 8: 1, 2 or 4 blocks
 TN, WK = 4, 2  # 16-feature tiles a block, warps along K a tile (the .cu file's defaults)
-GMAX = 4  # groups a warp holds: a split spans at most WK * GMAX groups
+GMAX = 4  # groups a warp holds by default: a split spans up to WK * GMAX groups
 SOURCE = Path(__file__).with_name("csrc") / "int4_mma.cu"
 # Splits of K chosen so that a product has at least this many blocks (two per SM on an H200).
 MIN_BLOCKS = int(os.environ.get("FLASHDRAFT_MMA_MIN_BLOCKS", "264"))
@@ -50,9 +50,9 @@ def unavailable(device: torch.device | str, dtype: torch.dtype) -> str | None:
 
 
 @functools.cache
-def _kernel(name: str, row_blocks: int = 1, tn: int = TN, wk: int = WK):
+def _kernel(name: str, row_blocks: int = 1, tn: int = TN, wk: int = WK, gmax: int = GMAX):
     source = SOURCE.read_text()
-    options = [f"-DNB={row_blocks}", f"-DTN={tn}", f"-DWK={wk}"]
+    options = [f"-DNB={row_blocks}", f"-DTN={tn}", f"-DWK={wk}", f"-DGMAX={gmax}"]
     try:
         return torch.cuda._compile_kernel(source, name, nvcc_options=options)
     except Exception as err:  # NVRTC's log says what failed
@@ -130,7 +130,7 @@ def unpack_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass(frozen=True)
 class MmaConfig:
-    groups_per_split: int  # <= wk * GMAX
+    groups_per_split: int  # a warp holds ceil(groups_per_split / wk) of them
     splits: int
     blocks_n: int  # blocks along n, tn tiles each
     tn: int = TN  # 16-feature tiles a block
@@ -146,8 +146,8 @@ def config(n: int, k: int, tn: int = TN, wk: int = WK, groups_per_split: int = 0
         for gps in (wk * GMAX, wk * GMAX // 2, wk):
             if blocks_n * -(-groups // gps) >= MIN_BLOCKS:
                 break
-    if not 0 < gps <= wk * GMAX:
-        raise ValueError(f"groups_per_split={gps}: a split holds 1 to {wk * GMAX} groups")
+    if not 0 < gps <= 4 * wk * GMAX:
+        raise ValueError(f"groups_per_split={gps}: a split holds 1 to {4 * wk * GMAX} groups")
     return MmaConfig(gps, -(-groups // gps), blocks_n, tn, wk)
 
 
@@ -174,7 +174,7 @@ def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         parts, counters = out, out
     stride = cfg.groups_per_split * GROUP + 32
     shared = nb * 8 * stride * 2 + cfg.tn * cfg.wk * nb * 4 * 32 * 4
-    fn = _kernel("int4_mma", nb, cfg.tn, cfg.wk)
+    fn = _kernel("int4_mma", nb, cfg.tn, cfg.wk, -(-cfg.groups_per_split // cfg.wk))
     _allow_shared(fn, shared)
     _launch(fn, (cfg.blocks_n, cfg.splits, 1), (cfg.tn * cfg.wk * 32, 1, 1), shared,
             [qweight, scales, x2, bias if bias is not None else x2, out, parts, counters, rows, n,

@@ -44,7 +44,9 @@ struct __align__(8) u32x2 { u32 x, y; };
 #define WK 2  // warps along K per tile
 #endif
 #define WARPS (TN * WK)
+#ifndef GMAX
 #define GMAX 4  // groups a warp holds: groups per split <= WK * GMAX
+#endif
 
 __device__ __forceinline__ u32x4 load_stream(const u32x4* p) {
     u32x4 v;
