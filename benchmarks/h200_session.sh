@@ -91,7 +91,7 @@ for phase in "$@"; do
   quant)
     # Quality cost of weight-only int8 / int4 on the real target, bf16, on the GPU kernels.
     python3 benchmarks/quant_quality.py example:qwen2.5-coder-1.5b --out "$OUT/quant-1.5b.json" \
-      2>&1 | tail -4
+      --modes "${QUANT_MODES:-int8,int4,int4-triton}" 2>&1 | tail -8
     ;;
   bench)
     # As BENCHMARKS.md's reference table: first 8 HumanEval prompts as raw text, 128 new
@@ -100,6 +100,19 @@ for phase in "$@"; do
       --draft ngram --num-speculative-tokens 1,3,5,8,16 --prompts humaneval --raw-prompts \
       --num-prompts 8 --max-tokens 128 --peer transformers --output "$OUT/bench" \
       --note "$(note)" --no-progress 2>&1 | tee "$OUT/bench.log" | tail -60
+    ;;
+  qbench)
+    # The example pair with its target in int4 (the default int4 kernel), drafts unchanged.
+    fd bench --model example:qwen2.5-coder-1.5b --draft example:qwen2.5-coder-0.5b \
+      --draft ngram --num-speculative-tokens 3,5,8 --prompts humaneval --raw-prompts \
+      --num-prompts 8 --max-tokens 128 --quantization int4 --output "$OUT/qbench" \
+      --note "$(note); target int4" --no-progress 2>&1 | tee "$OUT/qbench.log" | tail -30
+    ;;
+  official)
+    # Roofline fractions and step cost curves of random-weight shapes (no comparisons).
+    python3 benchmarks/profile_step.py --out "$OUT/official" --no-compare \
+      ${OFFICIAL_SHAPES:-qwen2.5-1.5b qwen3-8b qwen3-32b:int4 dense-27b:int4} 2>&1 \
+      | grep -v Warn | tee "$OUT/official.log"
     ;;
   demo)
     fd demo --num-speculative-tokens 3,5,8 --output "$OUT/demo" 2>&1 | tee "$OUT/demo.log" | tail -30

@@ -3,8 +3,9 @@ model on a fixed text (issue 5, item 4). Runs on a CPU (reference path) or a GPU
 
     PYTHONPATH=. python3 benchmarks/quant_quality.py example:qwen2.5-coder-1.5b [--dtype bfloat16]
 
-Each mode loads the model afresh (quantization is in place) and scores the same tokens in one
-prefill pass; figures: relative logit error ‖q − ref‖ / ‖ref‖, max abs error, top-1
+Each mode loads the model afresh (quantization is in place) and scores the same tokens twice:
+in one prefill pass (more rows than the kernels take: the dequantized weight through cuBLAS)
+and in steps of --chunk tokens through the KV cache (the decode/verify kernels); figures: relative logit error ‖q − ref‖ / ‖ref‖, max abs error, top-1
 agreement, and the perplexity of the text under both models.
 """
 from __future__ import annotations
@@ -42,12 +43,18 @@ guesses costs little more than producing one token.
 
 
 @torch.inference_mode()
-def score(model, cfg, ids: torch.Tensor) -> torch.Tensor:
-    # ids [1, T] -> logits [1, T, vocab] float32 (one prefill pass)
-    cache = KVCache.for_model(cfg, 1, ids.shape[1], next(model.parameters()).dtype, ids.device)
-    pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
-    logits, _ = model(ids, pos, cache, kv_len=ids.shape[1])
-    return logits
+def score(model, cfg, ids: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+    # ids [1, T] -> logits [1, T, vocab] (one prefill pass, or steps of `chunk` tokens)
+    t = ids.shape[1]
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    cache = KVCache.for_model(cfg, 1, t, dtype, ids.device)
+    out = []
+    for start in range(0, t, chunk or t):
+        end = min(t, start + (chunk or t))
+        pos = torch.arange(start, end, device=ids.device).unsqueeze(0)
+        logits, _ = model(ids[:, start:end], pos, cache, kv_len=end)
+        out.append(logits)
+    return torch.cat(out, dim=1)
 
 
 def main() -> None:
@@ -56,6 +63,8 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--modes", default="int8,int4", help="MODE or MODE-BACKEND, e.g. int4-hybrid")
+    ap.add_argument("--chunk", type=int, default=16,
+                    help="tokens a step for the second scoring (0: prefill only)")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -63,14 +72,20 @@ def main() -> None:
     ref = load_model(args.model, dtype, device)
     ids = torch.tensor([ref.tokenizer.encode(TEXT)], device=device)
     ref_logits = score(ref.model, ref.config, ids)
-    del ref
     results = {"model": args.model, "dtype": str(dtype), "device": str(device),
                "tokens": ids.shape[1], "modes": {}}
+    if args.chunk:  # the floor: the unquantized model's steps against its own prefill
+        results["modes"][f"none ({args.chunk}-token steps)"] = quality_report(
+            ref_logits, score(ref.model, ref.config, ids, args.chunk), ids)
+    del ref
     for mode in args.modes.split(","):
         loaded = load_model(args.model, dtype, device)
         quantize_model(loaded.model, *mode.split("-", 1))  # "int4" or "int4-hybrid" (backend)
         results["modes"][mode] = quality_report(ref_logits, score(loaded.model, loaded.config, ids),
                                                 ids)
+        if args.chunk:
+            results["modes"][f"{mode} ({args.chunk}-token steps)"] = quality_report(
+                ref_logits, score(loaded.model, loaded.config, ids, args.chunk), ids)
         del loaded
     print(f"{args.model} ({results['dtype']}, {results['device']}), {results['tokens']} tokens "
           f"of a fixed text:")
