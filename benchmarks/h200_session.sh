@@ -74,12 +74,14 @@ for phase in "$@"; do
   mma)
     # The int4 tensor-core kernel (flashdraft.mma): its GPU tests, each matrix against the
     # Triton kernel, tinygemm and cuBLAS (with a launch-shape sweep), then int4 shapes in the model.
-    python3 -m pytest -q -p no:cacheprovider tests/test_mma.py 2>&1 | tee "$OUT/pytest-mma.log" | tail -8
-    python3 benchmarks/profile_step.py --out "$OUT/mma" --no-official --no-compare \
+    python3 -m pytest -q -p no:cacheprovider tests/test_mma.py 2>&1 | tee -a "$OUT/pytest-mma.log" | tail -8
+    tag=${MMA_TAG:-}
+    python3 benchmarks/profile_step.py --out "$OUT/mma$tag" --no-official --no-compare \
       --mma-products "${MMA_PRODUCTS:-sweep}" ${MMA_SHAPES:-qwen3-32b} 2>&1 | grep -v Warn \
-      | tee "$OUT/mma.log"
-    [ -n "${MMA_MODEL_SHAPES:-}" ] && python3 benchmarks/profile_step.py --out "$OUT/mma-shapes" \
-      --no-compare $MMA_MODEL_SHAPES 2>&1 | grep -v Warn | tee "$OUT/mma-shapes.log"
+      | tee "$OUT/mma$tag.log"
+    [ -n "${MMA_MODEL_SHAPES:-}" ] && python3 benchmarks/profile_step.py \
+      --out "$OUT/mma-shapes$tag" --no-compare $MMA_MODEL_SHAPES 2>&1 | grep -v Warn \
+      | tee "$OUT/mma-shapes$tag.log"
     ;;
   variants)
     # The skinny-path variants measured in the model (random weights); the fastest on the 1.5B

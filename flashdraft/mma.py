@@ -8,7 +8,8 @@ wrapper: no compiler, headers or build step beyond torch's CUDA build) and launc
   operand's register layout, [n/16, groups, 2, 32, 4] int32, and each group's scale and zero
   beside each other, [n/16, groups, 8, 2] int32 (two bfloat16 each).
 - `linear(x2, qweight, scales, bias, n)`: x2 [rows <= MAX_ROWS, k] bfloat16 @ W^T + bias,
-  batch-invariant (see the .cu file's header).
+  batch-invariant (see the .cu file's header). FLASHDRAFT_MMA_FOLD, FLASHDRAFT_MMA_MIN_BLOCKS:
+  compile-time variants (see below).
 - `dequantize(qweight, scales, n, k)`: W [n, k] bfloat16 (for prefill through cuBLAS).
 - `unpack_int4(qweight)`: the codes [n, k] back, in PyTorch (reference, tests).
 """
@@ -28,6 +29,11 @@ GROUP = 128
 MAX_ROWS = 32  # rows of x in blocks of 8: 1, 2 or 4 blocks
 TN, WK = 4, 2  # 16-feature tiles a block, warps along K a tile (the .cu file's defaults)
 GMAX = 4  # groups a warp holds by default: a split spans up to WK * GMAX groups
+# 1: each group's scale and zero applied to its float32 sums (the codes become operands with one
+# lop3 a pair); 0: each weight dequantized in full in bfloat16 FMAs before the product.
+FOLD = int(os.environ.get("FLASHDRAFT_MMA_FOLD", "1"))
+# Resident blocks a multiprocessor that the kernel's register budget must allow (launch bounds).
+MIN_BLOCKS_SM = int(os.environ.get("FLASHDRAFT_MMA_MIN_BLOCKS", "1"))
 SOURCE = Path(__file__).with_name("csrc") / "int4_mma.cu"
 # Splits of K chosen so that a product has at least this many blocks (two per SM on an H200).
 MIN_BLOCKS = int(os.environ.get("FLASHDRAFT_MMA_MIN_BLOCKS", "264"))
@@ -52,7 +58,8 @@ def unavailable(device: torch.device | str, dtype: torch.dtype) -> str | None:
 @functools.cache
 def _kernel(name: str, row_blocks: int = 1, tn: int = TN, wk: int = WK, gmax: int = GMAX):
     source = SOURCE.read_text()
-    options = [f"-DNB={row_blocks}", f"-DTN={tn}", f"-DWK={wk}", f"-DGMAX={gmax}"]
+    options = [f"-DNB={row_blocks}", f"-DTN={tn}", f"-DWK={wk}", f"-DGMAX={gmax}",
+               f"-DFOLD={FOLD}", f"-DMIN_BLOCKS={MIN_BLOCKS_SM}"]
     try:
         return torch.cuda._compile_kernel(source, name, nvcc_options=options)
     except Exception as err:  # NVRTC's log says what failed

@@ -44,6 +44,13 @@ struct __align__(8) u32x2 { u32 x, y; };
 #define WK 2  // warps along K per tile
 #endif
 #define WARPS (TN * WK)
+#ifndef FOLD
+#define FOLD 1  // 1: scale and zero applied per group in float32; 0: per weight in bf16 FMAs
+#endif
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 1  // resident blocks a multiprocessor the register budget must allow
+#endif
+#define ONES 0x3f803f80u  // the bfloat16 pair (1, 1)
 #ifndef GMAX
 #define GMAX 4  // groups a warp holds: groups per split <= WK * GMAX
 #endif
@@ -78,6 +85,16 @@ __device__ __forceinline__ u32 dequant(u32 q, u32 s2, u32 z2) {
     return v;
 }
 
+// Nibbles 0 and 4 of q as the bfloat16 pair 128 + nibble: (q & 0x000f000f) | 0x43004300.
+__device__ __forceinline__ u32 biased(u32 q) {
+    u32 v;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(v) : "r"(q), "r"(0x000f000fu), "r"(0x43004300u));
+    return v;
+}
+
+__device__ __forceinline__ float lo_f32(u32 v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float hi_f32(u32 v) { return __uint_as_float(v & 0xffff0000u); }
+
 __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
         "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
@@ -93,7 +110,7 @@ __device__ __forceinline__ u16 to_bf16(float v) {
 
 __device__ __forceinline__ float from_bf16(u16 v) { return __uint_as_float((u32)v << 16); }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* __restrict__ x,
          const u16* __restrict__ bias, u16* __restrict__ y, float* __restrict__ parts,
          int* __restrict__ counters, int rows, int n, int k, int ldx, int ldy, int gps,
@@ -146,8 +163,18 @@ int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* _
     for (int i = 0; i < GMAX; ++i) {
         const int gr = g0 + wk + i * WK;
         if (!(live && gr < g1)) continue;
+#if FOLD
+        // The group's sums of x (128 + q) and of x, the latter from an mma with all-ones A
+        // (its C fragment holds sum x of rows 2t and 2t + 1, as d's does).
+        float d[NB][4], sx[NB][4];
+#pragma unroll
+        for (int b = 0; b < NB; ++b)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) d[b][c] = sx[b][c] = 0.f;
+#else
         const u32 s_lo = __byte_perm(sc[i].x, 0, 0x1010), z_lo = __byte_perm(sc[i].x, 0, 0x3232);
         const u32 s_hi = __byte_perm(sc[i].y, 0, 0x1010), z_hi = __byte_perm(sc[i].y, 0, 0x3232);
+#endif
         const u16* xg = xs + ((gr - g0) << 7);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -163,15 +190,36 @@ int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* _
 #pragma unroll
             for (int jj = 0; jj < 4; ++jj) {
                 const u32 q = qs[jj];
+#if FOLD
+                const u32 a0 = biased(q), a1 = biased(q >> 4), a2 = biased(q >> 8),
+                          a3 = biased(q >> 12);
+#else
                 const u32 a0 = dequant(q, s_lo, z_lo), a1 = dequant(q >> 4, s_hi, z_hi);
                 const u32 a2 = dequant(q >> 8, s_lo, z_lo), a3 = dequant(q >> 12, s_hi, z_hi);
+#endif
 #pragma unroll
                 for (int b = 0; b < NB; ++b) {
                     const u32x4 c = jj < 2 ? xa[b] : xb[b];
-                    mma(acc[b], a0, a1, a2, a3, (jj & 1) ? c.z : c.x, (jj & 1) ? c.w : c.y);
+                    const u32 b0 = (jj & 1) ? c.z : c.x, b1 = (jj & 1) ? c.w : c.y;
+#if FOLD
+                    mma(d[b], a0, a1, a2, a3, b0, b1);
+                    mma(sx[b], ONES, ONES, ONES, ONES, b0, b1);
+#else
+                    mma(acc[b], a0, a1, a2, a3, b0, b1);
+#endif
                 }
             }
         }
+#if FOLD
+        // sum_k x (q - 8) s + z = s d + (z - 136 s) sum_k x; c < 2: feature g, else g + 8
+        const float s0 = lo_f32(sc[i].x), s1 = lo_f32(sc[i].y);
+        const float c0 = fmaf(-136.f, s0, hi_f32(sc[i].x)), c1 = fmaf(-136.f, s1, hi_f32(sc[i].y));
+#pragma unroll
+        for (int b = 0; b < NB; ++b)
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                acc[b][c] = fmaf(c < 2 ? c0 : c1, sx[b][c], fmaf(c < 2 ? s0 : s1, d[b][c], acc[b][c]));
+#endif
     }
 
     // The WK warps of a tile, added in order by the first.
