@@ -8,8 +8,8 @@ wrapper: no compiler, headers or build step beyond torch's CUDA build) and launc
   operand's register layout, [n/16, groups, 2, 32, 4] int32, and each group's scale and zero
   beside each other, [n/16, groups, 8, 2] int32 (two bfloat16 each).
 - `linear(x2, qweight, scales, bias, n)`: x2 [rows <= MAX_ROWS, k] bfloat16 @ W^T + bias,
-  batch-invariant (see the .cu file's header). FLASHDRAFT_MMA_FOLD, FLASHDRAFT_MMA_MIN_BLOCKS:
-  compile-time variants (see below).
+  batch-invariant (see the .cu file's header). FLASHDRAFT_MMA_FOLD and
+  FLASHDRAFT_MMA_DECODE_RESIDENT choose compile-time variants (see below).
 - `dequantize(qweight, scales, n, k)`: W [n, k] bfloat16 (for prefill through cuBLAS).
 - `unpack_int4(qweight)`: the codes [n, k] back, in PyTorch (reference, tests).
 """
@@ -32,8 +32,10 @@ GMAX = 4  # groups a warp holds by default: a split spans up to WK * GMAX groups
 # 1: each group's scale and zero applied to its float32 sums (the codes become operands with one
 # lop3 a pair); 0: each weight dequantized in full in bfloat16 FMAs before the product.
 FOLD = int(os.environ.get("FLASHDRAFT_MMA_FOLD", "1"))
-# Resident blocks a multiprocessor that the kernel's register budget must allow (launch bounds).
-MIN_BLOCKS_SM = int(os.environ.get("FLASHDRAFT_MMA_MIN_BLOCKS", "1"))
+# Resident blocks a multiprocessor that the one-row-block kernel's registers must allow (launch
+# bounds; 4 spills a few bytes and was the fastest decode, 3 % over 1). Kernels for more rows
+# keep 1 (4 spilled heavily: 2x slower for 32 rows). Registers change no result.
+DECODE_RESIDENT = int(os.environ.get("FLASHDRAFT_MMA_DECODE_RESIDENT", "4"))
 SOURCE = Path(__file__).with_name("csrc") / "int4_mma.cu"
 # Splits of K chosen so that a product has at least this many blocks (two per SM on an H200).
 MIN_BLOCKS = int(os.environ.get("FLASHDRAFT_MMA_MIN_BLOCKS", "264"))
@@ -59,7 +61,7 @@ def unavailable(device: torch.device | str, dtype: torch.dtype) -> str | None:
 def _kernel(name: str, row_blocks: int = 1, tn: int = TN, wk: int = WK, gmax: int = GMAX):
     source = SOURCE.read_text()
     options = [f"-DNB={row_blocks}", f"-DTN={tn}", f"-DWK={wk}", f"-DGMAX={gmax}",
-               f"-DFOLD={FOLD}", f"-DMIN_BLOCKS={MIN_BLOCKS_SM}"]
+               f"-DFOLD={FOLD}", f"-DMIN_BLOCKS={DECODE_RESIDENT if row_blocks == 1 else 1}"]
     try:
         return torch.cuda._compile_kernel(source, name, nvcc_options=options)
     except Exception as err:  # NVRTC's log says what failed
