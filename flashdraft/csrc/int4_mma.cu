@@ -18,8 +18,16 @@
 //      chosen so that the same lane's x values are two contiguous 16-byte chunks per half
 //      (and, with the 64-byte row padding of the x tile, conflict-free shared-memory loads).
 //   sz [n/16][groups][8] x (scale | zero << 16, for feature g and g + 8), bfloat16 pairs.
-// Each weight is dequantized in full, w = (q - 8) * s + z (one rounding, in fma.rn.bf16x2),
-// so every group accumulates into one float32 accumulator.
+// The weight of code q in a group with scale s and zero z is (q - 8) s + z. With FOLD (the
+// default) a code becomes its operand with one lop3 a pair of weights (the bfloat16 pair
+// 128 + q), a group's products go to a fresh accumulator d, x's group sums come from one more
+// mma with an all-ones A, and the group is added in float32 as s d + (z - 136 s) sum x: about
+// half the instructions a weight of the alternative (FOLD=0: each weight dequantized in full in
+// two fma.rn.bf16x2, every group summed into one accumulator), which rounds each weight to
+// bfloat16 where FOLD uses the exact quantized weight.
+//
+// The weights are loaded into registers before the wait for the previous kernel
+// (griddepcontrol: programmatic dependent launch, set up by mma._launch).
 //
 // Work: block = TN tiles of 16 features x WK warps along K. Split s of the K range (gps
 // groups) is gridDim.y; warp wk takes groups wk, wk + WK, ... of it. Sums: a warp's groups in
