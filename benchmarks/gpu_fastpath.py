@@ -164,7 +164,8 @@ def main() -> None:
                 s8 = s8.to(torch.bfloat16)
                 variants["int8-torch"] = lambda x: torch._weight_int8pack_mm(x, q8, s8)
             errors = {}
-            for mode, backend in (("int8", "triton"), ("int4", "triton"), ("int4", "tinygemm")):
+            for mode, backend in (("int8", "triton"), ("int4", "triton"), ("int4", "mma"),
+                                  ("int4", "tinygemm")):
                 try:
                     layer = quant.QuantLinear(lin, mode, backend)
                 except Exception as e:
@@ -194,7 +195,7 @@ def main() -> None:
                     row["us"][f"{name}/{m}"] = us
                     row["GBps"][f"{name}/{m}"] = nbytes / (us * 1e-6) / 1e9
             table.append(row)
-            del variants, lin
+            variants.clear()  # the layers' memory, before the next shape
             torch.cuda.empty_cache()
         return {"int8pack_mm": int8pack, "layers": table}
 
