@@ -38,7 +38,7 @@ FOLD = int(os.environ.get("FLASHDRAFT_MMA_FOLD", "1"))
 DECODE_RESIDENT = int(os.environ.get("FLASHDRAFT_MMA_DECODE_RESIDENT", "4"))
 SOURCE = Path(__file__).with_name("csrc") / "int4_mma.cu"
 # Splits of K chosen so that a product has at least this many blocks (two per SM on an H200).
-MIN_BLOCKS = int(os.environ.get("FLASHDRAFT_MMA_MIN_BLOCKS", "264"))
+TARGET_BLOCKS = int(os.environ.get("FLASHDRAFT_MMA_TARGET_BLOCKS", "264"))
 
 
 def unavailable(device: torch.device | str, dtype: torch.dtype) -> str | None:
@@ -58,15 +58,22 @@ def unavailable(device: torch.device | str, dtype: torch.dtype) -> str | None:
 
 
 @functools.cache
-def _kernel(name: str, row_blocks: int = 1, tn: int = TN, wk: int = WK, gmax: int = GMAX):
+def _kernel(name: str, device: int, row_blocks: int = 1, tn: int = TN, wk: int = WK,
+            gmax: int = GMAX):
+    """The compiled kernel, loaded into `device`'s context (a module belongs to one)."""
     source = SOURCE.read_text()
     options = [f"-DNB={row_blocks}", f"-DTN={tn}", f"-DWK={wk}", f"-DGMAX={gmax}",
                f"-DFOLD={FOLD}", f"-DMIN_BLOCKS={DECODE_RESIDENT if row_blocks == 1 else 1}"]
     try:
-        return torch.cuda._compile_kernel(source, name, nvcc_options=options)
+        with torch.cuda.device(device):
+            return torch.cuda._compile_kernel(source, name, nvcc_options=options)
     except Exception as err:  # NVRTC's log says what failed
         raise RuntimeError(f"compiling {SOURCE.name}:{name} with NVRTC failed: {err}; "
                            f"use the 'triton' quantization backend") from err
+
+
+def _device_index(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
 # -- packing ------------------------------------------------------------------------------------
@@ -148,12 +155,12 @@ class MmaConfig:
 
 def config(n: int, k: int, tn: int = TN, wk: int = WK, groups_per_split: int = 0) -> MmaConfig:
     """Launch shape from the weight's shape alone (batch invariance): by default the longest K
-    split (most weight bytes in flight a warp) that still gives MIN_BLOCKS blocks."""
+    split (most weight bytes in flight a warp) that still gives TARGET_BLOCKS blocks."""
     groups, blocks_n = k // GROUP, -(-n // (16 * tn))
     gps = groups_per_split
     if not gps:
         for gps in (wk * GMAX, wk * GMAX // 2, wk):
-            if blocks_n * -(-groups // gps) >= MIN_BLOCKS:
+            if blocks_n * -(-groups // gps) >= TARGET_BLOCKS:
                 break
     if not 0 < gps <= 4 * wk * GMAX:
         raise ValueError(f"groups_per_split={gps}: a split holds 1 to {4 * wk * GMAX} groups")
@@ -172,7 +179,7 @@ def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"the int4 mma kernel takes up to {MAX_ROWS} bfloat16 rows, "
                          f"got {rows} of {x2.dtype}")
     if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
-        x2 = x2.contiguous()  # rows are read in 16-byte chunks
+        x2 = x2.clone(memory_format=torch.contiguous_format)  # rows read in 16-byte chunks
     cfg = cfg or config(n, k)
     nb = _row_blocks(rows)
     out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
@@ -183,12 +190,13 @@ def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         parts, counters = out, out
     stride = cfg.groups_per_split * GROUP + 32
     shared = nb * 8 * stride * 2 + cfg.tn * cfg.wk * nb * 4 * 32 * 4
-    fn = _kernel("int4_mma", nb, cfg.tn, cfg.wk, -(-cfg.groups_per_split // cfg.wk))
+    fn = _kernel("int4_mma", _device_index(x2), nb, cfg.tn, cfg.wk,
+                 -(-cfg.groups_per_split // cfg.wk))
     _allow_shared(fn, shared)
     _launch(fn, (cfg.blocks_n, cfg.splits, 1), (cfg.tn * cfg.wk * 32, 1, 1), shared,
             [qweight, scales, x2, bias if bias is not None else x2, out, parts, counters, rows, n,
              k, x2.stride(0), out.stride(0), cfg.groups_per_split, int(bias is not None)],
-            "launch_pdl" in kernels._pdl(x2))
+            "launch_pdl" in kernels._pdl(x2), _device_index(x2))
     return out
 
 
@@ -213,7 +221,7 @@ def _launch_kernel_ex():
     return fn
 
 
-def _launch(fn, grid, block, shared: int, args: list, pdl: bool) -> None:
+def _launch(fn, grid, block, shared: int, args: list, pdl: bool, device: int) -> None:
     """fn on the current stream through cuLaunchKernelEx, with programmatic dependent launch
     when pdl (the kernel then overlaps its weight loads with the previous kernel's tail, as the
     Triton kernels do); tensors pass as pointers, ints as int."""
@@ -223,7 +231,7 @@ def _launch(fn, grid, block, shared: int, args: list, pdl: bool) -> None:
         *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
     attribute = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
     config = _Launch((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared,
-                     torch.cuda.current_stream().cuda_stream,
+                     torch.cuda.current_stream(device).cuda_stream,
                      ctypes.pointer(attribute) if pdl else None, int(pdl))
     err = _launch_kernel_ex()(ctypes.byref(config), fn.func, pointers, None)
     if err:
@@ -240,6 +248,7 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> t
     """W [n, k] bfloat16, each weight as the product kernel computes it."""
     out = torch.empty(n, k, dtype=torch.bfloat16, device=qweight.device)
     words = qweight.numel() // 4
-    fn = _kernel("int4_dequant")
-    _launch(fn, (-(-words // 256), 1, 1), (256, 1, 1), 0, [qweight, scales, out, n, k], False)
+    fn = _kernel("int4_dequant", _device_index(qweight))
+    _launch(fn, (-(-words // 256), 1, 1), (256, 1, 1), 0, [qweight, scales, out, n, k], False,
+            _device_index(qweight))
     return out
