@@ -233,7 +233,11 @@ def _launch(fn, grid, block, shared: int, args: list, pdl: bool, device: int) ->
     config = _Launch((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared,
                      torch.cuda.current_stream(device).cuda_stream,
                      ctypes.pointer(attribute) if pdl else None, int(pdl))
-    err = _launch_kernel_ex()(ctypes.byref(config), fn.func, pointers, None)
+    if device == torch.cuda.current_device():
+        err = _launch_kernel_ex()(ctypes.byref(config), fn.func, pointers, None)
+    else:  # the driver launches in the current context: the tensors' device's
+        with torch.cuda.device(device):
+            err = _launch_kernel_ex()(ctypes.byref(config), fn.func, pointers, None)
     if err:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUDA error {err}")
 
