@@ -102,8 +102,8 @@ def pack_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
               chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """flashdraft.quant's int4 (packed [k/2, n] uint8, scale and zero [k/128, n] bf16) ->
     (qweight [n/16, k/128, 2, 32, 4] int32, scales [n/16, k/128, 8, 2] int32)."""
-    from .quant import unpack_int4
-    q = unpack_int4(packed)  # [n, k]
+    from . import quant  # (quant imports this module)
+    q = quant.unpack_int4(packed)  # [n, k]
     n, k = q.shape
     if n % 16 or k % GROUP:
         raise ValueError(f"the mma layout needs out features in multiples of 16 and in features "
@@ -153,6 +153,7 @@ class MmaConfig:
     wk: int = WK  # warps along K a tile
 
 
+@functools.cache  # one per weight shape: the decode path asks on every call
 def config(n: int, k: int, tn: int = TN, wk: int = WK, groups_per_split: int = 0) -> MmaConfig:
     """Launch shape from the weight's shape alone (batch invariance): by default the longest K
     split (most weight bytes in flight a warp) that still gives TARGET_BLOCKS blocks."""

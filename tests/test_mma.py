@@ -76,7 +76,9 @@ def test_launch_shape_depends_on_the_weight_alone():
     assert mma.config(51200, 5120) == mma.MmaConfig(8, 5, 800)  # 32B gate/up: 4,000 blocks
     with pytest.MonkeyPatch.context() as mp:  # the rule's block target, not the environment's
         mp.setattr(mma, "TARGET_BLOCKS", 264)
+        mma.config.cache_clear()  # launch shapes are cached per weight shape
         assert mma.config(1536, 1536).groups_per_split == 2  # few tiles: more splits
+    mma.config.cache_clear()
     with pytest.raises(ValueError, match="multiples of 16"):
         mma.pack_int4(*_quantized(40, 128))
 

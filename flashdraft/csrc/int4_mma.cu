@@ -116,8 +116,6 @@ __device__ __forceinline__ u16 to_bf16(float v) {
     return r;
 }
 
-__device__ __forceinline__ float from_bf16(u16 v) { return __uint_as_float((u32)v << 16); }
-
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* __restrict__ x,
          const u16* __restrict__ bias, u16* __restrict__ y, float* __restrict__ parts,
@@ -262,7 +260,7 @@ int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* _
                 if (row >= rows) continue;
                 if (splits == 1)
                     y[(size_t)row * ldy + f] =
-                        to_bf16(acc[b][c] + (has_bias ? from_bf16(bias[f]) : 0.f));
+                        to_bf16(acc[b][c] + (has_bias ? lo_f32(bias[f]) : 0.f));
                 else
                     parts[((size_t)blockIdx.y * rows + row) * n + f] = acc[b][c];
             }
@@ -289,7 +287,7 @@ int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* _
 #pragma unroll
             for (int j = 0; j < 8; ++j) s += v[j];
         }
-        y[(size_t)row * ldy + f] = to_bf16(s + (has_bias ? from_bf16(bias[f]) : 0.f));
+        y[(size_t)row * ldy + f] = to_bf16(s + (has_bias ? lo_f32(bias[f]) : 0.f));
     }
     if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }
