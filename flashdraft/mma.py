@@ -9,7 +9,8 @@ wrapper: no compiler, headers or build step beyond torch's CUDA build) and launc
   beside each other, [n/16, groups, 8, 2] int32 (two bfloat16 each).
 - `linear(x2, qweight, scales, bias, n)`: x2 [rows <= MAX_ROWS, k] bfloat16 @ W^T + bias,
   batch-invariant (see the .cu file's header). FLASHDRAFT_MMA_FOLD and
-  FLASHDRAFT_MMA_DECODE_RESIDENT choose compile-time variants (see below).
+  FLASHDRAFT_MMA_DECODE_RESIDENT choose compile-time variants, FLASHDRAFT_MMA_PREFETCH how far
+  ahead blocks prefetch weights into L2 (see below).
 - `dequantize(qweight, scales, n, k)`: W [n, k] bfloat16 (for prefill through cuBLAS).
 - `unpack_int4(qweight)`: the codes [n, k] back, in PyTorch (reference, tests).
 """
@@ -36,6 +37,10 @@ FOLD = int(os.environ.get("FLASHDRAFT_MMA_FOLD", "1"))
 # bounds; 4 spills a few bytes and was the fastest decode, 3 % over 1). Kernels for more rows
 # keep 1 (4 spilled heavily: 2x slower for 32 rows). Registers change no result.
 DECODE_RESIDENT = int(os.environ.get("FLASHDRAFT_MMA_DECODE_RESIDENT", "4"))
+# How far ahead (in launch order) each block prefetches another block's weights into L2, in waves
+# of resident blocks (multiprocessors x blocks a multiprocessor holds); 0 turns it off. A hint
+# to the memory system only: no result depends on it.
+PREFETCH_WAVES = float(os.environ.get("FLASHDRAFT_MMA_PREFETCH", "1"))
 SOURCE = Path(__file__).with_name("csrc") / "int4_mma.cu"
 # Splits of K chosen so that a product has at least this many blocks (two per SM on an H200).
 TARGET_BLOCKS = int(os.environ.get("FLASHDRAFT_MMA_TARGET_BLOCKS", "264"))
@@ -173,8 +178,10 @@ def _row_blocks(rows: int) -> int:
 
 
 def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-           bias: torch.Tensor | None, n: int, cfg: MmaConfig | None = None) -> torch.Tensor:
-    """x2 [rows, k] bfloat16 (rows <= MAX_ROWS) @ W^T + bias -> [rows, n] bfloat16."""
+           bias: torch.Tensor | None, n: int, cfg: MmaConfig | None = None,
+           prefetch_waves: float | None = None) -> torch.Tensor:
+    """x2 [rows, k] bfloat16 (rows <= MAX_ROWS) @ W^T + bias -> [rows, n] bfloat16.
+    prefetch_waves: PREFETCH_WAVES unless given."""
     rows, k = x2.shape
     if rows > MAX_ROWS or x2.dtype != torch.bfloat16:
         raise ValueError(f"the int4 mma kernel takes up to {MAX_ROWS} bfloat16 rows, "
@@ -194,11 +201,28 @@ def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     fn = _kernel("int4_mma", _device_index(x2), nb, cfg.tn, cfg.wk,
                  -(-cfg.groups_per_split // cfg.wk))
     _allow_shared(fn, shared)
-    _launch(fn, (cfg.blocks_n, cfg.splits, 1), (cfg.tn * cfg.wk * 32, 1, 1), shared,
+    threads, device = cfg.tn * cfg.wk * 32, _device_index(x2)
+    waves = PREFETCH_WAVES if prefetch_waves is None else prefetch_waves
+    ahead = round(waves * _resident(fn, threads, shared, device)) if waves > 0 else 0
+    _launch(fn, (cfg.blocks_n, cfg.splits, 1), (threads, 1, 1), shared,
             [qweight, scales, x2, bias if bias is not None else x2, out, parts, counters, rows, n,
-             k, x2.stride(0), out.stride(0), cfg.groups_per_split, int(bias is not None)],
-            "launch_pdl" in kernels._pdl(x2), _device_index(x2))
+             k, x2.stride(0), out.stride(0), cfg.groups_per_split, int(bias is not None), ahead],
+            "launch_pdl" in kernels._pdl(x2), device)
     return out
+
+
+@functools.cache
+def _resident(fn, threads: int, shared: int, device: int) -> int:
+    """Blocks of fn the whole device holds at once (one wave), from the driver's occupancy."""
+    count = ctypes.c_int(0)
+    occupancy = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor
+    with torch.cuda.device(device):
+        err = occupancy(ctypes.byref(count), fn.func, ctypes.c_int(threads),
+                        ctypes.c_size_t(shared))
+    if err:
+        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUDA "
+                           f"error {err}")
+    return count.value * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class _Attribute(ctypes.Structure):  # CUlaunchAttribute

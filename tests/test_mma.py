@@ -115,6 +115,10 @@ def test_kernel_matches_the_reference_and_is_batch_invariant():
             # batch invariance: each row's bits do not depend on the rows beside it
             assert torch.equal(y[:1], layer(x[:1])), (k, n, m)
             assert torch.equal(y[-1:], layer(x[m - 1:m])), (k, n, m)
+            # the L2 prefetch is a hint: no distance changes a bit
+            for waves in (0, 0.5, 3):
+                y2 = mma.linear(x[:m], layer.qweight, layer.scale, layer.bias, n, None, waves)
+                assert torch.equal(y2, y), (k, n, m, waves)
         assert not kernels._counters(x.device, 1).any()  # counters back to zero
         # prefill: more rows than the kernel takes go through the dequantized weight
         xs = torch.randn(40, k, device="cuda", dtype=torch.bfloat16)

@@ -27,7 +27,8 @@
 // bfloat16 where FOLD uses the exact quantized weight.
 //
 // The weights are loaded into registers before the wait for the previous kernel
-// (griddepcontrol: programmatic dependent launch, set up by mma._launch).
+// (griddepcontrol: programmatic dependent launch, set up by mma._launch), and those of the
+// block about one wave later are prefetched into L2 (`ahead`; sm_90 and newer).
 //
 // Work: block = TN tiles of 16 features x WK warps along K. Split s of the K range (gps
 // groups) is gridDim.y; warp wk takes groups wk, wk + WK, ... of it. Sums: a warp's groups in
@@ -76,6 +77,13 @@ __device__ __forceinline__ u32x2 load_pair(const u32x2* p) {
     return v;
 }
 
+// Bring nbytes (a multiple of 16) at p into L2, asynchronously (the copy engine; sm_90 on).
+__device__ __forceinline__ void prefetch_l2(const void* p, u32 nbytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(nbytes) : "memory");
+#endif
+}
+
 __device__ __forceinline__ float load_cg(const float* p) {  // past L1: other blocks' slices
     float v;
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
@@ -120,7 +128,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* __restrict__ x,
          const u16* __restrict__ bias, u16* __restrict__ y, float* __restrict__ parts,
          int* __restrict__ counters, int rows, int n, int k, int ldx, int ldy, int gps,
-         int has_bias) {
+         int has_bias, int ahead) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ int is_last;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -143,10 +151,27 @@ int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* _
             sc[i] = load_pair(sz + at * 8 + g);
         }
     }
+    // The weights of the block `ahead` blocks later in launch order (about one wave of resident
+    // blocks) into L2: DRAM keeps streaming while blocks compute and wait, and the later blocks'
+    // loads hit L2. One thread per tile; a hint only (no result depends on it).
+    if (ahead > 0 && wk == 0 && lane == 0) {
+        const long long id = (long long)blockIdx.y * gridDim.x + blockIdx.x + ahead;
+        if (id < (long long)gridDim.x * gridDim.y) {
+            const int bx = (int)(id % gridDim.x), by = (int)(id / gridDim.x);
+            const int tl = bx * TN + warp, h0 = by * gps, h1 = min(h0 + gps, groups);
+            if (tl < (n >> 4) && h0 < h1) {
+                const size_t at = (size_t)tl * groups + h0;
+                prefetch_l2(w + at * 64, (u32)(h1 - h0) << 10);
+                prefetch_l2(sz + at * 8, (u32)(h1 - h0) << 6);
+            }
+        }
+    }
     // Programmatic dependent launch: wait for the previous kernel's writes, then let the next
     // kernel launch (it waits for ours in turn). Both are no-ops without the launch attribute.
+#if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;");
+#endif
 
     // x rows [0, 8 NB) over this split's inputs into shared memory, zeros past `rows`. Row
     // stride = 64 bytes more than a multiple of 128, so the lanes of a quarter-warp hit
