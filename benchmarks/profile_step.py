@@ -378,7 +378,6 @@ def quant_products(shape: str, budget_s: float) -> dict:
     return result
 
 
-MMA_PREFETCH = (0, 0.5, 1, 2)  # waves ahead for flashdraft.mma's L2 prefetch
 MMA_SWEEP = ((4, 2, 8), (4, 1, 4), (4, 1, 8), (4, 2, 16), (2, 4, 16), (4, 4, 8), (8, 1, 2),
              (4, 2, 4), (2, 2, 4), (8, 2, 8))  # (tiles a block, warps along K, groups a split)
 
@@ -409,10 +408,6 @@ def mma_products(shape: str, sweep: bool) -> dict:
         for m in (1, 4, 16, 32):
             row[f"mma_{m}rows"] = graph_us(lambda: run(xs[:m]))
         row["mma_TBps"] = nbytes / row["mma_1rows"] / 1e6
-        # how far ahead blocks prefetch weights into L2 (waves of resident blocks; 0: off)
-        for waves in MMA_PREFETCH:
-            row[f"prefetch_{waves}"] = {m: graph_us(lambda: mma.linear(
-                xs[:m], *next(ring), None, n, None, waves)) for m in (1, 16)}
         tri = quant.QuantLinear(lin, "int4", "triton")
         tparts = (tri.qweight, tri.scale, tri.zero)
         tring = dram_ring(*tparts)
@@ -440,30 +435,23 @@ def mma_products(shape: str, sweep: bool) -> dict:
               f"32 {row['mma_32rows']:.1f} err {row['rel_error']:.1e} | triton {row['triton']:.1f} "
               f"/ {row['triton_16rows']:.1f} tinygemm {row['tinygemm']:.1f} / "
               f"{row['tinygemm_16rows']:.1f} bf16 {row['bf16']:.1f} / {row['bf16_16rows']:.1f} | "
-              f"{row['config']} | prefetch waves 1/16 rows " + ", ".join(
-                  f"{w}: {row[f'prefetch_{w}'][1]:.1f}/{row[f'prefetch_{w}'][16]:.1f}"
-                  for w in MMA_PREFETCH) + (f" | sweep {row['sweep'][:4]}" if sweep else ""), flush=True)
+              f"{row['config']}" + (f" | sweep {row['sweep'][:4]}" if sweep else ""), flush=True)
         torch.cuda.empty_cache()
     return result
 
 
 @torch.inference_mode()
-def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
-              prefetch: list[float]) -> dict:
+def breakdown(shape: str, quant: str | None, context: int, bandwidth: float) -> dict:
     """The default path's decode (t1, t16, tokens/s) and kernel table of one replayed decode
-    step; then decode again under each of `prefetch` (flashdraft.mma's L2 prefetch distance in
-    waves) for int4 shapes, or with SiLU · up inside the gate/up product toggled for bf16."""
-    from flashdraft import mma
+    step (kernel times overlap under programmatic dependent launch: a kernel's time includes
+    its wait for the one before); bf16 shapes again with SiLU · up inside the gate/up product
+    toggled (int4's is FLASHDRAFT_MMA_GATED, read when the model is quantized)."""
     cfg, model, cache, need = target(shape, quant, context)
     set_path(DEFAULT)
-    saved = mma.PREFETCH_WAVES, kernels.GATED
-    runs = [("default", saved)]
-    if (quant or "").startswith("int4"):
-        runs += [(f"prefetch {w}", (w, saved[1])) for w in prefetch if w != saved[0]]
-    elif not quant:
-        runs += [(f"gated {not saved[1]}", (saved[0], not saved[1]))]
+    saved = kernels.GATED
     out = {}
-    for label, (mma.PREFETCH_WAVES, kernels.GATED) in runs:
+    for label, kernels.GATED in [("default", saved)] + ([(f"gated {not saved}", not saved)]
+                                                        if not quant else []):
         runner, t1, t16, tps = time_decode(model, cache, cfg, context)
         row = {"t1_ms": t1 * 1e3, "t16_ms": t16 * 1e3, "decode_tokens_per_s": tps,
                "roofline_fraction": tps * need / bandwidth}
@@ -473,11 +461,11 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
             row["profile"] = p = kernel_table(runner, cache, context, cfg.vocab_size)
             print(f"    {p['kernels_per_step']:.0f} kernels/step, busy {p['busy_us_per_step']:.0f} "
                   f"us/step:")
-            for name, calls, us in p["rows"]:
+            for name, calls, us in p["rows"][:8]:
                 print(f"      {us:8.1f} us {calls:6.1f}x  {name}", flush=True)
         out[label] = row
         del runner
-    mma.PREFETCH_WAVES, kernels.GATED = saved
+    kernels.GATED = saved
     return out
 
 
@@ -531,9 +519,9 @@ def main() -> None:
     ap.add_argument("--mma-products", choices=["default", "sweep"], default=None,
                     help="the int4 tensor-core kernel on each matrix against the others "
                          "(sweep: also under each launch shape of MMA_SWEEP)")
-    ap.add_argument("--breakdown", default=None, metavar="WAVES",
-                    help="kernel table of the default path's decode step; int4 shapes also "
-                         "decoded under each comma-separated mma L2 prefetch distance")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="kernel table of the default path's decode step; bf16 shapes also "
+                         "decoded with SiLU · up in the gate/up product toggled")
     ap.add_argument("--sweep", type=float, default=0.0,
                     help="seconds per shape for a launch-parameter sweep of the skinny kernel")
     args = ap.parse_args()
@@ -563,9 +551,8 @@ def main() -> None:
             r["official"] = run_shape_bench(shape, "bfloat16", quant, "cuda", context=args.context,
                                             bandwidth=bandwidth)
             print(format_shape_bench(r["official"]), flush=True)
-        if args.breakdown is not None:
-            r["breakdown"] = breakdown(shape, quant, args.context, bandwidth,
-                                       [float(w) for w in args.breakdown.split(",") if w])
+        if args.breakdown:
+            r["breakdown"] = breakdown(shape, quant, args.context, bandwidth)
         if args.sweep and not quant:
             r["sweep"] = sweep(shape, args.sweep)
         if args.convert_probe:

@@ -914,7 +914,11 @@ def linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
 
 def gated_linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     """SiLU(gate) · up of module(x) = [gate, up] (the MLP's first product and its activation);
-    for a plain nn.Linear and at most SKINNY_MAX_ROWS rows, one `_skinny_kernel`."""
+    for a plain nn.Linear and at most SKINNY_MAX_ROWS rows, one `_skinny_kernel`; a layer with
+    its own (`forward_gated`: quant.QuantLinear) computes it."""
+    fused = getattr(module, "forward_gated", None)
+    if fused is not None:
+        return fused(x)
     if not (GATED and _skinny_serves(x, module)):
         return silu_mul(linear(x, module))
     w = module.weight

@@ -9,9 +9,10 @@ wrapper: no compiler, headers or build step beyond torch's CUDA build) and launc
   beside each other, [n/16, groups, 8, 2] int32 (two bfloat16 each).
 - `linear(x2, qweight, scales, bias, n)`: x2 [rows <= MAX_ROWS, k] bfloat16 @ W^T + bias,
   batch-invariant (see the .cu file's header). FLASHDRAFT_MMA_FOLD and
-  FLASHDRAFT_MMA_DECODE_RESIDENT choose compile-time variants, FLASHDRAFT_MMA_PREFETCH how far
-  ahead blocks prefetch weights into L2 (see below).
+  FLASHDRAFT_MMA_DECODE_RESIDENT choose compile-time variants.
 - `dequantize(qweight, scales, n, k)`: W [n, k] bfloat16 (for prefill through cuBLAS).
+- `linear(..., gated=True)`: SiLU(gate) · up of the MLP's [gate; up] product in the same kernel,
+  its rows stored in `gate_up_order` (each tile's output features pair a gate with its up).
 - `unpack_int4(qweight)`: the codes [n, k] back, in PyTorch (reference, tests).
 """
 from __future__ import annotations
@@ -37,10 +38,10 @@ FOLD = int(os.environ.get("FLASHDRAFT_MMA_FOLD", "1"))
 # bounds; 4 spills a few bytes and was the fastest decode, 3 % over 1). Kernels for more rows
 # keep 1 (4 spilled heavily: 2x slower for 32 rows). Registers change no result.
 DECODE_RESIDENT = int(os.environ.get("FLASHDRAFT_MMA_DECODE_RESIDENT", "4"))
-# How far ahead (in launch order) each block prefetches another block's weights into L2, in waves
-# of resident blocks (multiprocessors x blocks a multiprocessor holds); 0 turns it off. A hint
-# to the memory system only: no result depends on it.
-PREFETCH_WAVES = float(os.environ.get("FLASHDRAFT_MMA_PREFETCH", "1"))
+# 1: an MLP's [gate; up] layer is stored for the gated kernel (SiLU · up in the product's
+# epilogue, one kernel fewer a layer); 0: stored as is, SiLU · up its own kernel. Read when a
+# layer is quantized.
+GATED = os.environ.get("FLASHDRAFT_MMA_GATED", "1") == "1"
 SOURCE = Path(__file__).with_name("csrc") / "int4_mma.cu"
 # Splits of K chosen so that a product has at least this many blocks (two per SM on an H200).
 TARGET_BLOCKS = int(os.environ.get("FLASHDRAFT_MMA_TARGET_BLOCKS", "264"))
@@ -64,11 +65,12 @@ def unavailable(device: torch.device | str, dtype: torch.dtype) -> str | None:
 
 @functools.cache
 def _kernel(name: str, device: int, row_blocks: int = 1, tn: int = TN, wk: int = WK,
-            gmax: int = GMAX):
+            gmax: int = GMAX, gated: bool = False):
     """The compiled kernel, loaded into `device`'s context (a module belongs to one)."""
     source = SOURCE.read_text()
     options = [f"-DNB={row_blocks}", f"-DTN={tn}", f"-DWK={wk}", f"-DGMAX={gmax}",
-               f"-DFOLD={FOLD}", f"-DMIN_BLOCKS={DECODE_RESIDENT if row_blocks == 1 else 1}"]
+               f"-DFOLD={FOLD}", f"-DMIN_BLOCKS={DECODE_RESIDENT if row_blocks == 1 else 1}",
+               f"-DGATED={int(gated)}"]
     try:
         with torch.cuda.device(device):
             return torch.cuda._compile_kernel(source, name, nvcc_options=options)
@@ -128,6 +130,22 @@ def pack_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     return out, scales
 
 
+@functools.cache
+def gate_up_order(n: int, device=None, inverse: bool = False) -> torch.Tensor:
+    """Rows of a [gate; up] weight ([n, k], n / 2 gate rows first) in the gated kernel's order:
+    tile j (16 rows) holds gate rows 8j .. 8j + 7, then up rows 8j .. 8j + 7 (the rows that
+    make output columns 8j .. 8j + 7); weight[gate_up_order(n)] is the stored weight. inverse:
+    the stored position of each row (stored[gate_up_order(n, inverse=True)] = weight)."""
+    if n % 16:
+        raise ValueError(f"the gated layout needs 2 x a multiple of 8 rows, got {n}")
+    i = torch.arange(n, device=device)
+    if inverse:
+        j, up = i % (n // 2), i >= n // 2
+        return 16 * (j // 8) + j % 8 + 8 * up
+    tile, r = i // 16, i % 16
+    return torch.where(r < 8, 8 * tile + r, n // 2 + 8 * tile + r - 8)
+
+
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
     """qweight [n/16, groups, 2, 32, 4] int32 -> codes [n, k] uint8 in [0, 15]."""
     tiles, groups = qweight.shape[:2]
@@ -179,9 +197,9 @@ def _row_blocks(rows: int) -> int:
 
 def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
            bias: torch.Tensor | None, n: int, cfg: MmaConfig | None = None,
-           prefetch_waves: float | None = None) -> torch.Tensor:
-    """x2 [rows, k] bfloat16 (rows <= MAX_ROWS) @ W^T + bias -> [rows, n] bfloat16.
-    prefetch_waves: PREFETCH_WAVES unless given."""
+           gated: bool = False) -> torch.Tensor:
+    """x2 [rows, k] bfloat16 (rows <= MAX_ROWS) @ W^T + bias -> [rows, n] bfloat16; gated
+    (W and bias in `gate_up_order`): SiLU(gate) · up of that, [rows, n / 2]."""
     rows, k = x2.shape
     if rows > MAX_ROWS or x2.dtype != torch.bfloat16:
         raise ValueError(f"the int4 mma kernel takes up to {MAX_ROWS} bfloat16 rows, "
@@ -190,7 +208,7 @@ def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         x2 = x2.clone(memory_format=torch.contiguous_format)  # rows read in 16-byte chunks
     cfg = cfg or config(n, k)
     nb = _row_blocks(rows)
-    out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
+    out = torch.empty(rows, n // 2 if gated else n, dtype=x2.dtype, device=x2.device)
     if cfg.splits > 1:
         parts = torch.empty(cfg.splits * rows * n, dtype=torch.float32, device=x2.device)
         counters = kernels._counters(x2.device, cfg.blocks_n)
@@ -199,30 +217,14 @@ def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     stride = cfg.groups_per_split * GROUP + 32
     shared = nb * 8 * stride * 2 + cfg.tn * cfg.wk * nb * 4 * 32 * 4
     fn = _kernel("int4_mma", _device_index(x2), nb, cfg.tn, cfg.wk,
-                 -(-cfg.groups_per_split // cfg.wk))
+                 -(-cfg.groups_per_split // cfg.wk), gated)
     _allow_shared(fn, shared)
     threads, device = cfg.tn * cfg.wk * 32, _device_index(x2)
-    waves = PREFETCH_WAVES if prefetch_waves is None else prefetch_waves
-    ahead = round(waves * _resident(fn, threads, shared, device)) if waves > 0 else 0
     _launch(fn, (cfg.blocks_n, cfg.splits, 1), (threads, 1, 1), shared,
             [qweight, scales, x2, bias if bias is not None else x2, out, parts, counters, rows, n,
-             k, x2.stride(0), out.stride(0), cfg.groups_per_split, int(bias is not None), ahead],
+             k, x2.stride(0), out.stride(0), cfg.groups_per_split, int(bias is not None)],
             "launch_pdl" in kernels._pdl(x2), device)
     return out
-
-
-@functools.cache
-def _resident(fn, threads: int, shared: int, device: int) -> int:
-    """Blocks of fn the whole device holds at once (one wave), from the driver's occupancy."""
-    count = ctypes.c_int(0)
-    occupancy = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor
-    with torch.cuda.device(device):
-        err = occupancy(ctypes.byref(count), fn.func, ctypes.c_int(threads),
-                        ctypes.c_size_t(shared))
-    if err:
-        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUDA "
-                           f"error {err}")
-    return count.value * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class _Attribute(ctypes.Structure):  # CUlaunchAttribute

@@ -119,7 +119,10 @@ def triton_matmul(x: torch.Tensor, layer: "QuantLinear", cfg=None, convert: str 
 class QuantLinear(nn.Module):
     """A drop-in for nn.Linear with weight-only int8 or int4 weights."""
 
-    def __init__(self, linear: nn.Linear, mode: str, backend: str = "auto"):
+    def __init__(self, linear: nn.Linear, mode: str, backend: str = "auto",
+                 gate_up: bool = False):
+        """gate_up: the layer is an MLP's [gate; up] product, whose SiLU(gate) · up
+        `forward_gated` may compute in the product's kernel (mma: rows stored interleaved)."""
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"quantization {mode!r} is not one of {', '.join(MODES)}")
@@ -127,6 +130,7 @@ class QuantLinear(nn.Module):
             raise ValueError(f"quantization backend {backend!r} is not one of {', '.join(BACKENDS)}")
         w = linear.weight.detach()
         self.mode, self.in_features, self.out_features = mode, w.shape[1], w.shape[0]
+        self.gated_layout = False
         self.dtype = w.dtype
         if mode == "int4" and self.in_features % GROUP:
             raise ValueError(f"int4 needs input features in multiples of {GROUP}; this layer "
@@ -140,7 +144,11 @@ class QuantLinear(nn.Module):
                 self.register_buffer("scale", scale)  # [out] float32
                 self.zero = None
             elif backend == "mma":  # only the kernel's own layout (see flashdraft.mma)
-                qweight, scales = mma.pack_int4(*quantize_int4(w))
+                # [gate; up] rows in the gated kernel's order (mma.gate_up_order)
+                self.gated_layout = gate_up and linear.bias is None and mma.GATED
+                rows = (mma.gate_up_order(self.out_features, w.device) if self.gated_layout
+                        else slice(None))
+                qweight, scales = mma.pack_int4(*quantize_int4(w[rows]))
                 self.register_buffer("qweight", qweight)  # [out/16, in/128, 2, 32, 4] int32
                 self.register_buffer("scale", scales)  # [out/16, in/128, 8, 2] int32
                 self.zero = None
@@ -190,7 +198,7 @@ class QuantLinear(nn.Module):
             return dequantize_int8(self.qweight.t(), self.scale, dtype)
         if self.backend == "mma":
             w = mma.dequantize(self.qweight, self.scale, self.out_features, self.in_features)
-            return w.to(dtype)
+            return self._stored_to_true(w, 0).to(dtype)
         return dequantize_int4(self.qweight, self.scale, self.zero, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -198,9 +206,14 @@ class QuantLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         rows = x2.shape[0]
-        if self.backend == "mma" and rows <= mma.MAX_ROWS:
-            y = mma.linear(x2, self.qweight, self.scale, self.bias, self.out_features)
-        elif self.backend in ("reference", "mma") or rows > kernels.QUANT_MAX_ROWS:
+        if self.backend == "mma":
+            if rows <= mma.MAX_ROWS:
+                y = mma.linear(x2, self.qweight, self.scale, self.bias, self.out_features)
+            else:  # prefill, as below, with the weight in its stored row order
+                w = mma.dequantize(self.qweight, self.scale, self.out_features, self.in_features)
+                y = F.linear(x2, w.to(x.dtype), self.bias)
+            y = self._stored_to_true(y, -1)
+        elif self.backend == "reference" or rows > kernels.QUANT_MAX_ROWS:
             # Prefill: compute-bound, so dequantizing the weight once is cheap next to it.
             y = F.linear(x2, self.dequantized(x.dtype), self.bias)
         elif self.backend == "tinygemm" or (self.backend == "hybrid" and rows <= HYBRID_MAX_ROWS):
@@ -211,6 +224,21 @@ class QuantLinear(nn.Module):
         else:  # the bias is added inside the kernel
             y = triton_matmul(x2.contiguous(), self)
         return y.reshape(*shape[:-1], self.out_features)
+
+    def forward_gated(self, x: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) · up of self(x) = [gate, up]: [..., out / 2]; in the product's own kernel
+        where the rows are stored for it (mma, up to mma.MAX_ROWS rows)."""
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.gated_layout and x2.shape[0] <= mma.MAX_ROWS:
+            y = mma.linear(x2, self.qweight, self.scale, None, self.out_features, gated=True)
+            return y.reshape(*x.shape[:-1], self.out_features // 2)
+        return kernels.silu_mul(self(x))
+
+    def _stored_to_true(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """t indexed by stored output row along dim -> by the layer's output feature."""
+        if not self.gated_layout:
+            return t
+        return t.index_select(dim, mma.gate_up_order(self.out_features, t.device, inverse=True))
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, {self.mode}, backend={self.backend}"
@@ -242,7 +270,8 @@ def quantize_model(model: nn.Module, mode: str, backend: str = "auto",
                and (include_lm_head or name != "lm_head")]
     for parent_name, child_name in targets:
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child_name, QuantLinear(getattr(parent, child_name), mode, backend))
+        setattr(parent, child_name, QuantLinear(getattr(parent, child_name), mode, backend,
+                                                gate_up=child_name == "w_gate_up"))
     return model
 
 

@@ -124,3 +124,56 @@ def test_kernel_matches_the_reference_and_is_batch_invariant():
         xs = torch.randn(40, k, device="cuda", dtype=torch.bfloat16)
         ref = xs.double() @ w.double().t() + (lin.bias.double() if bias else 0)
         assert ((layer(xs).double() - ref).norm() / ref.norm()).item() < 3e-3
+
+
+def test_gate_up_order_pairs_each_gate_with_its_up():
+    n = 96
+    order, inverse = mma.gate_up_order(n), mma.gate_up_order(n, inverse=True)
+    assert torch.equal(order[inverse], torch.arange(n))
+    # tile j: gate rows 8j..8j+7, then their up rows: output column 8j + i pairs rows i, i + 8
+    tiles = order.view(-1, 16)
+    assert torch.equal(tiles[:, 8:] - tiles[:, :8], torch.full((n // 16, 8), n // 2))
+    with pytest.raises(ValueError, match="gated layout"):
+        mma.gate_up_order(40)
+
+
+def test_gated_layer_without_the_kernel_is_silu_times_up():
+    torch.manual_seed(6)
+    layer = quant.QuantLinear(nn.Linear(128, 64, bias=False), "int4", gate_up=True)
+    assert layer.backend == "reference" and not layer.gated_layout  # no mma on the CPU
+    x = torch.randn(3, 128)
+    gate, up = layer(x).chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(kernels.gated_linear(x, layer), expected)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gated_kernel_is_silu_times_up_and_batch_invariant(monkeypatch):
+    monkeypatch.setattr(mma, "GATED", True)  # whatever FLASHDRAFT_MMA_GATED says
+    torch.manual_seed(5)
+    # (k, n = 2 x intermediate): one split; several; several with a partial block column
+    for k, n in ((256, 128), (1536, 8960), (5120, 2080)):
+        lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        layer = quant.QuantLinear(lin, "int4", "mma", gate_up=True)
+        plain = quant.QuantLinear(lin, "int4", "mma")
+        assert layer.gated_layout and not plain.gated_layout
+        # the same weights, stored in another row order
+        assert torch.equal(layer.dequantized(), plain.dequantized())
+        exact = quant.dequantize_int4(*quant.quantize_int4(lin.weight.detach()), torch.float64)
+        x = torch.randn(40, k, device="cuda", dtype=torch.bfloat16)
+        for m in (1, 2, 9, 16, 17, 32, 40):  # 40: prefill, through the dequantized weight
+            gate_up = x[:m].double() @ exact.t()
+            ref = torch.nn.functional.silu(gate_up[:, :n // 2]) * gate_up[:, n // 2:]
+            y = kernels.gated_linear(x[:m], layer)
+            assert y.shape == (m, n // 2)
+            rel = ((y.double() - ref).norm() / ref.norm()).item()
+            assert rel < 4e-3, (k, n, m, rel)
+            # forward() gives [gate, up] in the layer's own order
+            if m <= mma.MAX_ROWS:
+                assert torch.equal(layer(x[:m]), plain(x[:m])), (k, n, m)
+                assert torch.equal(y[:1], layer.forward_gated(x[:1])), (k, n, m)
+                assert torch.equal(y[-1:], layer.forward_gated(x[m - 1:m])), (k, n, m)
+            else:
+                torch.testing.assert_close(layer(x[:m]), plain(x[:m]))
+        assert not kernels._counters(x.device, 1).any()

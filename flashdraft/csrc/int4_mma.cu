@@ -1,4 +1,5 @@
-// Weight-only int4 product for up to 32 rows, y = x @ W^T + bias, on the tensor cores
+// Weight-only int4 product for up to 32 rows, y = x @ W^T + bias (or, GATED, SiLU(gate) * up
+// of it, the MLP's first product and its activation in one kernel), on the tensor cores
 // (mma.sync m16n8k16, bfloat16 in, float32 accumulate). Compiled at run time by NVRTC
 // (flashdraft/mma.py); no headers, so it builds wherever torch's CUDA build does.
 //
@@ -27,8 +28,7 @@
 // bfloat16 where FOLD uses the exact quantized weight.
 //
 // The weights are loaded into registers before the wait for the previous kernel
-// (griddepcontrol: programmatic dependent launch, set up by mma._launch), and those of the
-// block about one wave later are prefetched into L2 (`ahead`; sm_90 and newer).
+// (griddepcontrol: programmatic dependent launch, set up by mma._launch; sm_90 and newer).
 //
 // Work: block = TN tiles of 16 features x WK warps along K. Split s of the K range (gps
 // groups) is gridDim.y; warp wk takes groups wk, wk + WK, ... of it. Sums: a warp's groups in
@@ -56,6 +56,9 @@ struct __align__(8) u32x2 { u32 x, y; };
 #ifndef FOLD
 #define FOLD 1  // 1: scale and zero applied per group in float32; 0: per weight in bf16 FMAs
 #endif
+#ifndef GATED
+#define GATED 0  // 1: y = SiLU(gate) * up, features g and g + 8 of each tile being a gate and an up
+#endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1  // resident blocks a multiprocessor the register budget must allow
 #endif
@@ -75,13 +78,6 @@ __device__ __forceinline__ u32x2 load_pair(const u32x2* p) {
     u32x2 v;
     asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
     return v;
-}
-
-// Bring nbytes (a multiple of 16) at p into L2, asynchronously (the copy engine; sm_90 on).
-__device__ __forceinline__ void prefetch_l2(const void* p, u32 nbytes) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(nbytes) : "memory");
-#endif
 }
 
 __device__ __forceinline__ float load_cg(const float* p) {  // past L1: other blocks' slices
@@ -124,11 +120,33 @@ __device__ __forceinline__ u16 to_bf16(float v) {
     return r;
 }
 
+// The sum of the float32 slices p[0], p[slice], ... in order, eight loads in flight.
+__device__ __forceinline__ float sum_slices(const float* p, int splits, size_t slice) {
+    float s = 0.f;
+    for (int sp = 0; sp < splits; sp += 8) {
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = sp + j < splits ? load_cg(p + (sp + j) * slice) : 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) s += v[j];
+    }
+    return s;
+}
+
+__device__ __forceinline__ float with_bias(float v, const u16* bias, int f, int has_bias) {
+    return has_bias ? v + lo_f32(bias[f]) : v;
+}
+
+// SiLU(gate) * up in float32, rounded once.
+__device__ __forceinline__ u16 silu_mul(float gate, float up) {
+    return to_bf16(gate / (1.f + __expf(-gate)) * up);
+}
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* __restrict__ x,
          const u16* __restrict__ bias, u16* __restrict__ y, float* __restrict__ parts,
          int* __restrict__ counters, int rows, int n, int k, int ldx, int ldy, int gps,
-         int has_bias, int ahead) {
+         int has_bias) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ int is_last;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -149,21 +167,6 @@ int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* _
             wa[i] = load_stream(w + at * 64 + lane);
             wb[i] = load_stream(w + at * 64 + 32 + lane);
             sc[i] = load_pair(sz + at * 8 + g);
-        }
-    }
-    // The weights of the block `ahead` blocks later in launch order (about one wave of resident
-    // blocks) into L2: DRAM keeps streaming while blocks compute and wait, and the later blocks'
-    // loads hit L2. One thread per tile; a hint only (no result depends on it).
-    if (ahead > 0 && wk == 0 && lane == 0) {
-        const long long id = (long long)blockIdx.y * gridDim.x + blockIdx.x + ahead;
-        if (id < (long long)gridDim.x * gridDim.y) {
-            const int bx = (int)(id % gridDim.x), by = (int)(id / gridDim.x);
-            const int tl = bx * TN + warp, h0 = by * gps, h1 = min(h0 + gps, groups);
-            if (tl < (n >> 4) && h0 < h1) {
-                const size_t at = (size_t)tl * groups + h0;
-                prefetch_l2(w + at * 64, (u32)(h1 - h0) << 10);
-                prefetch_l2(sz + at * 8, (u32)(h1 - h0) << 6);
-            }
         }
     }
     // Programmatic dependent launch: wait for the previous kernel's writes, then let the next
@@ -274,7 +277,9 @@ int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* _
         }
     }
 
-    // Fragment c of row block b: feature g + 8 (c >> 1), row 8 b + 2 t + (c & 1).
+    // Fragment c of row block b: feature g + 8 (c >> 1), row 8 b + 2 t + (c & 1). GATED:
+    // features g and g + 8 of a tile are the gate and the up of output column 8 tile + g, so
+    // fragments c and c + 2 make one output.
     const int splits = gridDim.y;
     if (wk == 0 && live) {
 #pragma unroll
@@ -283,11 +288,17 @@ int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* _
             for (int c = 0; c < 4; ++c) {
                 const int row = b * 8 + 2 * t + (c & 1), f = tile * 16 + g + 8 * (c >> 1);
                 if (row >= rows) continue;
-                if (splits == 1)
-                    y[(size_t)row * ldy + f] =
-                        to_bf16(acc[b][c] + (has_bias ? lo_f32(bias[f]) : 0.f));
-                else
+                if (splits > 1)
                     parts[((size_t)blockIdx.y * rows + row) * n + f] = acc[b][c];
+#if GATED
+                else if (c < 2)
+                    y[(size_t)row * ldy + tile * 8 + g] =
+                        silu_mul(with_bias(acc[b][c], bias, f, has_bias),
+                                 with_bias(acc[b][c + 2], bias, f + 8, has_bias));
+#else
+                else
+                    y[(size_t)row * ldy + f] = to_bf16(with_bias(acc[b][c], bias, f, has_bias));
+#endif
             }
     }
     if (splits == 1) return;
@@ -300,20 +311,24 @@ int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* _
     if (!is_last) return;
     __threadfence();
     const int f0 = blockIdx.x * TN * 16, nf = min(TN * 16, n - f0);
+    const size_t slice = (size_t)rows * n;
+#if GATED
+    const int outs = nf >> 1;  // output columns of this block column
+    for (int i = threadIdx.x; i < rows * outs; i += WARPS * 32) {
+        const int row = i / outs, j = i - row * outs, f = f0 + ((j >> 3) << 4) + (j & 7);
+        const float* p = parts + (size_t)row * n + f;
+        y[(size_t)row * ldy + (f0 >> 1) + j] =
+            silu_mul(with_bias(sum_slices(p, splits, slice), bias, f, has_bias),
+                     with_bias(sum_slices(p + 8, splits, slice), bias, f + 8, has_bias));
+    }
+#else
     for (int i = threadIdx.x; i < rows * nf; i += WARPS * 32) {
         const int row = i / nf, f = f0 + i - row * nf;
-        const float* p = parts + (size_t)row * n + f;
-        const size_t slice = (size_t)rows * n;
-        float s = 0.f;
-        for (int sp = 0; sp < splits; sp += 8) {  // eight loads in flight, added in order
-            float v[8];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) v[j] = sp + j < splits ? load_cg(p + (sp + j) * slice) : 0.f;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) s += v[j];
-        }
-        y[(size_t)row * ldy + f] = to_bf16(s + (has_bias ? lo_f32(bias[f]) : 0.f));
+        y[(size_t)row * ldy + f] =
+            to_bf16(with_bias(sum_slices(parts + (size_t)row * n + f, splits, slice), bias, f,
+                              has_bias));
     }
+#endif
     if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }
 
