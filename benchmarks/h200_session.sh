@@ -84,14 +84,11 @@ for phase in "$@"; do
       | tee "$OUT/mma-shapes$tag.log"
     ;;
   breakdown)
-    # Kernel tables of the default decode step (bf16 shapes also with SiLU · up in the gate/up
-    # product toggled); int4 shapes once more without it (FLASHDRAFT_MMA_GATED=0).
+    # SiLU · up inside the gate/up product against its own kernel, in turn in one process
+    # (bf16: FLASHDRAFT_GATED; int4: FLASHDRAFT_MMA_GATED), with a kernel table of the default.
     python3 benchmarks/profile_step.py --out "$OUT/breakdown" --no-official --no-compare \
-      --breakdown ${BREAKDOWN_SHAPES:-qwen3-32b:int4 dense-27b:int4 qwen3-8b qwen2.5-1.5b} 2>&1 \
-      | grep -v Warn | tee "$OUT/breakdown.log"
-    FLASHDRAFT_MMA_GATED=0 python3 benchmarks/profile_step.py --out "$OUT/breakdown-ungated" \
-      --no-official --no-compare --breakdown ${BREAKDOWN_INT4_SHAPES:-qwen3-32b:int4 \
-      dense-27b:int4} 2>&1 | grep -v Warn | tee "$OUT/breakdown-ungated.log"
+      --breakdown ${BREAKDOWN_SHAPES:-qwen3-32b:int4 dense-27b:int4 qwen2.5-1.5b:int4 qwen3-8b \
+      qwen2.5-1.5b} 2>&1 | grep -v Warn | tee "$OUT/breakdown.log"
     ;;
   variants)
     # The skinny-path variants measured in the model (random weights); the fastest on the 1.5B

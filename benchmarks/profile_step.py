@@ -441,31 +441,42 @@ def mma_products(shape: str, sweep: bool) -> dict:
 
 
 @torch.inference_mode()
-def breakdown(shape: str, quant: str | None, context: int, bandwidth: float) -> dict:
-    """The default path's decode (t1, t16, tokens/s) and kernel table of one replayed decode
-    step (kernel times overlap under programmatic dependent launch: a kernel's time includes
-    its wait for the one before); bf16 shapes again with SiLU · up inside the gate/up product
-    toggled (int4's is FLASHDRAFT_MMA_GATED, read when the model is quantized)."""
-    cfg, model, cache, need = target(shape, quant, context)
+def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
+              repeats: int = 2) -> dict:
+    """SiLU · up inside the gate/up product against its own kernel, in turn `repeats` times
+    (decode t1, t16, tokens/s; a fresh graph each), with the kernel table of one replayed
+    decode step of the default (kernel times overlap under programmatic dependent launch: a
+    kernel's time includes its wait for the one before). bf16: kernels.GATED toggled on one
+    model; int4: two models, quantized with mma.GATED off and on (it picks the stored layout)."""
+    from flashdraft import mma
     set_path(DEFAULT)
-    saved = kernels.GATED
-    out = {}
-    for label, kernels.GATED in [("default", saved)] + ([(f"gated {not saved}", not saved)]
-                                                        if not quant else []):
-        runner, t1, t16, tps = time_decode(model, cache, cfg, context)
-        row = {"t1_ms": t1 * 1e3, "t16_ms": t16 * 1e3, "decode_tokens_per_s": tps,
-               "roofline_fraction": tps * need / bandwidth}
-        print(f"  {shape}:{quant} {label}: t1 {t1 * 1e3:.3f} ms  t16 {t16 * 1e3:.3f} ms  "
-              f"decode {tps:.1f} tok/s = {100 * row['roofline_fraction']:.1f}%", flush=True)
-        if label == "default":
-            row["profile"] = p = kernel_table(runner, cache, context, cfg.vocab_size)
-            print(f"    {p['kernels_per_step']:.0f} kernels/step, busy {p['busy_us_per_step']:.0f} "
-                  f"us/step:")
-            for name, calls, us in p["rows"][:8]:
-                print(f"      {us:8.1f} us {calls:6.1f}x  {name}", flush=True)
-        out[label] = row
-        del runner
-    kernels.GATED = saved
+    saved = kernels.GATED, mma.GATED
+    if (quant or "").startswith("int4"):
+        models = {}
+        for gated in (saved[1], not saved[1]):
+            mma.GATED = gated
+            models[f"mma-gated {gated}"] = (target(shape, quant, context), saved[0])
+        mma.GATED = saved[1]
+    else:
+        built = target(shape, quant, context)
+        models = {f"gated {g}": (built, g) for g in (saved[0], not saved[0])}
+    out = {label: [] for label in models}
+    for rep in range(repeats):
+        for label, ((cfg, model, cache, need), kernels.GATED) in models.items():
+            runner, t1, t16, tps = time_decode(model, cache, cfg, context)
+            row = {"t1_ms": t1 * 1e3, "t16_ms": t16 * 1e3, "decode_tokens_per_s": tps,
+                   "roofline_fraction": tps * need / bandwidth}
+            print(f"  {shape}:{quant} {label}: t1 {t1 * 1e3:.3f} ms  t16 {t16 * 1e3:.3f} ms  "
+                  f"decode {tps:.1f} tok/s = {100 * row['roofline_fraction']:.1f}%", flush=True)
+            if rep == 0 and not out[label] and label == next(iter(models)):
+                row["profile"] = p = kernel_table(runner, cache, context, cfg.vocab_size)
+                print(f"    {p['kernels_per_step']:.0f} kernels/step, busy "
+                      f"{p['busy_us_per_step']:.0f} us/step:")
+                for name, calls, us in p["rows"][:8]:
+                    print(f"      {us:8.1f} us {calls:6.1f}x  {name}", flush=True)
+            out[label].append(row)
+            del runner
+    kernels.GATED = saved[0]
     return out
 
 
@@ -520,8 +531,8 @@ def main() -> None:
                     help="the int4 tensor-core kernel on each matrix against the others "
                          "(sweep: also under each launch shape of MMA_SWEEP)")
     ap.add_argument("--breakdown", action="store_true",
-                    help="kernel table of the default path's decode step; bf16 shapes also "
-                         "decoded with SiLU · up in the gate/up product toggled")
+                    help="SiLU · up in the gate/up product against its own kernel, in turn, "
+                         "and the kernel table of the default path's decode step")
     ap.add_argument("--sweep", type=float, default=0.0,
                     help="seconds per shape for a launch-parameter sweep of the skinny kernel")
     args = ap.parse_args()

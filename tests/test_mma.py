@@ -30,7 +30,8 @@ def test_pack_round_trip():
 def _emulate(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [rows <= 8, k] @ W^T as int4_mma computes it by default (FOLD), lane by lane, in
     float64: which code meets which input in each m16n8k16 product is read off the kernel's
-    fragment code, and a group's sums d of x (128 + q) become s d + (z - 136 s) sum(x)."""
+    fragment code, and a group's sums d of x (128 + q) become s d + (z - 136 s) sum(x) (the
+    kernel sums x over a group while staging it)."""
     tiles, groups = qweight.shape[:2]
     rows = x.shape[0]
     s_all, z_all = (t.double() for t in mma.unpack_scales(scales))  # [groups, n]
@@ -115,10 +116,6 @@ def test_kernel_matches_the_reference_and_is_batch_invariant():
             # batch invariance: each row's bits do not depend on the rows beside it
             assert torch.equal(y[:1], layer(x[:1])), (k, n, m)
             assert torch.equal(y[-1:], layer(x[m - 1:m])), (k, n, m)
-            # the L2 prefetch is a hint: no distance changes a bit
-            for waves in (0, 0.5, 3):
-                y2 = mma.linear(x[:m], layer.qweight, layer.scale, layer.bias, n, None, waves)
-                assert torch.equal(y2, y), (k, n, m, waves)
         assert not kernels._counters(x.device, 1).any()  # counters back to zero
         # prefill: more rows than the kernel takes go through the dequantized weight
         xs = torch.randn(40, k, device="cuda", dtype=torch.bfloat16)
@@ -168,7 +165,8 @@ def test_gated_kernel_is_silu_times_up_and_batch_invariant(monkeypatch):
             y = kernels.gated_linear(x[:m], layer)
             assert y.shape == (m, n // 2)
             rel = ((y.double() - ref).norm() / ref.norm()).item()
-            assert rel < 4e-3, (k, n, m, rel)
+            # the kernel rounds once (~1.7e-3); prefill rounds gate, up and SiLU each (~4.2e-3)
+            assert rel < (2.5e-3 if m <= mma.MAX_ROWS else 6e-3), (k, n, m, rel)
             # forward() gives [gate, up] in the layer's own order
             if m <= mma.MAX_ROWS:
                 assert torch.equal(layer(x[:m]), plain(x[:m])), (k, n, m)

@@ -120,17 +120,26 @@ __device__ __forceinline__ u16 to_bf16(float v) {
     return r;
 }
 
-// The sum of the float32 slices p[0], p[slice], ... in order, eight loads in flight.
-__device__ __forceinline__ float sum_slices(const float* p, int splits, size_t slice) {
-    float s = 0.f;
+// The sums of the float32 slices p[0], p[slice], ... and of q's, each in order, all of a batch
+// of eight slices in flight (P = 2: both; P = 1: p's only).
+template <int P>
+__device__ __forceinline__ void sum_slices(const float* p, const float* q, int splits,
+                                           size_t slice, float* out) {
+    float s[P] = {};
     for (int sp = 0; sp < splits; sp += 8) {
-        float v[8];
+        float v[P][8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = sp + j < splits ? load_cg(p + (sp + j) * slice) : 0.f;
+        for (int j = 0; j < 8; ++j)
 #pragma unroll
-        for (int j = 0; j < 8; ++j) s += v[j];
+            for (int i = 0; i < P; ++i)
+                v[i][j] = sp + j < splits ? load_cg((i ? q : p) + (sp + j) * slice) : 0.f;
+#pragma unroll
+        for (int i = 0; i < P; ++i)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) s[i] += v[i][j];
     }
-    return s;
+#pragma unroll
+    for (int i = 0; i < P; ++i) out[i] = s[i];
 }
 
 __device__ __forceinline__ float with_bias(float v, const u16* bias, int f, int has_bias) {
@@ -317,16 +326,17 @@ int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* _
     for (int i = threadIdx.x; i < rows * outs; i += WARPS * 32) {
         const int row = i / outs, j = i - row * outs, f = f0 + ((j >> 3) << 4) + (j & 7);
         const float* p = parts + (size_t)row * n + f;
+        float gu[2];
+        sum_slices<2>(p, p + 8, splits, slice, gu);
         y[(size_t)row * ldy + (f0 >> 1) + j] =
-            silu_mul(with_bias(sum_slices(p, splits, slice), bias, f, has_bias),
-                     with_bias(sum_slices(p + 8, splits, slice), bias, f + 8, has_bias));
+            silu_mul(with_bias(gu[0], bias, f, has_bias), with_bias(gu[1], bias, f + 8, has_bias));
     }
 #else
     for (int i = threadIdx.x; i < rows * nf; i += WARPS * 32) {
         const int row = i / nf, f = f0 + i - row * nf;
-        y[(size_t)row * ldy + f] =
-            to_bf16(with_bias(sum_slices(parts + (size_t)row * n + f, splits, slice), bias, f,
-                              has_bias));
+        float sum;
+        sum_slices<1>(parts + (size_t)row * n + f, nullptr, splits, slice, &sum);
+        y[(size_t)row * ldy + f] = to_bf16(with_bias(sum, bias, f, has_bias));
     }
 #endif
     if (threadIdx.x == 0) counters[blockIdx.x] = 0;
