@@ -84,11 +84,11 @@ for phase in "$@"; do
       | tee "$OUT/mma-shapes$tag.log"
     ;;
   breakdown)
-    # SiLU · up inside the gate/up product against its own kernel, in turn in one process
-    # (bf16: FLASHDRAFT_GATED; int4: FLASHDRAFT_MMA_GATED), with a kernel table of the default.
+    # The default decode path against switches toggled (BREAKDOWN: gated, early, nopdl), in
+    # turn in one process, with kernel tables (profile_step.breakdown).
     python3 benchmarks/profile_step.py --out "$OUT/breakdown" --no-official --no-compare \
-      --breakdown ${BREAKDOWN_SHAPES:-qwen3-32b:int4 dense-27b:int4 qwen2.5-1.5b:int4 qwen3-8b \
-      qwen2.5-1.5b} 2>&1 | grep -v Warn | tee "$OUT/breakdown.log"
+      --breakdown "${BREAKDOWN:-gated}" ${BREAKDOWN_SHAPES:-qwen3-32b:int4 dense-27b:int4 \
+      qwen2.5-1.5b:int4 qwen3-8b qwen2.5-1.5b} 2>&1 | grep -v Warn | tee "$OUT/breakdown.log"
     ;;
   variants)
     # The skinny-path variants measured in the model (random weights); the fastest on the 1.5B

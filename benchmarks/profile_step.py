@@ -442,33 +442,45 @@ def mma_products(shape: str, sweep: bool) -> dict:
 
 @torch.inference_mode()
 def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
-              repeats: int = 2) -> dict:
-    """SiLU · up inside the gate/up product against its own kernel, in turn `repeats` times
-    (decode t1, t16, tokens/s; a fresh graph each), with the kernel table of one replayed
-    decode step of the default (kernel times overlap under programmatic dependent launch: a
-    kernel's time includes its wait for the one before). bf16: kernels.GATED toggled on one
-    model; int4: two models, quantized with mma.GATED off and on (it picks the stored layout)."""
+              switches: list[str], repeats: int = 2) -> dict:
+    """The default path against each of `switches` toggled, in turn `repeats` times (decode t1,
+    t16, tokens/s; a fresh graph each), with kernel tables of one replayed decode step of the
+    default and of "nopdl" (under programmatic dependent launch kernel times overlap: a kernel's
+    time includes its wait for the one before; without it they are the kernels' own). Switches:
+      gated  SiLU · up inside the gate/up product (bf16: kernels.GATED on the same model; int4:
+             a second model quantized with mma.GATED toggled, which picks the stored layout)
+      early  the Triton kernels let the next kernel launch before their own wait
+      nopdl  no programmatic dependent launch"""
     from flashdraft import mma
     set_path(DEFAULT)
-    saved = kernels.GATED, mma.GATED
-    if (quant or "").startswith("int4"):
-        models = {}
-        for gated in (saved[1], not saved[1]):
-            mma.GATED = gated
-            models[f"mma-gated {gated}"] = (target(shape, quant, context), saved[0])
-        mma.GATED = saved[1]
-    else:
-        built = target(shape, quant, context)
-        models = {f"gated {g}": (built, g) for g in (saved[0], not saved[0])}
-    out = {label: [] for label in models}
+    saved = {"GATED": kernels.GATED, "EARLY_LAUNCH": kernels.EARLY_LAUNCH, "PDL": kernels.PDL}
+    default = target(shape, quant, context)
+    runs = {"default": (default, {})}
+    for switch in switches:
+        if switch == "gated" and (quant or "").startswith("int4"):
+            mma.GATED = not mma.GATED
+            runs[f"mma-gated {mma.GATED}"] = (target(shape, quant, context), {})
+            mma.GATED = not mma.GATED
+        elif switch == "gated":
+            runs[f"gated {not saved['GATED']}"] = (default, {"GATED": not saved["GATED"]})
+        elif switch == "early":
+            runs[f"early {not saved['EARLY_LAUNCH']}"] = (
+                default, {"EARLY_LAUNCH": not saved["EARLY_LAUNCH"]})
+        elif switch == "nopdl":
+            runs["nopdl"] = (default, {"PDL": False})
+        else:
+            raise ValueError(f"unknown switch {switch!r}: use gated, early or nopdl")
+    out = {label: [] for label in runs}
     for rep in range(repeats):
-        for label, ((cfg, model, cache, need), kernels.GATED) in models.items():
+        for label, ((cfg, model, cache, need), setting) in runs.items():
+            for key, value in {**saved, **setting}.items():
+                setattr(kernels, key, value)
             runner, t1, t16, tps = time_decode(model, cache, cfg, context)
             row = {"t1_ms": t1 * 1e3, "t16_ms": t16 * 1e3, "decode_tokens_per_s": tps,
                    "roofline_fraction": tps * need / bandwidth}
             print(f"  {shape}:{quant} {label}: t1 {t1 * 1e3:.3f} ms  t16 {t16 * 1e3:.3f} ms  "
                   f"decode {tps:.1f} tok/s = {100 * row['roofline_fraction']:.1f}%", flush=True)
-            if rep == 0 and not out[label] and label == next(iter(models)):
+            if rep == 0 and label in ("default", "nopdl"):
                 row["profile"] = p = kernel_table(runner, cache, context, cfg.vocab_size)
                 print(f"    {p['kernels_per_step']:.0f} kernels/step, busy "
                       f"{p['busy_us_per_step']:.0f} us/step:")
@@ -476,7 +488,8 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
                     print(f"      {us:8.1f} us {calls:6.1f}x  {name}", flush=True)
             out[label].append(row)
             del runner
-    kernels.GATED = saved[0]
+    for key, value in saved.items():
+        setattr(kernels, key, value)
     return out
 
 
@@ -530,9 +543,10 @@ def main() -> None:
     ap.add_argument("--mma-products", choices=["default", "sweep"], default=None,
                     help="the int4 tensor-core kernel on each matrix against the others "
                          "(sweep: also under each launch shape of MMA_SWEEP)")
-    ap.add_argument("--breakdown", action="store_true",
-                    help="SiLU · up in the gate/up product against its own kernel, in turn, "
-                         "and the kernel table of the default path's decode step")
+    ap.add_argument("--breakdown", default=None, metavar="SWITCHES",
+                    help="the default decode path against each comma-separated switch "
+                         "toggled (gated, early, nopdl: see breakdown), in turn, with kernel "
+                         "tables")
     ap.add_argument("--sweep", type=float, default=0.0,
                     help="seconds per shape for a launch-parameter sweep of the skinny kernel")
     args = ap.parse_args()
@@ -562,8 +576,9 @@ def main() -> None:
             r["official"] = run_shape_bench(shape, "bfloat16", quant, "cuda", context=args.context,
                                             bandwidth=bandwidth)
             print(format_shape_bench(r["official"]), flush=True)
-        if args.breakdown:
-            r["breakdown"] = breakdown(shape, quant, args.context, bandwidth)
+        if args.breakdown is not None:
+            r["breakdown"] = breakdown(shape, quant, args.context, bandwidth,
+                                       [w for w in args.breakdown.split(",") if w])
         if args.sweep and not quant:
             r["sweep"] = sweep(shape, args.sweep)
         if args.convert_probe:
