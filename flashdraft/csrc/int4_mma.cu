@@ -151,40 +151,54 @@ __device__ __forceinline__ u16 silu_mul(float gate, float up) {
     return to_bf16(gate / (1.f + __expf(-gate)) * up);
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
-int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* __restrict__ x,
-         const u16* __restrict__ bias, u16* __restrict__ y, float* __restrict__ parts,
-         int* __restrict__ counters, int rows, int n, int k, int ldx, int ldy, int gps,
-         int has_bias) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    __shared__ int is_last;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int tile = blockIdx.x * TN + warp % TN, wk = warp / TN;
-    const int groups = k >> 7;
-    const int g0 = blockIdx.y * gps, g1 = min(g0 + gps, groups);
-    const bool live = tile < (n >> 4);
+struct Args {
+    const u32x4* __restrict__ w;
+    const u32x2* __restrict__ sz;
+    const u16* __restrict__ x;
+    const u16* __restrict__ bias;
+    u16* __restrict__ y;
+    float* __restrict__ parts;
+    int* __restrict__ counters;
+    int rows, n, k, ldx, ldy, gps, has_bias;
+};
 
-    // The weights do not depend on the previous kernel: load them before waiting for it.
+// A warp's weights for one block: GMAX groups of its tile (16-byte halves and scale pairs).
+struct Weights {
     u32x4 wa[GMAX], wb[GMAX];
     u32x2 sc[GMAX];
+};
+
+// Block (column bx, split by)'s weights of this warp into registers.
+__device__ __forceinline__ void load_weights(Weights& W, const Args& a, int bx, int by) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int tile = bx * TN + warp % TN, wk = warp / TN, groups = a.k >> 7;
+    const int g0 = by * a.gps, g1 = min(g0 + a.gps, groups);
+    if (tile >= (a.n >> 4)) return;
 #pragma unroll
     for (int i = 0; i < GMAX; ++i) {
         const int gr = g0 + wk + i * WK;
-        if (live && gr < g1) {
+        if (gr < g1) {
             const size_t at = (size_t)tile * groups + gr;
-            wa[i] = load_stream(w + at * 64 + lane);
-            wb[i] = load_stream(w + at * 64 + 32 + lane);
-            sc[i] = load_pair(sz + at * 8 + g);
+            W.wa[i] = load_stream(a.w + at * 64 + lane);
+            W.wb[i] = load_stream(a.w + at * 64 + 32 + lane);
+            W.sc[i] = load_pair(a.sz + at * 8 + (lane >> 2));
         }
     }
-    // Programmatic dependent launch: wait for the previous kernel's writes, then let the next
-    // kernel launch (it waits for ours in turn). Both are no-ops without the launch attribute.
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;");
-#endif
+}
 
+// Block (column bx, split by) of `splits`, its weights in W: stage x, multiply, add the warps
+// along K, then write y or this split's slice (and, last to finish its column, add the slices).
+__device__ __forceinline__ void product(const Weights& W, const Args& a, int bx, int by,
+                                        int splits, unsigned char* smem, int* is_last) {
+    const int rows = a.rows, n = a.n, gps = a.gps, has_bias = a.has_bias;
+    const u16* __restrict__ bias = a.bias;
+    u16* __restrict__ y = a.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int tile = bx * TN + warp % TN, wk = warp / TN;
+    const int groups = a.k >> 7;
+    const int g0 = by * gps, g1 = min(g0 + gps, groups);
+    const bool live = tile < (n >> 4);
     // x rows [0, 8 NB) over this split's inputs into shared memory, zeros past `rows`. Row
     // stride = 64 bytes more than a multiple of 128, so the lanes of a quarter-warp hit
     // distinct banks.
@@ -194,7 +208,7 @@ int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* _
     for (int i = threadIdx.x; i < NB * 8 * chunks; i += WARPS * 32) {
         const int r = i / chunks, c = i - r * chunks;
         u32x4 v = {0u, 0u, 0u, 0u};
-        if (r < rows) v = *(const u32x4*)(x + (size_t)r * ldx + (g0 << 7) + c * 8);
+        if (r < rows) v = *(const u32x4*)(a.x + (size_t)r * a.ldx + (g0 << 7) + c * 8);
         *(u32x4*)(xs + r * stride + c * 8) = v;
     }
     __syncthreads();
@@ -215,13 +229,13 @@ int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* _
 #pragma unroll
             for (int c = 0; c < 4; ++c) d[b][c] = sx[b][c] = 0.f;
 #else
-        const u32 s_lo = __byte_perm(sc[i].x, 0, 0x1010), z_lo = __byte_perm(sc[i].x, 0, 0x3232);
-        const u32 s_hi = __byte_perm(sc[i].y, 0, 0x1010), z_hi = __byte_perm(sc[i].y, 0, 0x3232);
+        const u32 s_lo = __byte_perm(W.sc[i].x, 0, 0x1010), z_lo = __byte_perm(W.sc[i].x, 0, 0x3232);
+        const u32 s_hi = __byte_perm(W.sc[i].y, 0, 0x1010), z_hi = __byte_perm(W.sc[i].y, 0, 0x3232);
 #endif
         const u16* xg = xs + ((gr - g0) << 7);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const u32x4 q4 = h ? wb[i] : wa[i];
+            const u32x4 q4 = h ? W.wb[i] : W.wa[i];
             const u32 qs[4] = {q4.x, q4.y, q4.z, q4.w};
             u32x4 xa[NB], xb[NB];
 #pragma unroll
@@ -255,8 +269,8 @@ int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* _
         }
 #if FOLD
         // sum_k x (q - 8) s + z = s d + (z - 136 s) sum_k x; c < 2: feature g, else g + 8
-        const float s0 = lo_f32(sc[i].x), s1 = lo_f32(sc[i].y);
-        const float c0 = fmaf(-136.f, s0, hi_f32(sc[i].x)), c1 = fmaf(-136.f, s1, hi_f32(sc[i].y));
+        const float s0 = lo_f32(W.sc[i].x), s1 = lo_f32(W.sc[i].y);
+        const float c0 = fmaf(-136.f, s0, hi_f32(W.sc[i].x)), c1 = fmaf(-136.f, s1, hi_f32(W.sc[i].y));
 #pragma unroll
         for (int b = 0; b < NB; ++b)
 #pragma unroll
@@ -289,7 +303,6 @@ int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* _
     // Fragment c of row block b: feature g + 8 (c >> 1), row 8 b + 2 t + (c & 1). GATED:
     // features g and g + 8 of a tile are the gate and the up of output column 8 tile + g, so
     // fragments c and c + 2 make one output.
-    const int splits = gridDim.y;
     if (wk == 0 && live) {
 #pragma unroll
         for (int b = 0; b < NB; ++b)
@@ -298,15 +311,15 @@ int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* _
                 const int row = b * 8 + 2 * t + (c & 1), f = tile * 16 + g + 8 * (c >> 1);
                 if (row >= rows) continue;
                 if (splits > 1)
-                    parts[((size_t)blockIdx.y * rows + row) * n + f] = acc[b][c];
+                    a.parts[((size_t)by * rows + row) * n + f] = acc[b][c];
 #if GATED
                 else if (c < 2)
-                    y[(size_t)row * ldy + tile * 8 + g] =
+                    y[(size_t)row * a.ldy + tile * 8 + g] =
                         silu_mul(with_bias(acc[b][c], bias, f, has_bias),
                                  with_bias(acc[b][c + 2], bias, f + 8, has_bias));
 #else
                 else
-                    y[(size_t)row * ldy + f] = to_bf16(with_bias(acc[b][c], bias, f, has_bias));
+                    y[(size_t)row * a.ldy + f] = to_bf16(with_bias(acc[b][c], bias, f, has_bias));
 #endif
             }
     }
@@ -315,11 +328,12 @@ int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* _
     // The last block of a column adds the splits' slices in order.
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1) == splits - 1;
+    if (threadIdx.x == 0) *is_last = atomicAdd(&a.counters[bx], 1) == splits - 1;
     __syncthreads();
-    if (!is_last) return;
+    if (!*is_last) return;
     __threadfence();
-    const int f0 = blockIdx.x * TN * 16, nf = min(TN * 16, n - f0);
+    float* __restrict__ parts = a.parts;
+    const int f0 = bx * TN * 16, nf = min(TN * 16, n - f0);
     const size_t slice = (size_t)rows * n;
 #if GATED
     const int outs = nf >> 1;  // output columns of this block column
@@ -328,7 +342,7 @@ int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* _
         const float* p = parts + (size_t)row * n + f;
         float gu[2];
         sum_slices<2>(p, p + 8, splits, slice, gu);
-        y[(size_t)row * ldy + (f0 >> 1) + j] =
+        y[(size_t)row * a.ldy + (f0 >> 1) + j] =
             silu_mul(with_bias(gu[0], bias, f, has_bias), with_bias(gu[1], bias, f + 8, has_bias));
     }
 #else
@@ -336,10 +350,66 @@ int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* _
         const int row = i / nf, f = f0 + i - row * nf;
         float sum;
         sum_slices<1>(parts + (size_t)row * n + f, nullptr, splits, slice, &sum);
-        y[(size_t)row * ldy + f] = to_bf16(with_bias(sum, bias, f, has_bias));
+        y[(size_t)row * a.ldy + f] = to_bf16(with_bias(sum, bias, f, has_bias));
     }
 #endif
-    if (threadIdx.x == 0) counters[blockIdx.x] = 0;
+    if (threadIdx.x == 0) a.counters[bx] = 0;
+}
+
+
+#define KERNEL_ARGS                                                                              \
+    const u32x4 *__restrict__ w, const u32x2 *__restrict__ sz, const u16 *__restrict__ x,       \
+        const u16 *__restrict__ bias, u16 *__restrict__ y, float *__restrict__ parts,           \
+        int *__restrict__ counters, int rows, int n, int k, int ldx, int ldy, int gps,          \
+        int has_bias
+#define ARGS {w, sz, x, bias, y, parts, counters, rows, n, k, ldx, ldy, gps, has_bias}
+
+// Programmatic dependent launch: wait for the previous kernel's writes, then let the next
+// kernel launch (it waits for ours in turn). Both are no-ops without the launch attribute.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+// One block a (column, split): grid (columns, splits). The weights do not depend on the
+// previous kernel: they are loaded before waiting for it.
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) int4_mma(KERNEL_ARGS) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ int is_last;
+    const Args a = ARGS;
+    Weights W;
+    load_weights(W, a, blockIdx.x, blockIdx.y);
+    wait_for_previous_kernel();
+    product(W, a, blockIdx.x, blockIdx.y, gridDim.y, smem, &is_last);
+}
+
+// Persistent: a one-wave grid whose blocks take the (column, split) blocks of int4_mma in
+// launch order, blocks_n columns, `total` blocks in all, each block loading the next one's
+// weights into a second set of registers while it computes the current one (the same sums in
+// the same order: the same results).
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
+int4_mma_persist(KERNEL_ARGS, int blocks_n, int total) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ int is_last;
+    const Args a = ARGS;
+    const int splits = total / blocks_n, step = gridDim.x;
+    Weights A, B;
+    int v = blockIdx.x;
+    if (v < total) load_weights(A, a, v % blocks_n, v / blocks_n);
+    if (v + step < total) load_weights(B, a, (v + step) % blocks_n, (v + step) / blocks_n);
+    wait_for_previous_kernel();
+    for (; v < total; v += 2 * step) {
+        product(A, a, v % blocks_n, v / blocks_n, splits, smem, &is_last);
+        const int va = v + 2 * step, vb = v + step, vc = v + 3 * step;
+        if (va < total) load_weights(A, a, va % blocks_n, va / blocks_n);
+        if (vb >= total) break;
+        __syncthreads();  // shared memory is reused
+        product(B, a, vb % blocks_n, vb / blocks_n, splits, smem, &is_last);
+        if (vc < total) load_weights(B, a, vc % blocks_n, vc / blocks_n);
+        __syncthreads();
+    }
 }
 
 // The weight of the layout above as a bfloat16 [n, k] matrix, for products of more rows
