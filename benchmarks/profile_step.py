@@ -127,10 +127,7 @@ def variants(shape: str, context: int, bandwidth: float) -> dict:
 
 
 def _set(key: str, value) -> None:
-    """kernels.KEY, or mma.NAME for key "mma.NAME", = value."""
-    from flashdraft import mma
-    module, _, name = key.rpartition(".")
-    setattr(mma if module == "mma" else kernels, name, value)
+    setattr(kernels, key, value)
 
 
 def set_path(name: str) -> None:
@@ -415,9 +412,6 @@ def mma_products(shape: str, sweep: bool) -> dict:
         for m in (1, 4, 16, 32):
             row[f"mma_{m}rows"] = graph_us(lambda: run(xs[:m]))
         row["mma_TBps"] = nbytes / row["mma_1rows"] / 1e6
-        mma.PERSIST = not mma.PERSIST  # the other one-row kernel
-        row[f"persist_{mma.PERSIST}_1row"] = graph_us(lambda: run(xs[:1]))
-        mma.PERSIST = not mma.PERSIST
         tri = quant.QuantLinear(lin, "int4", "triton")
         tparts = (tri.qweight, tri.scale, tri.zero)
         tring = dram_ring(*tparts)
@@ -445,8 +439,7 @@ def mma_products(shape: str, sweep: bool) -> dict:
               f"32 {row['mma_32rows']:.1f} err {row['rel_error']:.1e} | triton {row['triton']:.1f} "
               f"/ {row['triton_16rows']:.1f} tinygemm {row['tinygemm']:.1f} / "
               f"{row['tinygemm_16rows']:.1f} bf16 {row['bf16']:.1f} / {row['bf16_16rows']:.1f} | "
-              f"{row['config']} | persist {not mma.PERSIST}: "
-              f"{row[f'persist_{not mma.PERSIST}_1row']:.1f}" + (f" | sweep {row['sweep'][:4]}" if sweep else ""), flush=True)
+              f"{row['config']}" + (f" | sweep {row['sweep'][:4]}" if sweep else ""), flush=True)
         torch.cuda.empty_cache()
     return result
 
@@ -461,12 +454,10 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
       gated  SiLU · up inside the gate/up product (bf16: kernels.GATED on the same model; int4:
              a second model quantized with mma.GATED toggled, which picks the stored layout)
       early  the Triton kernels let the next kernel launch before their own wait
-      nopdl  no programmatic dependent launch
-      persist  int4 one-row products through mma's persistent kernel (mma.PERSIST)"""
+      nopdl  no programmatic dependent launch"""
     from flashdraft import mma
     set_path(DEFAULT)
-    saved = {"GATED": kernels.GATED, "EARLY_LAUNCH": kernels.EARLY_LAUNCH, "PDL": kernels.PDL,
-             "mma.PERSIST": mma.PERSIST}
+    saved = {"GATED": kernels.GATED, "EARLY_LAUNCH": kernels.EARLY_LAUNCH, "PDL": kernels.PDL}
     default = target(shape, quant, context)
     runs = {"default": (default, {})}
     for switch in switches:
@@ -481,10 +472,8 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
                 default, {"EARLY_LAUNCH": not saved["EARLY_LAUNCH"]})
         elif switch == "nopdl":
             runs["nopdl"] = (default, {"PDL": False})
-        elif switch == "persist":
-            runs[f"persist {not mma.PERSIST}"] = (default, {"mma.PERSIST": not mma.PERSIST})
         else:
-            raise ValueError(f"unknown switch {switch!r}: use gated, early, nopdl or persist")
+            raise ValueError(f"unknown switch {switch!r}: use gated, early or nopdl")
     out = {label: [] for label in runs}
     for rep in range(repeats):
         for label, ((cfg, model, cache, need), setting) in runs.items():

@@ -120,11 +120,8 @@ class LLM:
                                    max_model_len=max_model_len, cuda_graphs=cuda_graphs,
                                    compile=compile, quantization=quantization)
         self.device, self.dtype = pick_device_dtype(device, dtype)
-        self.target = load_model(model, self.dtype, self.device)
-        if quantization:
-            from .quant import quantize_model
-
-            quantize_model(self.target.model, quantization)
+        # quantized as it loads: the device never holds the full-precision model
+        self.target = load_model(model, self.dtype, self.device, quantization)
         self.tokenizer = self.target.tokenizer
         limit = self.target.config.max_position_embeddings
         if max_model_len is not None and max_model_len > limit:

@@ -42,10 +42,6 @@ DECODE_RESIDENT = int(os.environ.get("FLASHDRAFT_MMA_DECODE_RESIDENT", "4"))
 # epilogue, one kernel fewer a layer); 0: stored as is, SiLU · up its own kernel. Read when a
 # layer is quantized.
 GATED = os.environ.get("FLASHDRAFT_MMA_GATED", "1") == "1"
-# 1: one-row-block products run `int4_mma_persist` (a one-wave grid, each block loading the next
-# block's weights while it computes; PERSIST_RESIDENT blocks a multiprocessor); 0: `int4_mma`.
-PERSIST = os.environ.get("FLASHDRAFT_MMA_PERSIST", "0") == "1"
-PERSIST_RESIDENT = int(os.environ.get("FLASHDRAFT_MMA_PERSIST_RESIDENT", "2"))
 SOURCE = Path(__file__).with_name("csrc") / "int4_mma.cu"
 # Splits of K chosen so that a product has at least this many blocks (two per SM on an H200).
 TARGET_BLOCKS = int(os.environ.get("FLASHDRAFT_MMA_TARGET_BLOCKS", "264"))
@@ -219,36 +215,15 @@ def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         parts, counters = out, out
     stride = cfg.groups_per_split * GROUP + 32
     shared = nb * 8 * stride * 2 + cfg.tn * cfg.wk * nb * 4 * 32 * 4
-    persist = PERSIST and nb == 1
     threads, device = cfg.tn * cfg.wk * 32, _device_index(x2)
-    fn = _kernel("int4_mma_persist" if persist else "int4_mma", device, nb, cfg.tn, cfg.wk,
-                 -(-cfg.groups_per_split // cfg.wk), gated,
-                 PERSIST_RESIDENT if persist else DECODE_RESIDENT if nb == 1 else 1)
+    fn = _kernel("int4_mma", device, nb, cfg.tn, cfg.wk, -(-cfg.groups_per_split // cfg.wk),
+                 gated, DECODE_RESIDENT if nb == 1 else 1)
     _allow_shared(fn, shared)
-    args = [qweight, scales, x2, bias if bias is not None else x2, out, parts, counters, rows, n,
-            k, x2.stride(0), out.stride(0), cfg.groups_per_split, int(bias is not None)]
-    total = cfg.blocks_n * cfg.splits
-    if persist:
-        grid = (min(total, _resident(fn, threads, shared, device)), 1, 1)
-        args += [cfg.blocks_n, total]
-    else:
-        grid = (cfg.blocks_n, cfg.splits, 1)
-    _launch(fn, grid, (threads, 1, 1), shared, args, "launch_pdl" in kernels._pdl(x2), device)
+    _launch(fn, (cfg.blocks_n, cfg.splits, 1), (threads, 1, 1), shared,
+            [qweight, scales, x2, bias if bias is not None else x2, out, parts, counters, rows, n,
+             k, x2.stride(0), out.stride(0), cfg.groups_per_split, int(bias is not None)],
+            "launch_pdl" in kernels._pdl(x2), device)
     return out
-
-
-@functools.cache
-def _resident(fn, threads: int, shared: int, device: int) -> int:
-    """Blocks of fn the whole device holds at once (one wave), from the driver's occupancy."""
-    count = ctypes.c_int(0)
-    occupancy = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor
-    with torch.cuda.device(device):
-        err = occupancy(ctypes.byref(count), fn.func, ctypes.c_int(threads),
-                        ctypes.c_size_t(shared))
-    if err or count.value < 1:
-        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed (CUDA error "
-                           f"{err}, {count.value} blocks)")
-    return count.value * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class _Attribute(ctypes.Structure):  # CUlaunchAttribute

@@ -52,8 +52,28 @@ HYBRID_MAX_ROWS = 2
 
 # -- quantize / dequantize (reference definitions) -------------------------------------------
 
+# Weights are quantized in slices of rows of at most this many elements: each row is quantized
+# on its own, so slicing changes no bit, and the float32 temporaries stay small (a 27B model's
+# 2.5 GB output head would otherwise need ~15 GB of them on the GPU it is loaded onto).
+_CHUNK_ELEMENTS = 1 << 26
+
+
+def _by_rows(fn, w: torch.Tensor, dims: tuple[int, ...]):
+    """fn(w) computed on slices of w's rows, the results of each joined along `dims` (one
+    per output of fn: the dimension that runs over w's rows)."""
+    rows = max(1, _CHUNK_ELEMENTS // max(1, w.shape[1]))
+    if w.shape[0] <= rows:
+        return fn(w)
+    parts = [fn(w[i:i + rows]) for i in range(0, w.shape[0], rows)]
+    return tuple(torch.cat(p, dim=d) for p, d in zip(zip(*parts), dims))
+
+
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [out, in] float -> q [out, in] int8, scale [out] float32."""
+    return _by_rows(_quantize_int8, w, (0, 0))
+
+
+def _quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = w.float()
     scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
@@ -72,9 +92,13 @@ def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     Scales and zeros are bf16 (as in tinygemm): 4 bytes per 128 weights instead of 8, and the
     codes are computed from the rounded values, so dequantization is exactly what was meant.
     """
+    if w.shape[1] % GROUP:
+        raise ValueError(f"int4 needs input features in multiples of {GROUP}, got {w.shape[1]}")
+    return _by_rows(_quantize_int4, w, (1, 1, 1))
+
+
+def _quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out_f, in_f = w.shape
-    if in_f % GROUP:
-        raise ValueError(f"int4 needs input features in multiples of {GROUP}, got {in_f}")
     g = w.float().reshape(out_f, in_f // GROUP, GROUP)
     lo, hi = g.amin(-1), g.amax(-1)  # [out, groups]
     scale = ((hi - lo) / 15.0).clamp_min(1e-6).to(torch.bfloat16).float()

@@ -1,6 +1,7 @@
 """Checkpoints as users hold them: sharded safetensors, and hub ids found in the local cache."""
 import shutil
 
+import pytest
 import torch
 import transformers
 
@@ -33,3 +34,30 @@ def test_hub_id_resolves_from_the_local_cache(tiny_models, tmp_path, monkeypatch
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     llm = LLM("tiny-org/tiny-qwen2", device="cpu")
     assert llm.target.source == str(snapshot)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen2-tied", "qwen3"])
+def test_quantized_while_loading_equals_quantized_after(tiny_models, arch):
+    """load_model(quantization=...) quantizes each matrix as it arrives (the device never holds
+    the full-precision model); the result is quantize_model's of the model loaded in full
+    (int8: the tiny models are too narrow for int4's groups of 128)."""
+    from flashdraft import quant
+    from flashdraft.loading import load_model
+
+    mode = "int8"
+    streamed = load_model(tiny_models[arch], torch.float32, "cpu", mode).model
+    whole = quant.quantize_model(load_model(tiny_models[arch], torch.float32, "cpu").model, mode)
+    a, b = dict(streamed.named_buffers()), dict(whole.named_buffers())
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    pa, pb = dict(streamed.named_parameters()), dict(whole.named_parameters())
+    assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+    assert isinstance(streamed.lm_head, quant.QuantLinear)
+    assert not any(p.is_meta for p in streamed.parameters())
+
+
+def test_unknown_quantization_is_refused_before_loading(tiny_models):
+    from flashdraft.loading import load_model
+
+    with pytest.raises(ValueError, match="int4"):
+        load_model(tiny_models["qwen2"], torch.float32, "cpu", "int3")

@@ -385,33 +385,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) int4_mma(KE
     product(W, a, blockIdx.x, blockIdx.y, gridDim.y, smem, &is_last);
 }
 
-// Persistent: a one-wave grid whose blocks take the (column, split) blocks of int4_mma in
-// launch order, blocks_n columns, `total` blocks in all, each block loading the next one's
-// weights into a second set of registers while it computes the current one (the same sums in
-// the same order: the same results).
-extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
-int4_mma_persist(KERNEL_ARGS, int blocks_n, int total) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    __shared__ int is_last;
-    const Args a = ARGS;
-    const int splits = total / blocks_n, step = gridDim.x;
-    Weights A, B;
-    int v = blockIdx.x;
-    if (v < total) load_weights(A, a, v % blocks_n, v / blocks_n);
-    if (v + step < total) load_weights(B, a, (v + step) % blocks_n, (v + step) / blocks_n);
-    wait_for_previous_kernel();
-    for (; v < total; v += 2 * step) {
-        product(A, a, v % blocks_n, v / blocks_n, splits, smem, &is_last);
-        const int va = v + 2 * step, vb = v + step, vc = v + 3 * step;
-        if (va < total) load_weights(A, a, va % blocks_n, va / blocks_n);
-        if (vb >= total) break;
-        __syncthreads();  // shared memory is reused
-        product(B, a, vb % blocks_n, vb / blocks_n, splits, smem, &is_last);
-        if (vc < total) load_weights(B, a, vc % blocks_n, vc / blocks_n);
-        __syncthreads();
-    }
-}
-
 // The weight of the layout above as a bfloat16 [n, k] matrix, for products of more rows
 // (prefill: dequantize once, then cuBLAS). One thread per 16-byte word group; each weight is
 // computed by the same `dequant` as in int4_mma.

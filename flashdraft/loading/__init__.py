@@ -5,10 +5,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ..config import ModelConfig
 from ..model import Transformer, rope_frequencies
-from .hf import load_tokenizer, read_hf, resolve_hf, to_ours
+from .hf import load_tokenizer, our_sources, read_hf, resolve_hf, to_ours
 
 
 # Tokens that end a turn in the common chat formats. llama.cpp stops on any of them that a
@@ -26,20 +27,29 @@ class Loaded:
     source: str  # the file or directory the weights came from
 
 
-def load_model(ref: str, dtype: torch.dtype, device: torch.device) -> Loaded:
+def load_model(ref: str, dtype: torch.dtype, device: torch.device,
+               quantization: str | None = None) -> Loaded:
+    """The model `ref` names, in dtype on device; with quantization ("int8", "int4") its
+    matrices weight-only quantized as they load (see `_load_quantized`)."""
     from ..models import resolve
 
+    if quantization is not None:
+        from ..quant import MODES
+
+        if quantization not in MODES:
+            raise ValueError(f"quantization {quantization!r} is not one of {', '.join(MODES)}")
+    lazy = quantization is not None
     ref = resolve(ref)
     if str(ref).endswith(".gguf"):
         from .gguf import load_gguf
 
-        hf_config, state, tokenizer = load_gguf(ref, dtype, device)
+        hf_config, state, tokenizer = load_gguf(ref, dtype, device, lazy=lazy)
         source = str(Path(ref).resolve())
         vocab = tokenizer.get_vocab()
         hf_config["generation_eos_token_id"] = [vocab[t] for t in END_OF_GENERATION if t in vocab]
     else:
         path = resolve_hf(ref)
-        hf_config, state = read_hf(path, dtype)
+        hf_config, state = read_hf(path, dtype, lazy=lazy)
         tokenizer = load_tokenizer(path)
         source = str(path)
     config = ModelConfig.from_hf(hf_config)
@@ -51,9 +61,51 @@ def load_model(ref: str, dtype: torch.dtype, device: torch.device) -> Loaded:
     config = ModelConfig(**{**config.__dict__, "eos_token_ids": tuple(sorted(eos))})
     with torch.device("meta"):
         model = Transformer(config)
-    model.load_state_dict(to_ours(state, config.num_layers), assign=True, strict=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed.weight
+    if quantization is not None:
+        _load_quantized(model, config, state, device, quantization)
+    else:
+        model.load_state_dict(to_ours(state, config.num_layers), assign=True, strict=True)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.embed.weight
     model.inv_freq = rope_frequencies(config)
     model = model.to(device).eval()
     return Loaded(config, model, tokenizer, source)
+
+
+def _load_quantized(model: Transformer, config: ModelConfig, state: dict, device,
+                    mode: str) -> None:
+    """Fill the meta-device `model` from `state` ({name: function reading the tensor}) one
+    module at a time, each matrix quantized (`quant.QuantLinear`) as soon as it is on the
+    device: the device never holds more than the quantized model and one matrix in full
+    precision, so a model whose full-precision weights would not fit (27B on a 24 GB card)
+    loads. A tied output head gets its own quantized copy; the embedding stays as it is. The
+    result is `quant.quantize_model(mode)` of the model loaded in full."""
+    from ..quant import QuantLinear
+
+    sources = our_sources(state, config.num_layers)
+    if config.tie_word_embeddings:
+        del sources["lm_head.weight"]
+    by_module: dict[str, dict[str, list[str]]] = {}
+    for name, src in sources.items():
+        module, _, param = name.rpartition(".")
+        by_module.setdefault(module, {})[param] = src
+    for name, params in by_module.items():
+        module = model.get_submodule(name)
+        for param, src in params.items():
+            parts = [state[s]().to(device) for s in src]
+            tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
+            setattr(module, param, nn.Parameter(tensor, requires_grad=False))
+            del parts, tensor
+        if type(module) is nn.Linear:
+            _replace(model, name, QuantLinear(module, mode, gate_up=name.endswith("w_gate_up")))
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+        _replace(model, "lm_head", QuantLinear(model.lm_head, mode))
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"the checkpoint has no tensors for {', '.join(missing[:5])}")
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)

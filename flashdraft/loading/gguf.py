@@ -7,6 +7,7 @@ engine loads a GGUF file exactly like a safetensors directory.
 """
 from __future__ import annotations
 
+import functools
 import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -62,14 +63,15 @@ _PRE_TOKENIZERS = {
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
-              device: torch.device | str = "cpu"
+              device: torch.device | str = "cpu", lazy: bool = False
               ) -> tuple[dict, dict[str, torch.Tensor], PreTrainedTokenizerFast]:
     """Read a llama / qwen2 / qwen3 GGUF file; returns (hf_config, state_dict, tokenizer).
 
     hf_config is shaped like the model's config.json; state_dict holds Hugging Face names and
     [out_features, in_features] weights dequantized to `dtype` on `device` (a GPU dequantizes
     far faster: each tensor's bytes are copied there first); tokenizer is rebuilt from the
-    metadata. Raises GGUFError for a file it cannot load.
+    metadata. lazy: the state dict's values are functions that dequantize their tensor, so
+    that a loader holds one at a time. Raises GGUFError for a file it cannot load.
     """
     path = Path(path)
     reader = _open(path)
@@ -98,6 +100,9 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
             w = _unpermute_rope(w, config["num_key_value_heads"])
         return w.to(dtype)
 
+    if lazy:
+        return config, {hf_names[name]: functools.partial(load, name) for name in hf_names}, \
+            tokenizer
     weights = _map_tensors(load, list(hf_names), device)
     state_dict = {hf_names[name]: weights[name] for name in hf_names}
     return config, state_dict, tokenizer

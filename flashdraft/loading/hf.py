@@ -6,6 +6,7 @@ GGUF loader shares.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -38,8 +39,11 @@ def resolve_hf(ref: str) -> Path:
         f"(see `flashdraft models list`).")
 
 
-def read_hf(path: Path, dtype: torch.dtype) -> tuple[dict, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
+def read_hf(path: Path, dtype: torch.dtype, lazy: bool = False
+            ) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json with the generation config's eos, {name: tensor in dtype}); lazy: {name: a
+    function that reads that tensor}, so that a loader holds one tensor at a time."""
+    from safetensors import safe_open
 
     config = json.loads((path / "config.json").read_text())
     files = sorted(path.glob("*.safetensors"))
@@ -53,32 +57,44 @@ def read_hf(path: Path, dtype: torch.dtype) -> tuple[dict, dict[str, torch.Tenso
             config["generation_eos_token_id"] = eos
     state = {}
     for f in files:
-        for name, t in load_file(f).items():
-            state[name] = t.to(dtype)
+        handle = safe_open(f, framework="pt")
+        for name in handle.keys():
+            read = functools.partial(_read, handle, name, dtype)
+            state[name] = read if lazy else read()
     return config, state
+
+
+def _read(handle, name: str, dtype: torch.dtype) -> torch.Tensor:
+    return handle.get_tensor(name).to(dtype)
+
+
+def our_sources(names, num_layers: int) -> dict[str, list[str]]:
+    """Our parameter names -> the Hugging Face tensors (of `names`) each is made of; several
+    are joined along rows (q/k/v, gate/up)."""
+    embed = "model.embed_tokens.weight"
+    out = {"embed.weight": [embed], "norm.weight": ["model.norm.weight"],
+           "lm_head.weight": ["lm_head.weight" if "lm_head.weight" in names else embed]}
+    for i in range(num_layers):
+        hf, us = f"model.layers.{i}.", f"layers.{i}."
+        attn = hf + "self_attn."
+        out[us + "attn.wqkv.weight"] = [attn + f"{x}_proj.weight" for x in "qkv"]
+        if attn + "q_proj.bias" in names:
+            out[us + "attn.wqkv.bias"] = [attn + f"{x}_proj.bias" for x in "qkv"]
+        out[us + "attn.wo.weight"] = [attn + "o_proj.weight"]
+        for norm in ("q_norm", "k_norm"):
+            if attn + norm + ".weight" in names:
+                out[us + f"attn.{norm}.weight"] = [attn + norm + ".weight"]
+        out[us + "mlp.w_gate_up.weight"] = [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"]
+        out[us + "mlp.w_down.weight"] = [hf + "mlp.down_proj.weight"]
+        out[us + "attn_norm.weight"] = [hf + "input_layernorm.weight"]
+        out[us + "mlp_norm.weight"] = [hf + "post_attention_layernorm.weight"]
+    return out
 
 
 def to_ours(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
     """Hugging Face tensor names -> ours, fusing q/k/v and gate/up."""
-    out = {"embed.weight": state["model.embed_tokens.weight"],
-           "norm.weight": state["model.norm.weight"],
-           "lm_head.weight": state.get("lm_head.weight", state["model.embed_tokens.weight"])}
-    for i in range(num_layers):
-        hf, us = f"model.layers.{i}.", f"layers.{i}."
-        attn = hf + "self_attn."
-        out[us + "attn.wqkv.weight"] = torch.cat([state[attn + f"{x}_proj.weight"] for x in "qkv"])
-        if attn + "q_proj.bias" in state:
-            out[us + "attn.wqkv.bias"] = torch.cat([state[attn + f"{x}_proj.bias"] for x in "qkv"])
-        out[us + "attn.wo.weight"] = state[attn + "o_proj.weight"]
-        for norm in ("q_norm", "k_norm"):
-            if attn + norm + ".weight" in state:
-                out[us + f"attn.{norm}.weight"] = state[attn + norm + ".weight"]
-        out[us + "mlp.w_gate_up.weight"] = torch.cat([state[hf + "mlp.gate_proj.weight"],
-                                                      state[hf + "mlp.up_proj.weight"]])
-        out[us + "mlp.w_down.weight"] = state[hf + "mlp.down_proj.weight"]
-        out[us + "attn_norm.weight"] = state[hf + "input_layernorm.weight"]
-        out[us + "mlp_norm.weight"] = state[hf + "post_attention_layernorm.weight"]
-    return out
+    return {ours: state[src[0]] if len(src) == 1 else torch.cat([state[s] for s in src])
+            for ours, src in our_sources(state, num_layers).items()}
 
 
 def load_tokenizer(path: Path):
