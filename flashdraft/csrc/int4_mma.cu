@@ -356,7 +356,6 @@ __device__ __forceinline__ void product(const Weights& W, const Args& a, int bx,
     if (threadIdx.x == 0) a.counters[bx] = 0;
 }
 
-
 #define KERNEL_ARGS                                                                              \
     const u32x4 *__restrict__ w, const u32x2 *__restrict__ sz, const u16 *__restrict__ x,       \
         const u16 *__restrict__ bias, u16 *__restrict__ y, float *__restrict__ parts,           \
