@@ -84,7 +84,7 @@ for phase in "$@"; do
       | tee "$OUT/mma-shapes$tag.log"
     ;;
   breakdown)
-    # The default decode path against switches toggled (BREAKDOWN: gated, early, nopdl), in
+    # The default decode path against switches toggled (BREAKDOWN: gated, early, rope, nopdl), in
     # turn in one process, with kernel tables (profile_step.breakdown).
     python3 benchmarks/profile_step.py --out "$OUT/breakdown" --no-official --no-compare \
       --breakdown "${BREAKDOWN:-gated}" ${BREAKDOWN_SHAPES:-qwen3-32b:int4 dense-27b:int4 \
@@ -111,11 +111,22 @@ for phase in "$@"; do
       --note "$(note)" --no-progress 2>&1 | tee "$OUT/bench.log" | tail -60
     ;;
   qbench)
-    # The example pair with its target in int4 (the default int4 kernel), drafts unchanged.
+    # The example pair with its target in int4 (the default int4 kernel), the draft model
+    # quantized as QBENCH_DRAFT_QUANT says (auto: as the target; none: bf16).
+    dq=${QBENCH_DRAFT_QUANT:-auto}
     fd bench --model example:qwen2.5-coder-1.5b --draft example:qwen2.5-coder-0.5b \
       --draft ngram --num-speculative-tokens 3,5,8 --prompts humaneval --raw-prompts \
-      --num-prompts 8 --max-tokens 128 --quantization int4 --output "$OUT/qbench" \
-      --note "$(note); target int4" --no-progress 2>&1 | tee "$OUT/qbench.log" | tail -30
+      --num-prompts 8 --max-tokens 128 --quantization int4 --draft-quantization "$dq" \
+      --output "$OUT/qbench-$dq" --note "$(note); target int4, draft $dq" --no-progress 2>&1 \
+      | tee "$OUT/qbench-$dq.log" | tail -30
+    ;;
+  loadmem)
+    # Peak GPU memory of loading a random bf16 checkpoint with quantization (written to disk
+    # first, then removed).
+    python3 benchmarks/load_memory.py --shape "${LOADMEM_SHAPE:-qwen3-8b}" --dir /root/ckpt \
+      --modes "${LOADMEM_MODES:-int4,int8,bf16}" --out "$OUT/load_memory.json" 2>&1 \
+      | grep -v Warn | tee "$OUT/load_memory.log"
+    rm -rf /root/ckpt
     ;;
   official)
     # Roofline fractions and step cost curves of random-weight shapes (no comparisons).

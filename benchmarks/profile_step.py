@@ -454,10 +454,12 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
       gated  SiLU · up inside the gate/up product (bf16: kernels.GATED on the same model; int4:
              a second model quantized with mma.GATED toggled, which picks the stored layout)
       early  the Triton kernels let the next kernel launch before their own wait
+      rope   rope and the cache write inside attention (kernels.ROPE_ATTENTION) toggled
       nopdl  no programmatic dependent launch"""
     from flashdraft import mma
     set_path(DEFAULT)
-    saved = {"GATED": kernels.GATED, "EARLY_LAUNCH": kernels.EARLY_LAUNCH, "PDL": kernels.PDL}
+    saved = {"GATED": kernels.GATED, "EARLY_LAUNCH": kernels.EARLY_LAUNCH, "PDL": kernels.PDL,
+             "ROPE_ATTENTION": kernels.ROPE_ATTENTION}
     default = target(shape, quant, context)
     runs = {"default": (default, {})}
     for switch in switches:
@@ -470,10 +472,13 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
         elif switch == "early":
             runs[f"early {not saved['EARLY_LAUNCH']}"] = (
                 default, {"EARLY_LAUNCH": not saved["EARLY_LAUNCH"]})
+        elif switch == "rope":
+            runs[f"rope-attention {not saved['ROPE_ATTENTION']}"] = (
+                default, {"ROPE_ATTENTION": not saved["ROPE_ATTENTION"]})
         elif switch == "nopdl":
             runs["nopdl"] = (default, {"PDL": False})
         else:
-            raise ValueError(f"unknown switch {switch!r}: use gated, early or nopdl")
+            raise ValueError(f"unknown switch {switch!r}: use gated, early, rope or nopdl")
     out = {label: [] for label in runs}
     for rep in range(repeats):
         for label, ((cfg, model, cache, need), setting) in runs.items():

@@ -79,7 +79,7 @@ def make_drafter(name: str, target: Loaded, cfg: EngineConfig, device, dtype) ->
     """The one place that knows the drafters' names."""
     if name == DRAFT_NGRAM:
         return NgramDrafter(cfg.ngram_sizes, device)
-    draft = load_model(name, dtype, device)
+    draft = load_model(name, dtype, device, cfg.draft_quant)
     check_same_tokenizer(target, draft)
     return DraftModelDrafter(draft.model, device, dtype, target.config.vocab_size,
                              cuda_graphs=cfg.cuda_graphs)
@@ -113,12 +113,13 @@ class LLM:
                  dtype: str | None = None, device: str | None = None,
                  max_model_len: int | None = None, ngram_sizes: Iterable[int] = (4, 3, 2),
                  cuda_graphs: bool = True, compile: bool = False,
-                 quantization: str | None = None):
+                 quantization: str | None = None, draft_quantization: str | None = "auto"):
         self.config = EngineConfig(model=model, draft=draft,
                                    num_speculative_tokens=num_speculative_tokens,
                                    ngram_sizes=tuple(ngram_sizes), dtype=dtype, device=device,
                                    max_model_len=max_model_len, cuda_graphs=cuda_graphs,
-                                   compile=compile, quantization=quantization)
+                                   compile=compile, quantization=quantization,
+                                   draft_quantization=draft_quantization)
         self.device, self.dtype = pick_device_dtype(device, dtype)
         # quantized as it loads: the device never holds the full-precision model
         self.target = load_model(model, self.dtype, self.device, quantization)

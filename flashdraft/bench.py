@@ -83,6 +83,7 @@ class BenchSettings:
     cuda_graphs: bool = True
     compile: bool = False
     quantization: str | None = None  # of the target: None | "int8" | "int4"
+    draft_quantization: str | None = "auto"  # of draft models; "auto": as the target's
     note: str | None = None  # printed with the results, e.g. "random weights: speed only"
     command: str | None = None  # the exact command line, recorded in results.json
     progress: bool = True
@@ -667,7 +668,7 @@ def run_bench(s: BenchSettings, out=None) -> dict:
     log(f"loading {s.model}")
     llm = LLM(s.model, dtype=s.dtype, device=s.device, max_model_len=s.max_model_len,
               ngram_sizes=s.ngram_sizes, cuda_graphs=s.cuda_graphs, compile=s.compile,
-              quantization=s.quantization)
+              quantization=s.quantization, draft_quantization=s.draft_quantization)
     for d in s.drafts:  # load (and check) every drafter before anything is timed
         log(f"loading drafter {d}")
         llm.get_drafter(d)

@@ -34,6 +34,9 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True,
                         "a minute or two of start-up)")
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="weight-only quantization of the target, applied at load")
+    p.add_argument("--draft-quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="weight-only quantization of a draft model (default auto: as "
+                        "--quantization)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -61,7 +64,7 @@ def build_llm(args):
                ngram_sizes=parse_ints(getattr(args, "ngram_sizes", "4,3,2"), "--ngram-sizes"),
                dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                cuda_graphs=args.cuda_graphs, compile=args.compile,
-               quantization=args.quantization)
+               quantization=args.quantization, draft_quantization=args.draft_quantization)
 
 
 def sampling_from(args):
@@ -164,7 +167,8 @@ def cmd_bench(args) -> None:
         ngram_sizes=parse_ints(args.ngram_sizes, "--ngram-sizes"), device=args.device,
         dtype=args.dtype, max_model_len=args.max_model_len, note=args.note,
         cuda_graphs=args.cuda_graphs, compile=args.compile, quantization=args.quantization,
-        command=shlex.join(sys.argv), progress=not args.no_progress))
+        draft_quantization=args.draft_quantization, command=shlex.join(sys.argv),
+        progress=not args.no_progress))
 
 
 def cmd_serve(args) -> None:

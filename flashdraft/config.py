@@ -141,6 +141,8 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay decode / verify / draft steps as CUDA graphs (CUDA only)
     compile: bool = False  # torch.compile the forward before capturing it (slow to start)
     quantization: str | None = None  # None | "int8" | "int4": weight-only, applied at load
+    # the draft model's: None or "none" (full precision), "int8", "int4"; "auto": the target's
+    draft_quantization: str | None = "auto"
 
     def __post_init__(self):
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 64:
@@ -155,5 +157,15 @@ class EngineConfig:
         if self.quantization not in (None, "int8", "int4"):
             raise ValueError(f"quantization {self.quantization!r} is not one of int8, int4 "
                              f"(weight-only; leave it unset for none)")
+        if self.draft_quantization not in (None, "none", "auto", "int8", "int4"):
+            raise ValueError(f"draft_quantization {self.draft_quantization!r} is not one of "
+                             f"int8, int4, none, auto (auto: as the target's)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
+
+    @property
+    def draft_quant(self) -> str | None:
+        """The draft model's weight-only quantization: None, "int8" or "int4"."""
+        if self.draft_quantization == "auto":
+            return self.quantization
+        return None if self.draft_quantization in (None, "none") else self.draft_quantization

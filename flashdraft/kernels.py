@@ -3,8 +3,9 @@
 On a GPU a decode or verification step is bound by how many kernels a layer runs, not by their
 arithmetic: after CUDA graphs removed the launch cost, each kernel still costs ~2 µs, and the
 1.5B example spent two thirds of its step outside the four matrix products. These kernels
-bring a layer down to nine: four products and five small kernels (eight with the activation
-inside the gate/up product, FLASHDRAFT_GATED, not faster in the model):
+bring a decode layer down to eight: four products and four small kernels (seven with the
+activation inside the gate/up product, as the int4 kernel has it; FLASHDRAFT_GATED for bf16,
+not faster in the model):
 
 - `rms_norm(x, weight, eps, residual)`: residual += x, then RMSNorm of the sum, in one pass
   (the residual add of the previous sublayer fused into the norm of the next, as vLLM does).
@@ -16,6 +17,9 @@ inside the gate/up product, FLASHDRAFT_GATED, not faster in the model):
   of the step read that kv head's keys and values once; the causal mask comes from positions,
   as in the PyTorch path, so nothing but positions and a length is needed. The last split to
   finish merges the others' results (no second kernel).
+- `rope_attention(qkv, ...)`: the two above in one kernel for decode and verification steps:
+  q rotated in registers, the step's keys and values written to the cache by the attention
+  programs whose split holds them, before they read it (FLASHDRAFT_ROPE_ATTENTION=0: two).
 - `silu_mul(gate_up)`: SiLU(gate) · up.
 - `linear(x, module)`: products of up to 32 rows (`_skinny_kernel`, tensor cores, K split in a
   fixed way per weight shape, the slices added by the last program of a tile to finish).
@@ -239,17 +243,45 @@ if triton is not None:
         tl.store(dst + HALF + lo, y2.to(cache_ptr.dtype.element_ty), mask=kv_mask)
 
     @triton.jit
+    def _normed_rotated(rows, ok, cos_rows, sin_rows, w_ptr, eps, D: tl.constexpr,
+                        NORM: tl.constexpr):
+        # Heads [R, D] of q or k whose rows start at the pointers `rows` [R, 1] (rows with ok
+        # False: zeros): with NORM (Qwen3) RMSNorm over the head with weight w, rounded; then
+        # rope (half-split) with cos and sin [R, D / 2] at cos_rows / sin_rows, rounded: the
+        # arithmetic of `_rope_cache_kernel`, on whole rows (each element with its partner in
+        # the other half).
+        HALF: tl.constexpr = D // 2
+        d = tl.arange(0, D)
+        partner = (d + HALF) % D
+        x = tl.load(rows + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        xp = tl.load(rows + partner[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        dt = rows.dtype.element_ty
+        if NORM:
+            inv = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+            x = (x * inv * tl.load(w_ptr + d).to(tl.float32)[None, :]).to(dt).to(tl.float32)
+            xp = (xp * inv * tl.load(w_ptr + partner).to(tl.float32)[None, :]).to(dt).to(tl.float32)
+        c = tl.load(cos_rows + (d % HALF)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        s = tl.load(sin_rows + (d % HALF)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        return tl.where(d[None, :] < HALF, x * c - xp * s, x * c + xp * s).to(dt)
+
+    @triton.jit
     def _attention_kernel(q_ptr, cache_ptr, pos_ptr, out_ptr, part_o_ptr, part_ml_ptr, count_ptr,
-                          t, n_kv, n_splits, qk_scale,
+                          cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps,
+                          t, n_heads, n_kv, n_splits, qk_scale,
                           stride_qb, stride_qt, stride_qh,
                           stride_c2, stride_cb, stride_ch, stride_cn,
-                          stride_pb, stride_ob, stride_ot, stride_oh,
+                          stride_pb, stride_ob, stride_ot, stride_oh, stride_csb, stride_cst,
                           GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr,
-                          PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+                          PRECISION: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
+                          T_MAX: tl.constexpr, USE_PDL: tl.constexpr,
                           EARLY_LAUNCH: tl.constexpr = False):
         # Program (b * n_kv + kv head, split, row block). Rows are (token, query head of this
-        # kv head) pairs: row = token * GROUP + g.
+        # kv head) pairs: row = token * GROUP + g. With ROPE, q_ptr is the qkv output (q, k
+        # and v heads of each token, as they come from the product) and this kernel does
+        # `_rope_cache_kernel`'s work first: q heads rotated in registers, and the step's own
+        # keys and values (positions p0 .. p0 + t - 1, consecutive) written into the cache by
+        # the programs whose split holds them, before they read it.
         _pdl_wait(USE_PDL, EARLY_LAUNCH)
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -262,15 +294,37 @@ if triton is not None:
         row_ok = tok < t
         qpos = tl.load(pos_ptr + b * stride_pb + tok, mask=row_ok, other=-1)
         d = tl.arange(0, D)
-        q = tl.load(q_ptr + b * stride_qb + tok[:, None] * stride_qt
-                    + (kvh * GROUP + g)[:, None] * stride_qh + d[None, :],
-                    mask=row_ok[:, None], other=0.0)
+        q_rows = (q_ptr + b * stride_qb + tok[:, None] * stride_qt
+                  + (kvh * GROUP + g)[:, None] * stride_qh)
         # Keys beyond the step's last position (positions increase along the step) are never
         # visible: stop there, whatever kv_len. A split past it does no work at all.
         start = split * SPLIT
-        end = tl.minimum(start + SPLIT, tl.load(pos_ptr + b * stride_pb + t - 1) + 1)
+        last = tl.load(pos_ptr + b * stride_pb + t - 1)
+        end = tl.minimum(start + SPLIT, last + 1)
         k_base = cache_ptr + b * stride_cb + kvh * stride_ch
         v_base = k_base + stride_c2
+        if ROPE:
+            cs = b * stride_csb + tok * stride_cst
+            q = _normed_rotated(q_rows, row_ok, cos_ptr + cs[:, None], sin_ptr + cs[:, None],
+                                qn_ptr, eps, D, QK_NORM)
+            p0 = tl.load(pos_ptr + b * stride_pb)
+            if (p0 < start + SPLIT) & (last >= start):  # this step's keys in this split
+                j = tl.arange(0, T_MAX)  # token j of the step, at position p0 + j
+                at = p0 + j
+                new = (j < t) & (at >= start) & (at < start + SPLIT)
+                src = q_ptr + b * stride_qb + j[:, None] * stride_qt
+                cs_new = b * stride_csb + j * stride_cst
+                k_new = _normed_rotated(src + (n_heads + kvh) * stride_qh, new,
+                                        cos_ptr + cs_new[:, None], sin_ptr + cs_new[:, None],
+                                        kn_ptr, eps, D, QK_NORM)
+                v_new = tl.load(src + (n_heads + n_kv + kvh) * stride_qh + d[None, :],
+                                mask=new[:, None], other=0.0)
+                dst = at[:, None] * stride_cn + d[None, :]
+                tl.store(k_base + dst, k_new.to(cache_ptr.dtype.element_ty), mask=new[:, None])
+                tl.store(v_base + dst, v_new.to(cache_ptr.dtype.element_ty), mask=new[:, None])
+                tl.debug_barrier()  # stored (every row block stores the same bits) before read
+        else:
+            q = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -281,9 +335,9 @@ if triton is not None:
                 cols = start + j * BLOCK_N + tl.arange(0, BLOCK_N)
                 col_ok = cols < end
                 k = tl.load(k_base + cols[:, None] * stride_cn + d[None, :],
-                            mask=col_ok[:, None], other=0.0)
+                            mask=col_ok[:, None], other=0.0, cache_modifier=".cg" if ROPE else "")
                 v = tl.load(v_base + cols[:, None] * stride_cn + d[None, :],
-                            mask=col_ok[:, None], other=0.0)
+                            mask=col_ok[:, None], other=0.0, cache_modifier=".cg" if ROPE else "")
                 scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2
                 visible = (cols[None, :] <= qpos[:, None]) & col_ok[None, :]
                 scores = tl.where(visible, scores, float("-inf"))
@@ -678,7 +732,39 @@ def attention(q: torch.Tensor, cache_layer: torch.Tensor, positions: torch.Tenso
     positions <= its own; positions [b, t] increase along t. Returns [b, t, heads * head_dim]."""
     if not use_triton(q):
         return attention_reference(q, cache_layer, positions, kv_len)
-    b, t, heads, d = q.shape
+    return _attention(q, q.shape[2], cache_layer, positions, kv_len, split_len)
+
+
+# Rope and the cache write inside the attention kernel (`rope_attention`): one kernel a layer
+# fewer. FLASHDRAFT_ROPE_ATTENTION=0 runs them as two kernels.
+ROPE_ATTENTION = os.environ.get("FLASHDRAFT_ROPE_ATTENTION", "1") != "0"
+ROPE_MAX_T = 32  # tokens a step of the fused kernel may carry (the model's SMALL_T)
+
+
+def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   positions: torch.Tensor, cache_layer: torch.Tensor, n_heads: int, n_kv: int,
+                   q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                   kv_len: int, split_len: int) -> torch.Tensor:
+    """`rope_and_cache_write` then `attention` of its q heads: for qkv [b, t, n_heads + 2 n_kv,
+    head_dim] at positions [b, t], each sequence's positions consecutive (start .. start +
+    t - 1, as every step of the engine has them). On the GPU one kernel (ROPE_ATTENTION): the
+    q heads are rotated in registers (qkv is left as it is) and the step's keys and values are
+    written to the cache by the attention programs that read them."""
+    t = qkv.shape[1]
+    if not (ROPE_ATTENTION and use_triton(qkv) and t <= ROPE_MAX_T):
+        rope_and_cache_write(qkv, cos, sin, positions, cache_layer, n_heads, n_kv, q_norm,
+                             k_norm, eps)
+        return attention(qkv[:, :, :n_heads], cache_layer, positions, kv_len, split_len)
+    assert qkv.stride(-1) == 1 and qkv.stride(-2) == qkv.shape[-1]
+    rope = (cos.contiguous(), sin.contiguous(), q_norm, k_norm, eps)
+    return _attention(qkv, n_heads, cache_layer, positions, kv_len, split_len, rope)
+
+
+def _attention(q: torch.Tensor, heads: int, cache_layer: torch.Tensor, positions: torch.Tensor,
+               kv_len: int, split_len: int, rope: tuple | None = None) -> torch.Tensor:
+    """The attention kernel's launch for q [b, t, >= heads, head_dim] (its first `heads` heads
+    attend); rope: (cos, sin, q_norm, k_norm, eps) with q the whole qkv output."""
+    b, t, _, d = q.shape
     n_kv = cache_layer.shape[2]
     group = heads // n_kv
     n_rows = t * group
@@ -694,14 +780,18 @@ def attention(q: torch.Tensor, cache_layer: torch.Tensor, positions: torch.Tenso
         part_o = torch.empty(b * n_kv * n_splits * n_rows, d, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(b * n_kv * n_splits * n_rows, 2, dtype=torch.float32, device=q.device)
         counters = _counters(q.device, grid[0] * grid[2])
+    cos, sin, q_norm, k_norm, eps = rope or (q, q, None, None, 0.0)
     _attention_kernel[grid](
-        q, cache_layer, positions, out, part_o, part_ml, counters, t, n_kv, n_splits,
-        d ** -0.5 * 1.4426950408889634,  # softmax scale, in log2 units (the kernel uses exp2)
+        q, cache_layer, positions, out, part_o, part_ml, counters, cos, sin,
+        q if q_norm is None else q_norm, q if k_norm is None else k_norm, eps, t, heads, n_kv,
+        n_splits, d ** -0.5 * 1.4426950408889634,  # softmax scale, in log2 units (exp2)
         q.stride(0), q.stride(1), q.stride(2),
         cache_layer.stride(0), cache_layer.stride(1), cache_layer.stride(2), cache_layer.stride(3),
-        positions.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=64, SPLIT=split_len, MAX_SPLITS=max_splits,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, **_pdl(q))
+        positions.stride(0), out.stride(0), out.stride(1), out.stride(2), cos.stride(0),
+        cos.stride(1), GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=64, SPLIT=split_len,
+        MAX_SPLITS=max_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        ROPE=rope is not None, QK_NORM=q_norm is not None, T_MAX=ROPE_MAX_T, num_warps=4,
+        **_pdl(q))
     return out.view(b, t, heads * d)
 
 

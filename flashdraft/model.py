@@ -104,17 +104,20 @@ class Attention(nn.Module):
         # [batch, 1, seq, kv_len] (SDPA)
         b, t, _ = qkv.shape
         qkv = qkv.view(b, t, self.n_heads + 2 * self.n_kv, self.head_dim)
-        # One kernel on the GPU: (Qwen3's head norms,) rope on the q and k heads in place, the
-        # keys and values into the cache at their positions.
-        kernels.rope_and_cache_write(
-            qkv, cos, sin, positions, cache.kv[layer], self.n_heads, self.n_kv,
-            self.q_norm.weight if self.q_norm is not None else None,
-            self.k_norm.weight if self.k_norm is not None else None,
-            self.q_norm.eps if self.q_norm is not None else 0.0)
-        q = qkv[:, :, :self.n_heads]  # [batch, seq, heads, head_dim]
+        rope = (cos, sin, positions, cache.kv[layer], self.n_heads, self.n_kv,
+                self.q_norm.weight if self.q_norm is not None else None,
+                self.k_norm.weight if self.k_norm is not None else None,
+                self.q_norm.eps if self.q_norm is not None else 0.0)
         if mask is None:
-            out = kernels.attention(q, cache.kv[layer], positions, kv_len, cache.split_len)
-        elif t <= SMALL_T:
+            # One kernel on the GPU: (Qwen3's head norms,) rope, the step's keys and values
+            # into the cache, attention.
+            out = kernels.rope_attention(qkv, *rope, kv_len, cache.split_len)
+            return kernels.linear(out, self.wo)
+        # (Qwen3's head norms,) rope on the q and k heads in place, the keys and values into
+        # the cache at their positions (one kernel on the GPU).
+        kernels.rope_and_cache_write(qkv, *rope)
+        q = qkv[:, :, :self.n_heads]  # [batch, seq, heads, head_dim]
+        if t <= SMALL_T:
             keys, values = cache.read(layer, b, kv_len)
             out = grouped_attention(q, keys, values, mask, self.head_dim ** -0.5)
         else:
@@ -176,7 +179,8 @@ class Transformer(nn.Module):
                 last_only: bool = False):
         """Run `tokens` at `positions` through the model, writing their keys/values to `cache`.
 
-        tokens, positions: [batch, seq] (int64). kv_len: how many cache positions attention may
+        tokens, positions: [batch, seq] (int64), each sequence's positions consecutive (start,
+        start + 1, ...: its keys go to the cache there). kv_len: how many cache positions attention may
         read (an upper bound on positions + 1; a static value keeps shapes fixed for CUDA graphs).
         hidden_layers: indices of layers whose outputs are returned as well (0 = the
         embeddings, i = the output of layer i). last_only: compute logits for the last position

@@ -277,6 +277,12 @@ def _tinygemm_pack(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     return tiles, scales_zeros
 
 
+def quantize_linear(name: str, linear: nn.Linear, mode: str, backend: str = "auto") -> "QuantLinear":
+    """The QuantLinear replacing the model's Linear `name` (an MLP's [gate; up] product,
+    `w_gate_up`, is stored for the gated kernel). A tied LM head gets its own quantized copy."""
+    return QuantLinear(linear, mode, backend, gate_up=name.rpartition(".")[2] == "w_gate_up")
+
+
 def quantize_model(model: nn.Module, mode: str, backend: str = "auto",
                    include_lm_head: bool = True) -> nn.Module:
     """Replace the model's nn.Linear layers by QuantLinear, in place; returns the model.
@@ -289,13 +295,13 @@ def quantize_model(model: nn.Module, mode: str, backend: str = "auto",
         raise ValueError(f"quantization {mode!r} is not one of {', '.join(MODES)}")
     # Names first, modules one at a time: each full-precision weight is freed as soon as its
     # replacement exists, so the peak is the model plus one layer, not two models.
-    targets = [(name.rpartition(".")[0], name.rpartition(".")[2])
-               for name, m in model.named_modules() if isinstance(m, nn.Linear)
+    targets = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)
                and (include_lm_head or name != "lm_head")]
-    for parent_name, child_name in targets:
+    for name in targets:
+        parent_name, _, child_name = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child_name, QuantLinear(getattr(parent, child_name), mode, backend,
-                                                gate_up=child_name == "w_gate_up"))
+        setattr(parent, child_name,
+                quantize_linear(name, getattr(parent, child_name), mode, backend))
     return model
 
 

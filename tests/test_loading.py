@@ -61,3 +61,25 @@ def test_unknown_quantization_is_refused_before_loading(tiny_models):
 
     with pytest.raises(ValueError, match="int4"):
         load_model(tiny_models["qwen2"], torch.float32, "cpu", "int3")
+
+
+@pytest.mark.parametrize("draft_quantization, expected", [("auto", True), ("none", False),
+                                                          ("int8", True)])
+def test_draft_model_is_quantized_as_asked(tiny_models, draft_quantization, expected):
+    """A draft model takes the target's quantization unless told otherwise; either way greedy
+    speculation returns the tokens of plain decoding."""
+    from flashdraft import SamplingParams, quant
+
+    llm = LLM(tiny_models["qwen2"], draft=tiny_models["qwen2"], device="cpu",
+              quantization="int8" if draft_quantization != "int8" else None,
+              draft_quantization=draft_quantization)
+    drafter = llm.drafter.model
+    assert isinstance(drafter.layers[0].mlp.w_gate_up, quant.QuantLinear) == expected
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = llm.generate(["def add(a, b):"], params, draft=None)[0].token_ids
+    assert llm.generate(["def add(a, b):"], params)[0].token_ids == plain
+
+
+def test_unknown_draft_quantization_is_refused(tiny_models):
+    with pytest.raises(ValueError, match="draft_quantization 'int3'"):
+        LLM(tiny_models["qwen2"], device="cpu", draft_quantization="int3")

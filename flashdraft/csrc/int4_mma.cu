@@ -356,13 +356,6 @@ __device__ __forceinline__ void product(const Weights& W, const Args& a, int bx,
     if (threadIdx.x == 0) a.counters[bx] = 0;
 }
 
-#define KERNEL_ARGS                                                                              \
-    const u32x4 *__restrict__ w, const u32x2 *__restrict__ sz, const u16 *__restrict__ x,       \
-        const u16 *__restrict__ bias, u16 *__restrict__ y, float *__restrict__ parts,           \
-        int *__restrict__ counters, int rows, int n, int k, int ldx, int ldy, int gps,          \
-        int has_bias
-#define ARGS {w, sz, x, bias, y, parts, counters, rows, n, k, ldx, ldy, gps, has_bias}
-
 // Programmatic dependent launch: wait for the previous kernel's writes, then let the next
 // kernel launch (it waits for ours in turn). Both are no-ops without the launch attribute.
 __device__ __forceinline__ void wait_for_previous_kernel() {
@@ -374,10 +367,13 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
 
 // One block a (column, split): grid (columns, splits). The weights do not depend on the
 // previous kernel: they are loaded before waiting for it.
-extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) int4_mma(KERNEL_ARGS) {
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* __restrict__ x,
+         const u16* __restrict__ bias, u16* __restrict__ y, float* __restrict__ parts,
+         int* __restrict__ counters, int rows, int n, int k, int ldx, int ldy, int gps,
+         int has_bias) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ int is_last;
-    const Args a = ARGS;
+    const Args a = {w, sz, x, bias, y, parts, counters, rows, n, k, ldx, ldy, gps, has_bias};
     Weights W;
     load_weights(W, a, blockIdx.x, blockIdx.y);
     wait_for_previous_kernel();

@@ -80,7 +80,7 @@ def _load_quantized(model: Transformer, config: ModelConfig, state: dict, device
     precision, so a model whose full-precision weights would not fit (27B on a 24 GB card)
     loads. A tied output head gets its own quantized copy; the embedding stays as it is. The
     result is `quant.quantize_model(mode)` of the model loaded in full."""
-    from ..quant import QuantLinear
+    from ..quant import quantize_linear
 
     sources = our_sources(state, config.num_layers)
     if config.tie_word_embeddings:
@@ -97,10 +97,10 @@ def _load_quantized(model: Transformer, config: ModelConfig, state: dict, device
             setattr(module, param, nn.Parameter(tensor, requires_grad=False))
             del parts, tensor
         if type(module) is nn.Linear:
-            _replace(model, name, QuantLinear(module, mode, gate_up=name.endswith("w_gate_up")))
+            _replace(model, name, quantize_linear(name, module, mode))
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
-        _replace(model, "lm_head", QuantLinear(model.lm_head, mode))
+        _replace(model, "lm_head", quantize_linear("lm_head", model.lm_head, mode))
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ValueError(f"the checkpoint has no tensors for {', '.join(missing[:5])}")
