@@ -55,6 +55,9 @@ DEFINITIONS = {
                          "most device memory NVML saw in use; everything resident counts (the "
                          "target, the drafters, and in peer runs both libraries' weights)",
     "gpu_utilisation_percent": "NVML's utilisation samples over the timed requests",
+    "timed_graph_captures": "CUDA graphs the target and the draft model captured during the "
+                            "timed requests (timed_graph_capture_s: their time, which the "
+                            "figures include); the warm-up is meant to leave none",
     "peer.tokens_per_s": "new tokens / wall time of generate() per request (prefill "
                          "included), so peers compare with flashdraft's e2e_tokens_per_s",
 }
@@ -72,7 +75,9 @@ class BenchSettings:
     max_tokens: int = 128
     temperatures: tuple[float, ...] = (0.0,)
     seed: int = 0
-    warmup: int = 1  # untimed requests per configuration before its timed ones
+    # untimed requests per configuration before its timed ones (plus, when >= 1, those that
+    # capture the CUDA graphs the timed ones will need: `warmup_indices`)
+    warmup: int = 1
     output: str | None = None
     peer: str | None = None  # "transformers"
     prompt_lookup_tokens: int = 10  # the transformers peer's prompt_lookup_num_tokens
@@ -471,6 +476,30 @@ def sampling(s: BenchSettings, temperature: float, index: int) -> SamplingParams
     return SamplingParams(temperature=temperature, max_tokens=s.max_tokens, seed=s.seed + index)
 
 
+def warmup_indices(ids: list[list[int]], s: BenchSettings, k: int, bucket: int = 256) -> list[int]:
+    """The prompts a configuration runs untimed before its timed requests: the first
+    `s.warmup`, then (if any warm-up is asked for) enough others that every CUDA graph its
+    timed requests will replay was captured first: a step's graph is chosen by its kv bucket
+    (positions rounded up to `bucket`, StepRunner's kv_bucket) and the request's attention
+    split, so a graph first met while timing would add its capture (~0.1 s) to that request."""
+    chosen = list(range(min(s.warmup, len(ids))))
+    if not chosen:
+        return chosen
+    from .kernels import split_length
+
+    def shapes(j: int) -> set:
+        n, split = len(ids[j]), split_length(len(ids[j]) + s.max_tokens)
+        return {(split, -(-end // bucket)) for end in range(n + 1, n + s.max_tokens + k + 2)}
+
+    covered = set().union(*(shapes(j) for j in chosen))
+    for j in range(len(ids)):
+        new = shapes(j) - covered
+        if new:
+            chosen.append(j)
+            covered |= new
+    return chosen
+
+
 def run_configuration(s: BenchSettings, llm, cfg: Configuration, prompts, ids, plain: dict | None,
                       bar, monitor: GpuMonitor, entries: list) -> dict:
     """Warm up, then time `cfg` over every prompt; the entry is in `entries` from the start,
@@ -479,14 +508,19 @@ def run_configuration(s: BenchSettings, llm, cfg: Configuration, prompts, ids, p
              "temperature": cfg.temperature, "requests": [], "summary": None}
     entries.append(entry)
     draft = dict(draft=cfg.drafter, num_speculative_tokens=cfg.k or None)
+    # CUDA-graph runners of the target and the draft model: graphs they capture while timing
+    # are counted (their capture time is in the figures; warm-up should leave none)
+    drafter = llm.get_drafter(cfg.drafter) if cfg.drafter else None
+    runners = [r for r in (llm.engine.runner, getattr(drafter, "runner", None)) if r]
+    captured = [(r.stats.captures, r.stats.capture_s) for r in runners]
     start = time.perf_counter()
     try:
         bar.set_description(f"{cfg.name} T={cfg.temperature:g} warm-up")
-        for i in range(s.warmup):
-            j = i % len(ids)
+        for j in warmup_indices(ids, s, cfg.k or 0):
             llm.generate({"prompt_token_ids": ids[j]}, sampling(s, cfg.temperature, j), **draft)
             bar.update()
         bar.set_description(f"{cfg.name} T={cfg.temperature:g}")
+        captured = [(r.stats.captures, r.stats.capture_s) for r in runners]
         start = time.perf_counter()
         with monitor:
             for i, (prompt, pids) in enumerate(zip(prompts, ids)):
@@ -511,6 +545,10 @@ def run_configuration(s: BenchSettings, llm, cfg: Configuration, prompts, ids, p
         entry["wall_time_s"] = time.perf_counter() - start
         entry["summary"] = {**summarize(entry["requests"], plain, len(prompts), cfg.k),
                             **monitor.figures()}
+        entry["summary"]["timed_graph_captures"] = sum(
+            r.stats.captures - c for r, (c, _) in zip(runners, captured))
+        entry["summary"]["timed_graph_capture_s"] = sum(
+            r.stats.capture_s - t for r, (_, t) in zip(runners, captured))
     return entry
 
 
@@ -691,7 +729,9 @@ def run_bench(s: BenchSettings, out=None) -> dict:
     }
     configs = configurations(s)
     runs = len(configs) + (len(peer_modes(s)) if s.peer else 0)
-    bar = tqdm(total=runs * (s.warmup + len(prompts)), unit="request", file=sys.stderr,
+    warmups = sum(len(warmup_indices(ids, s, c.k or 0)) for c in configs) + \
+        (len(peer_modes(s)) * s.warmup if s.peer else 0)
+    bar = tqdm(total=warmups + runs * len(prompts), unit="request", file=sys.stderr,
                disable=None if s.progress else True, dynamic_ncols=True)
     try:
         plain = None
@@ -779,7 +819,8 @@ def format_markdown(results: dict, full: bool = False) -> str:
         commit += " (with uncommitted changes)"
     lines = [f"## flashdraft bench: {s['model']} on {env['device_name']}, {env['dtype']}", "",
              f"commit {commit}; prompts {s['prompts']} ({n}, {' + '.join(formats)}); max tokens "
-             f"{s['max_tokens']}; warm-up {s['warmup']} request(s) per configuration; torch "
+             f"{s['max_tokens']}; warm-up {s['warmup']} request(s) per configuration, plus those "
+             f"that capture every CUDA graph the timed ones replay; torch "
              f"{env['torch']}, CUDA {env['cuda'] or '—'}, transformers {env['transformers']}"]
     if full:
         weights = lambda m: ", ".join(f"{Path(f['path']).name} sha256 {f['sha256'][:16]}…"

@@ -245,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="temperatures to run, e.g. 0,0.7 (default 0: greedy)")
     b.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i is SEED + i")
     b.add_argument("--warmup", type=int, default=1, metavar="N",
-                   help="untimed requests before each configuration (default 1)")
+                   help="untimed requests before each configuration (default 1); when >= 1, "
+                        "also one request per CUDA-graph shape the timed ones would meet first")
     b.add_argument("--output", default=None, metavar="DIR",
                    help="write results.json, results.md and PNG plots here")
     b.add_argument("--peer", default=None, choices=["transformers"],

@@ -115,7 +115,8 @@ class StepRunner:
         if self._cache_id != cache_id:
             self.reset()
             self._cache_id = cache_id
-        key = (t, self.kv_len_for(start + t, cache), tuple(hidden_layers), bool(last_only))
+        key = (t, self.kv_len_for(start + t, cache), cache.split_len, tuple(hidden_layers),
+               bool(last_only))
         g = self._graphs.get(key)
         if g is None:
             g = self._capture(key, tokens, start, cache)
@@ -127,7 +128,7 @@ class StepRunner:
         return g.logits, g.hidden
 
     def _capture(self, key, tokens, start, cache) -> _Graph:
-        t, kv_len, hidden_layers, last_only = key
+        t, kv_len, _, hidden_layers, last_only = key
         began = time.perf_counter()
         static_tokens = tokens.detach().clone()
         positions = torch.arange(start, start + t, device=self.device).unsqueeze(0)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import kernels
 from .config import SamplingParams
 from .cuda_graphs import StepRunner, eager_step
 from .drafters.base import Draft, DraftContext, Drafter
@@ -139,6 +140,10 @@ class Engine:
             raise ValueError(f"the prompt has {len(prompt)} tokens, which leaves no room to "
                              f"generate within max_model_len={self.max_model_len}")
         self.ensure_capacity(len(prompt) + max_new + (k if drafter else 0) + 1, drafter)
+        # How attention cuts the cache into splits fixes how its partial sums are added, so it
+        # must follow from the request alone: not from k (speculation must return plain
+        # decoding's tokens) nor from the cache's size, which earlier, longer requests set.
+        self.cache.split_len = kernels.split_length(len(prompt) + max_new)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(self.device).manual_seed(params.seed)

@@ -109,8 +109,9 @@ def forced():
 
 
 def split_length(max_len: int) -> int:
-    """Cache positions one attention program reads: fixed per cache (never per kv_len), so that
-    graph replays and eager steps cut the cache identically. ~32 splits for a full cache."""
+    """Cache positions one attention program reads, for requests of up to max_len positions:
+    fixed per request (never per kv_len, k or cache size: `Engine.run` sets it), so that graph
+    replays, eager steps, decoding and verification cut the cache identically. ~32 splits."""
     return min(1024, max(128, triton.next_power_of_2(max_len) // 32 if triton else 128))
 
 
@@ -770,7 +771,10 @@ def _attention(q: torch.Tensor, heads: int, cache_layer: torch.Tensor, positions
     n_rows = t * group
     block_m = 16  # fixed: a row's arithmetic must not depend on how many rows the step has
     n_splits = triton.cdiv(kv_len, split_len)
-    max_splits = triton.cdiv(cache_layer.shape[3], split_len)
+    # The merge's unrolled bound: a power of two (few compilations), not the cache's length (a
+    # cache sized by an earlier long request would make every merge walk hundreds of slots).
+    # Unused slots add exact zeros, so the bound changes no result.
+    max_splits = triton.next_power_of_2(n_splits)
     positions = positions.contiguous()
     out = torch.empty(b, t, heads, d, dtype=q.dtype, device=q.device)
     grid = (b * n_kv, n_splits, triton.cdiv(n_rows, block_m))

@@ -28,7 +28,8 @@ class KVCache:
         self.max_len = max_len
         # Committed length of each sequence, kept on the host: the engine knows it anyway.
         self.lengths = [0] * batch
-        # Positions one attention program reads on the GPU (kernels.attention): fixed per cache.
+        # Positions one attention program reads on the GPU (kernels.attention); the engine sets
+        # it per request (from the request's length, not the cache's).
         self.split_len = kernels.split_length(max_len)
 
     @classmethod

@@ -311,3 +311,17 @@ def test_settings_refuse_bad_values():
     assert s.drafts == ("ngram",) and s.num_speculative_tokens == (1, 5)
     assert spread([1, 2, 3, 4, 5]) == {"median": 3, "p10": 1.4, "p90": 4.6, "mean": 3,
                                        "min": 1, "max": 5}
+
+
+def test_warmup_covers_every_graph_shape_the_timed_requests_meet():
+    """Warm-up runs the first --warmup prompts, then whichever others reach a kv bucket (or an
+    attention split) no earlier warm-up reached, so no graph is captured while timing."""
+    from flashdraft.bench import warmup_indices
+
+    ids = [[0] * n for n in (100, 120, 300, 90, 600)]
+    s = BenchSettings(model="m", max_tokens=128, warmup=1)
+    # buckets of 256: 100..229 -> 1; 120..249 -> 1; 300..429 -> 2; 90 -> 1; 600..729 -> 3
+    assert warmup_indices(ids, s, k=0) == [0, 2, 4]
+    # k = 30: prompt 0's steps reach 259 (bucket 2), which covers prompts 1 and 2
+    assert warmup_indices(ids, s, k=30) == [0, 4]
+    assert warmup_indices(ids, BenchSettings(model="m", max_tokens=128, warmup=0), k=5) == []

@@ -130,3 +130,24 @@ def test_plain_decoding_equals_recomputing_the_whole_sequence(target):
                                                        stop_token_ids=[gen[first]],
                                                        ignore_eos=True), draft=None)[0]
     assert out.token_ids == gen[:first + 1] and out.finish_reason == "stop"
+
+
+def test_attention_splits_follow_the_request_not_the_cache_or_k(tmp_path, device):
+    """How attention splits the cache fixes the order of its sums: it must come from the request
+    alone. A cache grown by an earlier long request, or drafting k more positions, leaves it
+    (and so the greedy tokens) as a fresh engine has them."""
+    from flashdraft import kernels
+    from tests.tiny import build_model
+
+    model = build_model(tmp_path / "long", "qwen2", seed=3, max_positions=8192)
+    llm = LLM(str(model), device=device, dtype="bfloat16" if device == "cuda" else "float32")
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    fresh = llm.generate(PROMPTS[:1], params, draft=None)[0].token_ids
+    split = llm.engine.cache.split_len
+    assert split == kernels.split_length(len(llm.tokenizer.encode(PROMPTS[0])) + 30)
+    llm.engine.ensure_capacity(8192)  # as an earlier request of the whole context would
+    assert kernels.split_length(llm.engine.cache.max_len) != split or not kernels.available()
+    assert llm.generate(PROMPTS[:1], params, draft=None)[0].token_ids == fresh
+    assert llm.engine.cache.split_len == split
+    spec = llm.generate(PROMPTS[:1], params, draft="ngram", num_speculative_tokens=8)
+    assert spec[0].token_ids == fresh and llm.engine.cache.split_len == split

@@ -48,7 +48,7 @@ def build_tokenizer(out: Path, vocab_size: int = 384):
 def build_model(out: str | Path, arch: str = "qwen2", seed: int = 0, *, layers: int = 2,
                 hidden: int = 64, heads: int = 4, kv_heads: int = 2, tie: bool = False,
                 rope_scaling: dict | None = None, tokenizer_from: str | Path | None = None,
-                dtype=torch.float32) -> Path:
+                dtype=torch.float32, max_positions: int = 512) -> Path:
     """Save a random `arch` model with our tiny tokenizer to `out`; returns `out`."""
     import transformers
 
@@ -62,7 +62,7 @@ def build_model(out: str | Path, arch: str = "qwen2", seed: int = 0, *, layers: 
     vocab = len(tokenizer)
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3,
                   num_hidden_layers=layers, num_attention_heads=heads,
-                  num_key_value_heads=kv_heads, max_position_embeddings=512,
+                  num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
                   tie_word_embeddings=tie, rms_norm_eps=1e-6,
                   eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
     if arch == "llama":

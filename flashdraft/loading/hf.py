@@ -34,9 +34,9 @@ def resolve_hf(ref: str) -> Path:
             looked.append(f"the Hugging Face cache {constants.HF_HUB_CACHE} (no snapshot of {ref})")
     raise FileNotFoundError(
         f"model {ref!r} was not found. Looked in: " + "; ".join(looked) + ". flashdraft does "
-        f"not download weights: pass a local directory, a .gguf file, a hub id already in "
-        f"the Hugging Face cache, or an example alias such as example:qwen2.5-coder-1.5b "
-        f"(see `flashdraft models list`).")
+        "not download weights: pass a local directory, a .gguf file, a hub id already in "
+        "the Hugging Face cache, or an example alias such as example:qwen2.5-coder-1.5b "
+        "(see `flashdraft models list`).")
 
 
 def read_hf(path: Path, dtype: torch.dtype, lazy: bool = False
