@@ -84,11 +84,12 @@ for phase in "$@"; do
       | tee "$OUT/mma-shapes$tag.log"
     ;;
   breakdown)
-    # The default decode path against switches toggled (BREAKDOWN: gated, early, rope, nopdl), in
-    # turn in one process, with kernel tables (profile_step.breakdown).
-    python3 benchmarks/profile_step.py --out "$OUT/breakdown" --no-official --no-compare \
+    # The default decode path against switches toggled (BREAKDOWN: gated, early, rope, split,
+    # nopdl), in turn in one process, with kernel tables (profile_step.breakdown);
+    # BREAKDOWN_ARGS e.g. "--context 200".
+    python3 benchmarks/profile_step.py --out "$OUT/breakdown${BREAKDOWN_TAG:-}" --no-official --no-compare ${BREAKDOWN_ARGS:-} \
       --breakdown "${BREAKDOWN:-gated}" ${BREAKDOWN_SHAPES:-qwen3-32b:int4 dense-27b:int4 \
-      qwen2.5-1.5b:int4 qwen3-8b qwen2.5-1.5b} 2>&1 | grep -v Warn | tee "$OUT/breakdown.log"
+      qwen2.5-1.5b:int4 qwen3-8b qwen2.5-1.5b} 2>&1 | grep -v Warn | tee "$OUT/breakdown${BREAKDOWN_TAG:-}.log"
     ;;
   variants)
     # The skinny-path variants measured in the model (random weights); the fastest on the 1.5B
@@ -109,6 +110,14 @@ for phase in "$@"; do
       --draft ngram --num-speculative-tokens 1,3,5,8,16 --prompts humaneval --raw-prompts \
       --num-prompts 8 --max-tokens 128 --peer transformers --output "$OUT/bench" \
       --note "$(note)" --no-progress 2>&1 | tee "$OUT/bench.log" | tail -60
+    ;;
+  chatbench)
+    # HumanEval as BENCHMARKS.md defines the prompt set (through the chat template), first 8
+    # prompts, 128 new tokens, greedy: speculation against our own plain decoding.
+    fd bench --model example:qwen2.5-coder-1.5b --draft example:qwen2.5-coder-0.5b \
+      --draft ngram --num-speculative-tokens ${CHAT_KS:-1,3,5,8,16} --prompts humaneval \
+      --num-prompts 8 --max-tokens 128 --output "$OUT/chatbench" --note "$(note); chat template" \
+      --no-progress 2>&1 | tee "$OUT/chatbench.log" | tail -30
     ;;
   qbench)
     # The example pair with its target in int4 (the default int4 kernel), the draft model

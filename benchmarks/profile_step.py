@@ -455,12 +455,15 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
              a second model quantized with mma.GATED toggled, which picks the stored layout)
       early  the Triton kernels let the next kernel launch before their own wait
       rope   rope and the cache write inside attention (kernels.ROPE_ATTENTION) toggled
+      split  attention splits twice as long (the cache's split_len: half as many programs,
+             each reading twice the positions; none to merge where one split covers kv_len)
       nopdl  no programmatic dependent launch"""
     from flashdraft import mma
     set_path(DEFAULT)
     saved = {"GATED": kernels.GATED, "EARLY_LAUNCH": kernels.EARLY_LAUNCH, "PDL": kernels.PDL,
              "ROPE_ATTENTION": kernels.ROPE_ATTENTION}
     default = target(shape, quant, context)
+    split_len = default[2].split_len
     runs = {"default": (default, {})}
     for switch in switches:
         if switch == "gated" and (quant or "").startswith("int4"):
@@ -475,15 +478,19 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
         elif switch == "rope":
             runs[f"rope-attention {not saved['ROPE_ATTENTION']}"] = (
                 default, {"ROPE_ATTENTION": not saved["ROPE_ATTENTION"]})
+        elif switch == "split":
+            runs[f"split x2 ({2 * default[2].split_len})"] = (
+                default, {"split_len": 2 * default[2].split_len})
         elif switch == "nopdl":
             runs["nopdl"] = (default, {"PDL": False})
         else:
-            raise ValueError(f"unknown switch {switch!r}: use gated, early, rope or nopdl")
+            raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split or nopdl")
     out = {label: [] for label in runs}
     for rep in range(repeats):
         for label, ((cfg, model, cache, need), setting) in runs.items():
             for key, value in {**saved, **setting}.items():
                 _set(key, value)
+            cache.split_len = setting.get("split_len", split_len)
             runner, t1, t16, tps = time_decode(model, cache, cfg, context)
             row = {"t1_ms": t1 * 1e3, "t16_ms": t16 * 1e3, "decode_tokens_per_s": tps,
                    "roofline_fraction": tps * need / bandwidth}
@@ -499,6 +506,7 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
             del runner
     for key, value in saved.items():
         _set(key, value)
+    default[2].split_len = split_len
     return out
 
 
@@ -555,8 +563,8 @@ def main() -> None:
                          "(sweep: also under each launch shape of MMA_SWEEP)")
     ap.add_argument("--breakdown", default=None, metavar="SWITCHES",
                     help="the default decode path against each comma-separated switch "
-                         "toggled (gated, early, nopdl: see breakdown), in turn, with kernel "
-                         "tables")
+                         "toggled (gated, early, rope, split, nopdl: see breakdown), in turn, "
+                         "with kernel tables")
     ap.add_argument("--sweep", type=float, default=0.0,
                     help="seconds per shape for a launch-parameter sweep of the skinny kernel")
     args = ap.parse_args()

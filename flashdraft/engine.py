@@ -149,12 +149,12 @@ class Engine:
             generator = torch.Generator(self.device).manual_seed(params.seed)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         hidden_layers = drafter.hidden_layers if drafter is not None else ()
-        if drafter is not None:
-            drafter.begin(prompt)
 
         start = time.perf_counter()
         logits, hidden = self._forward(prompt, 0, hidden_layers, last_only=True)
         first = self._pick(logits[:, -1], params, generator)
+        if drafter is not None:  # its prefill, if it has one, is queued behind the target's
+            drafter.begin(prompt)
         tokens = list(prompt) + [int(first)]  # the one sync of the prefill
         last = first.view(1, 1)  # the last committed token, kept on the device
         metrics.target_passes = 1

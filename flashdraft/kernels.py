@@ -201,7 +201,10 @@ if triton is not None:
         tl.store(out_ptr + row * stride_o + cols, (x * inv * w).to(out_ptr.dtype.element_ty),
                  mask=ok)
 
-    @triton.jit
+    # Not specialised on the step's length (t, and the positions' row stride, which is t):
+    # Triton would compile another version for each prompt length that is a multiple of 16,
+    # a second's stall in the middle of a request.
+    @triton.jit(do_not_specialize=["t", "stride_pb"])
     def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, cache_ptr, qn_ptr, kn_ptr, eps,
                            t, stride_qkv_tok, stride_cs_tok, stride_pb,
                            stride_c2, stride_cb, stride_ch, stride_cn,

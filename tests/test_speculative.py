@@ -151,3 +151,28 @@ def test_attention_splits_follow_the_request_not_the_cache_or_k(tmp_path, device
     assert llm.engine.cache.split_len == split
     spec = llm.generate(PROMPTS[:1], params, draft="ngram", num_speculative_tokens=8)
     assert spec[0].token_ids == fresh and llm.engine.cache.split_len == split
+
+
+def test_draft_model_reads_the_prompt_once_at_the_start(target, plain, tiny_models,
+                                                        monkeypatch):
+    """The draft model's prefill runs when the request begins (timed with the target's), so
+    every proposal feeds it one or two tokens: the shapes its CUDA graphs replay. A proposal
+    that fed the whole prompt ran eagerly, with compilation for new lengths, inside decoding."""
+    from flashdraft.drafters import draft_model
+
+    drafter = target.get_drafter(tiny_models["qwen2"])
+    fed = []  # tokens of each eager forward of the draft model (every forward on a CPU)
+    eager = draft_model.eager_step
+    monkeypatch.setattr(draft_model, "eager_step", lambda model, tokens, *a, **kw:
+                        fed.append(tokens.shape[1]) or eager(model, tokens, *a, **kw))
+    graphed = drafter.runner.stats.replays if drafter.runner else 0
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    out = target.generate(PROMPTS[0], params, draft=tiny_models["qwen2"],
+                          num_speculative_tokens=4)[0]
+    assert out.token_ids == plain[0]
+    assert fed[0] == out.metrics.prompt_tokens
+    if drafter.runner is None:
+        assert fed[1:] and set(fed[1:]) <= {1, 2}
+    else:  # on a GPU every proposal step is a graph replay
+        assert fed == [out.metrics.prompt_tokens]
+        assert drafter.runner.stats.replays - graphed == out.metrics.drafted_tokens

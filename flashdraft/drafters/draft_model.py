@@ -1,6 +1,8 @@
 """A small model of the same tokenizer, run autoregressively k times per step.
 
-It keeps its own cache. After proposing d_1 … d_k its cache holds the context and
+It keeps its own cache, filled with the prompt when the request begins (prefill work, timed
+with the target's prefill), so that every proposal feeds one or two tokens (graphed). After
+proposing d_1 … d_k its cache holds the context and
 d_1 … d_{k-1} (d_k was sampled, never fed); when the target keeps n of them, the first
 len(context) + min(n, k-1) cached positions are still right, and the next proposal feeds
 the rest of the committed sequence (one or two tokens) before drafting again.
@@ -37,8 +39,12 @@ class DraftModelDrafter:
         if self.cache is None or self.cache.max_len < max_len:
             self.cache = KVCache.for_model(self.model.cfg, 1, max_len, self.dtype, self.device)
 
+    @torch.inference_mode()
     def begin(self, prompt: list[int]) -> None:
-        self.n_cached = 0
+        # The prompt's keys and values, eagerly (one shape per prompt); no logits are needed.
+        ids = torch.tensor([prompt], device=self.device)
+        eager_step(self.model, ids, 0, self.cache, last_only=True)
+        self.n_cached = len(prompt)
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, k: int) -> Draft:
@@ -49,8 +55,8 @@ class DraftModelDrafter:
         start = self.n_cached
         tokens, probs = [], []
         for i in range(k):
-            # Steady state feeds 1 or 2 tokens (graphed); the first proposal of a request
-            # feeds the whole prompt, eagerly.
+            # 1 or 2 tokens (graphed): the first of a request feeds the target's first token,
+            # later ones what the target added after the kept drafts.
             if self.runner is not None and feed.shape[1] <= 2:
                 logits, _ = self.runner(feed, start, self.cache, last_only=True)
             else:
