@@ -714,10 +714,13 @@ def run_bench(s: BenchSettings, out=None) -> dict:
     if s.warmup:
         # Each prompt length's first prefill pays one-time costs (library heuristics, kernel
         # selection, the allocator); one untimed token per prompt keeps them off whichever
-        # configuration happens to run first (it was plain decoding's TTFT).
+        # configuration happens to run first (it was plain decoding's TTFT), for the target
+        # and for each draft model (whose prefill runs when a request begins).
         log("prefilling every prompt once (untimed)")
-        for pids in ids:
-            llm.generate({"prompt_token_ids": pids}, SamplingParams(temperature=0, max_tokens=1))
+        for draft in [None] + [d for d in s.drafts if d != "ngram"]:
+            for pids in ids:
+                llm.generate({"prompt_token_ids": pids}, SamplingParams(temperature=0, max_tokens=1),
+                             draft=draft, num_speculative_tokens=1 if draft else None)
     monitor = GpuMonitor(llm.device)
     results = {
         "schema": SCHEMA, "complete": False, "interrupted": False,

@@ -15,7 +15,11 @@ persistent input buffers before each replay, and the outputs (logits, hidden sta
 the graph's own buffers, overwritten by the next replay of the same graph. The cache's tensors
 are captured by address, so a new cache (a longer request) drops the graphs.
 
-Graphs are captured lazily, the first time a (T, kv_len bucket, hidden layers, last_only)
+A step may carry work on its outputs into its graph (`post`: greedy verification, whose few
+small kernels would otherwise each be launched from Python between the step and the one host
+synchronisation of a speculative step).
+
+Graphs are captured lazily, the first time a (T, kv_len bucket, hidden layers, last_only, post)
 combination is asked for; prefill longer than `max_graph_tokens` and every call on a CPU run
 eagerly, through exactly the same model code.
 
@@ -51,6 +55,7 @@ class _Graph:
     positions: torch.Tensor  # [1, T] int64
     logits: torch.Tensor  # [1, T or 1, vocab] float32, written by each replay
     hidden: list  # of [1, T, hidden], written by each replay
+    post: torch.Tensor | None  # post(tokens, logits), written by each replay
 
 
 @dataclass
@@ -68,8 +73,10 @@ class StepRunner:
     logits, hidden = runner(tokens, start, cache, hidden_layers, last_only)
 
     tokens: [1, T] int64 on the model's device; they go to positions start … start + T - 1.
-    Returns what `Transformer.forward` returns. On the graph path the returned tensors are the
-    graph's static outputs: read them (or copy them) before the next call with the same shape.
+    Returns what `Transformer.forward` returns, and with `post` a third value, post(tokens,
+    logits) (a function of tensors only, run inside the graph). On the graph path the returned
+    tensors are the graph's static outputs: read them (or copy them) before the next call with
+    the same shape.
     """
 
     def __init__(self, model, device: torch.device | str, *, enabled: bool = True,
@@ -104,19 +111,20 @@ class StepRunner:
         return min(-(-end // self.kv_bucket) * self.kv_bucket, cache.max_len)
 
     def __call__(self, tokens: torch.Tensor, start: int, cache: KVCache,
-                 hidden_layers: tuple[int, ...] = (), last_only: bool = False):
+                 hidden_layers: tuple[int, ...] = (), last_only: bool = False, post=None):
         # tokens: [1, T] int64 on self.device
         t = tokens.shape[1]
         if not self.enabled or t > self.max_graph_tokens or start + t > cache.max_len:
             self.stats.eager_calls += 1
-            return eager_step(self.model, tokens, start, cache, hidden_layers, last_only)
+            logits, hidden = eager_step(self.model, tokens, start, cache, hidden_layers, last_only)
+            return (logits, hidden) if post is None else (logits, hidden, post(tokens, logits))
         # Graphs hold the cache's addresses: they stay valid exactly while those do.
         cache_id = (cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape))
         if self._cache_id != cache_id:
             self.reset()
             self._cache_id = cache_id
         key = (t, self.kv_len_for(start + t, cache), cache.split_len, tuple(hidden_layers),
-               bool(last_only))
+               bool(last_only), post)
         g = self._graphs.get(key)
         if g is None:
             g = self._capture(key, tokens, start, cache)
@@ -125,15 +133,18 @@ class StepRunner:
         torch.arange(start, start + t, out=g.positions[0])
         g.graph.replay()
         self.stats.replays += 1
-        return g.logits, g.hidden
+        return (g.logits, g.hidden) if post is None else (g.logits, g.hidden, g.post)
 
     def _capture(self, key, tokens, start, cache) -> _Graph:
-        t, kv_len, _, hidden_layers, last_only = key
+        t, kv_len, _, hidden_layers, last_only, post = key
         began = time.perf_counter()
         static_tokens = tokens.detach().clone()
         positions = torch.arange(start, start + t, device=self.device).unsqueeze(0)
-        run = lambda: self._forward(static_tokens, positions, cache, kv_len=kv_len,
-                                    hidden_layers=hidden_layers, last_only=last_only)
+
+        def run():
+            logits, hidden = self._forward(static_tokens, positions, cache, kv_len=kv_len,
+                                           hidden_layers=hidden_layers, last_only=last_only)
+            return logits, hidden, (post(static_tokens, logits) if post is not None else None)
         # Warm up on a side stream (compilation, cuBLAS workspaces, the allocator) before
         # capturing. The warm-up writes the same keys and values at the same positions as the
         # replay that follows, so it changes nothing the step would not.
@@ -147,8 +158,8 @@ class StepRunner:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits, hidden = run()
+            logits, hidden, post_out = run()
         torch.cuda.synchronize(self.device)
         self.stats.captures += 1
         self.stats.capture_s += time.perf_counter() - began
-        return _Graph(graph, static_tokens, positions, logits, list(hidden))
+        return _Graph(graph, static_tokens, positions, logits, list(hidden), post_out)

@@ -23,7 +23,7 @@ from .drafters.base import Draft, DraftContext, Drafter
 from .kv_cache import KVCache
 from .model import Transformer
 from .sampling import probs_from_logits, sample
-from .verify import verify_greedy, verify_sampled
+from .verify import greedy_result, verify_sampled
 
 
 @dataclass
@@ -120,11 +120,14 @@ class Engine:
         if drafter is not None and hasattr(drafter, "ensure_capacity"):
             drafter.ensure_capacity(length)
 
-    def _forward(self, tokens: list[int] | torch.Tensor, start: int, hidden_layers, last_only=False):
+    def _forward(self, tokens: list[int] | torch.Tensor, start: int, hidden_layers, last_only=False,
+                 post=None):
+        """The target's step; with `post`, also post(tokens, logits) (inside the step's graph)."""
         ids = torch.as_tensor(tokens, device=self.device).view(1, -1)
         if self.runner is not None and not last_only:  # prefill runs eagerly: one shape each
-            return self.runner(ids, start, self.cache, hidden_layers, last_only)
-        return eager_step(self.model, ids, start, self.cache, hidden_layers, last_only)
+            return self.runner(ids, start, self.cache, hidden_layers, last_only, post)
+        logits, hidden = eager_step(self.model, ids, start, self.cache, hidden_layers, last_only)
+        return (logits, hidden) if post is None else (logits, hidden, post(ids, logits))
 
     @torch.inference_mode()
     def run(self, prompt: list[int], params: SamplingParams, drafter: Drafter | None = None,
@@ -202,19 +205,24 @@ class Engine:
                 draft = self._propose(drafter, tokens, params, generator, hidden, budget)
                 n_draft = draft.tokens.shape[1]
                 verify_in = torch.cat([last, draft.tokens], dim=1) if n_draft else last
-                logits, hidden = self._forward(verify_in, len(tokens) - 1, hidden_layers)
+                position = len(tokens) - 1
                 if n_draft == 0:  # nothing to verify: a plain decoding step
+                    logits, hidden = self._forward(verify_in, position, hidden_layers)
                     next_token = self._pick(logits[:, -1], params, generator)
                     n, new = 0, [int(next_token)]
                 else:
-                    if params.greedy:
-                        num_accepted, next_token = verify_greedy(draft.tokens, logits)
+                    if params.greedy:  # verified inside the step's graph
+                        logits, hidden, packed = self._forward(verify_in, position,
+                                                               hidden_layers, post=greedy_result)
+                        next_token = packed[1:2]
                     else:
+                        logits, hidden = self._forward(verify_in, position, hidden_layers)
                         p = probs_from_logits(logits, params.temperature, params.top_k,
                                               params.top_p)
                         num_accepted, next_token = verify_sampled(draft.tokens, draft.q, p,
                                                                   generator)
-                    result = torch.cat([num_accepted, next_token, draft.tokens[0]]).tolist()
+                        packed = torch.cat([num_accepted, next_token, draft.tokens[0]])
+                    result = packed.tolist()  # the step's one synchronisation
                     n, new = result[0], result[2:2 + result[0]] + [result[1]]
                 last = next_token.view(1, 1)  # the last token of `new`
                 metrics.target_passes += 1

@@ -30,6 +30,14 @@ def verify_greedy(draft: torch.Tensor, target_logits: torch.Tensor):
     return num_accepted, next_token
 
 
+def greedy_result(tokens: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """Greedy verification of a step over tokens [1, k+1] = [last token, d_1 … d_k] (k >= 1),
+    packed for one transfer: int64 [k + 2] = [num_accepted, next token, d_1 … d_k]. A function
+    of tensors only, so that it runs inside the step's CUDA graph."""
+    num_accepted, next_token = verify_greedy(tokens[:, 1:], target_logits)
+    return torch.cat([num_accepted, next_token, tokens[0, 1:]])
+
+
 def verify_sampled(draft: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
                    generator: torch.Generator | None = None):
     """Lossless rejection sampling.

@@ -94,6 +94,37 @@ def test_graph_steps_match_eager_steps_on_gpu():
     assert len(runner._graphs) == 1
 
 
+@gpu
+@needs_cuda
+@torch.inference_mode()
+def test_greedy_verification_inside_the_graph_matches_it_after_an_eager_step():
+    """The packed greedy result a verification graph computes in its replay ([n, next token,
+    drafts]) is what verify_greedy gives on the eager step's logits, for each n."""
+    from flashdraft.verify import greedy_result, verify_greedy
+
+    model = _model("cuda")
+    runner = StepRunner(model, "cuda", kv_bucket=64)
+    c1 = KVCache.for_model(TINY, 1, 256, torch.float32, "cuda")
+    c2 = KVCache.for_model(TINY, 1, 256, torch.float32, "cuda")
+    prompt = torch.randint(0, TINY.vocab_size, (1, 9), device="cuda")
+    for cache in (c1, c2):
+        model(prompt, torch.arange(9, device="cuda").unsqueeze(0), cache, kv_len=9)
+    pos = torch.arange(9, 14, device="cuda").unsqueeze(0)
+    seen = set()
+    for right in range(5):  # drafts that follow the target's own argmax for `right` tokens
+        step = torch.randint(0, TINY.vocab_size, (1, 5), device="cuda")
+        for j in range(min(right, 4)):
+            step[0, j + 1] = model(step, pos, c2, kv_len=14)[0][0, j].argmax()
+        logits_e = model(step, pos, c2, kv_len=14)[0]
+        n_e, next_e = verify_greedy(step[:, 1:], logits_e)
+        logits_g, _, packed = runner(step, 9, c1, post=greedy_result)
+        torch.testing.assert_close(logits_g, logits_e, rtol=1e-4, atol=1e-4)
+        assert packed.tolist() == [int(n_e), int(next_e)] + step[0, 1:].tolist()
+        seen.add(int(n_e))
+    assert len(seen) > 1
+    assert runner.stats.captures == 1 and runner.stats.replays == 5
+
+
 def _generate_both(llm, prompts, params, **kw):
     """Greedy outputs with graphs, then with the eager path of the same LLM."""
     with_graphs = [o.token_ids for o in llm.generate(prompts, params, **kw)]
