@@ -137,6 +137,11 @@ for phase in "$@"; do
       | grep -v Warn | tee "$OUT/load_memory.log"
     rm -rf /root/ckpt
     ;;
+  prefill)
+    # The one-time cost of a prompt length's first prefill, masked against causal SDPA.
+    python3 benchmarks/prefill_first_call.py --shape "${PREFILL_SHAPE:-qwen2.5-1.5b}" \
+      --out "$OUT/prefill" 2>&1 | grep -v Warn | tee "$OUT/prefill.log"
+    ;;
   official)
     # Roofline fractions and step cost curves of random-weight shapes (no comparisons).
     python3 benchmarks/profile_step.py --out "$OUT/official" --no-compare \

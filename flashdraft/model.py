@@ -12,6 +12,7 @@ committed length and are never read; rolling back is moving a length.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,10 @@ from .kv_cache import KVCache
 # Up to this many tokens per forward (decode, verification, drafting: the steps CUDA graphs
 # replay) attention is `grouped_attention`; longer inputs (prefill) take SDPA.
 SMALL_T = 32
+# A prefill from position 0 (the whole prompt) attends causally over exactly its own keys: SDPA
+# with is_causal and no mask, which runs the flash kernel. With a mask SDPA may choose a backend
+# that prepares itself for every new shape and cache layout (FLASHDRAFT_CAUSAL_PREFILL=0: mask).
+CAUSAL_PREFILL = os.environ.get("FLASHDRAFT_CAUSAL_PREFILL", "1") != "0"
 
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -101,14 +106,15 @@ class Attention(nn.Module):
         # `Block`); positions: [batch, seq]; cos, sin: [batch, seq, head_dim / 2];
         # mask: None where kernels.attention serves (the GPU, seq <= SMALL_T), else additive
         # [batch, 1, seq, 1, kv_len] if seq <= SMALL_T (grouped_attention), else bool
-        # [batch, 1, seq, kv_len] (SDPA)
+        # [batch, 1, seq, kv_len] (SDPA), or "causal": SDPA's own causal mask (a prefill from
+        # position 0, kv_len = seq)
         b, t, _ = qkv.shape
         qkv = qkv.view(b, t, self.n_heads + 2 * self.n_kv, self.head_dim)
         rope = (cos, sin, positions, cache.kv[layer], self.n_heads, self.n_kv,
                 self.q_norm.weight if self.q_norm is not None else None,
                 self.k_norm.weight if self.k_norm is not None else None,
                 self.q_norm.eps if self.q_norm is not None else 0.0)
-        if mask is None:
+        if mask is None and t <= SMALL_T:
             # One kernel on the GPU: (Qwen3's head norms,) rope, the step's keys and values
             # into the cache, attention.
             out = kernels.rope_attention(qkv, *rope, kv_len, cache.split_len)
@@ -122,7 +128,10 @@ class Attention(nn.Module):
             out = grouped_attention(q, keys, values, mask, self.head_dim ** -0.5)
         else:
             keys, values = cache.read(layer, b, kv_len)
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+            causal = isinstance(mask, str)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values,
+                                                 attn_mask=None if causal else mask,
+                                                 is_causal=causal,
                                                  enable_gqa=self.n_heads != self.n_kv)
             out = out.transpose(1, 2).reshape(b, t, -1)
         return kernels.linear(out, self.wo)
@@ -194,7 +203,9 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(positions, self.inv_freq, residual.dtype)
         small = tokens.shape[1] <= SMALL_T
         mask = None  # kernels.attention needs positions only
-        if not (small and kernels.use_triton(residual)):
+        if not small and CAUSAL_PREFILL and kv_len == tokens.shape[1]:  # positions 0 .. seq - 1
+            mask = "causal"
+        elif not (small and kernels.use_triton(residual)):
             key_pos = torch.arange(kv_len, device=tokens.device)
             visible = key_pos <= positions.unsqueeze(-1)  # [batch, seq, kv_len]
             if small:

@@ -37,6 +37,30 @@ def test_logits_match_transformers(tiny_models, arch, device):
         assert rel_err(again, want[:, n:n + 3]) <= 1e-4
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_long_steps_from_zero_and_after_a_prefix_match_transformers(tiny_models, device, causal,
+                                                                     monkeypatch):
+    """More than SMALL_T tokens go through SDPA: from position 0 with its own causal mask
+    (CAUSAL_PREFILL; or the explicit one), after cached positions with the explicit mask."""
+    from flashdraft import model as model_module
+
+    monkeypatch.setattr(model_module, "CAUSAL_PREFILL", causal)
+    path = tiny_models["qwen3"]
+    llm = LLM(path, device=device, dtype="float32")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    ids = llm.tokenizer.encode("for i in range(10):\n    print(i * i)\n" * 8)
+    assert len(ids) > 2 * model_module.SMALL_T + 10
+    x = torch.tensor([ids], device=device)
+    n = model_module.SMALL_T + 3
+    with torch.no_grad():
+        want = ref(x).logits
+        cache = KVCache.for_model(llm.target.config, 1, 256, torch.float32, device)
+        first, _ = llm.target.model(x[:, :n], torch.arange(n, device=device)[None], cache)
+        rest, _ = llm.target.model(x[:, n:], torch.arange(n, len(ids), device=device)[None], cache)
+    assert rel_err(first, want[:, :n]) <= 1e-4
+    assert rel_err(rest, want[:, n:]) <= 1e-4
+
+
 def test_hidden_states_match_transformers(tiny_models, device):
     path = tiny_models["qwen3"]
     llm = LLM(path, device=device, dtype="float32")

@@ -1,0 +1,88 @@
+"""What a prompt length's first prefill costs beyond its later ones (GPU, random weights).
+
+A server meets new prompt lengths all the time: whatever an attention backend prepares per new
+shape (or per cache layout: a longer request makes a larger cache) lands in that request's
+TTFT. For each prefill path (`model.CAUSAL_PREFILL`: SDPA with its own causal mask, or with an
+explicit boolean mask) this times, for lengths that path has not seen: the first prefill, the
+same again, and the same length once more into a cache of another size (another layout), plus
+which attention kernels the path runs.
+
+    PYTHONPATH=. python3 benchmarks/prefill_first_call.py --shape qwen2.5-1.5b --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flashdraft import model as model_module  # noqa: E402
+from flashdraft.kv_cache import KVCache  # noqa: E402
+from flashdraft.shapes import build_random_model, get_shape  # noqa: E402
+
+
+def prefill_ms(model, cache, tokens: torch.Tensor) -> float:
+    n = tokens.shape[1]
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    model(tokens, torch.arange(n, device="cuda")[None], cache, kv_len=n, last_only=True)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - began) * 1e3
+
+
+def attention_kernels(model, cache, tokens: torch.Tensor) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        prefill_ms(model, cache, tokens)
+    names = {e.name for e in prof.events() if e.device_type.name == "CUDA"}
+    return sorted(n[:120] for n in names if any(w in n.lower() for w in
+                                                ("attn", "fmha", "flash", "cudnn", "sdpa",
+                                                 "softmax", "attention")))
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen2.5-1.5b")
+    ap.add_argument("--lengths", type=int, default=8, help="new lengths per path")
+    ap.add_argument("--out", default="prefill-out")
+    args = ap.parse_args()
+    cfg = get_shape(args.shape)
+    model = build_random_model(cfg, torch.bfloat16, "cuda")
+    caches = {size: KVCache.for_model(cfg, 1, size, torch.bfloat16, "cuda") for size in (256, 512)}
+    result = {"shape": args.shape, "gpu": torch.cuda.get_device_name(), "paths": {}}
+    for p, causal in enumerate((False, True)):
+        model_module.CAUSAL_PREFILL = causal
+        name = "causal" if causal else "mask"
+        warm = torch.randint(0, cfg.vocab_size, (1, 100), device="cuda")
+        for cache in caches.values():  # the path's one-time costs (compilation, workspaces)
+            prefill_ms(model, cache, warm)
+        rows = []
+        for i in range(args.lengths):
+            n = 130 + p * 50 + i  # lengths neither path has seen
+            tokens = torch.randint(0, cfg.vocab_size, (1, n), device="cuda")
+            first = prefill_ms(model, caches[512], tokens)
+            again = prefill_ms(model, caches[512], tokens)
+            other_cache = prefill_ms(model, caches[256], tokens)
+            rows.append({"tokens": n, "first_ms": first, "again_ms": again,
+                         "other_cache_ms": other_cache})
+        kernels = attention_kernels(model, caches[512], warm)
+        summary = {k: statistics.median(r[k] for r in rows)
+                   for k in ("first_ms", "again_ms", "other_cache_ms")}
+        result["paths"][name] = {"rows": rows, "median": summary, "attention_kernels": kernels}
+        print(f"{args.shape} {name}: median first {summary['first_ms']:.1f} ms, again "
+              f"{summary['again_ms']:.1f} ms, first into another cache size "
+              f"{summary['other_cache_ms']:.1f} ms; kernels: {kernels}", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "prefill_first_call.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
