@@ -3,7 +3,7 @@
 A server meets new prompt lengths all the time: whatever an attention backend prepares per new
 shape (or per cache layout: a longer request makes a larger cache) lands in that request's
 TTFT. For each prefill path (`model.CAUSAL_PREFILL`: SDPA with its own causal mask, or with an
-explicit boolean mask) this times, for lengths that path has not seen: the first prefill, the
+explicit boolean mask; `model.PREFILL_SDPA_BACKENDS`: ours, or any SDPA backend) this times, for lengths that path has not seen: the first prefill, the
 same again, and the same length once more into a cache of another size (another layout), plus
 which attention kernels the path runs.
 
@@ -53,19 +53,24 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, default=8, help="new lengths per path")
     ap.add_argument("--out", default="prefill-out")
     args = ap.parse_args()
+    if not 1 <= args.lengths <= 30:
+        raise SystemExit(f"--lengths must be 1..30 (each path's lengths fit the 256 cache), got {args.lengths}")
     cfg = get_shape(args.shape)
     model = build_random_model(cfg, torch.bfloat16, "cuda")
     caches = {size: KVCache.for_model(cfg, 1, size, torch.bfloat16, "cuda") for size in (256, 512)}
     result = {"shape": args.shape, "gpu": torch.cuda.get_device_name(), "paths": {}}
-    for p, causal in enumerate((False, True)):
+    default = model_module.PREFILL_SDPA_BACKENDS
+    paths = {"mask, any backend": (False, None), "causal, any backend": (True, None),
+             "mask (default backends)": (False, default), "causal (default)": (True, default)}
+    for p, (name, (causal, backends)) in enumerate(paths.items()):
         model_module.CAUSAL_PREFILL = causal
-        name = "causal" if causal else "mask"
+        model_module.PREFILL_SDPA_BACKENDS = backends
         warm = torch.randint(0, cfg.vocab_size, (1, 100), device="cuda")
         for cache in caches.values():  # the path's one-time costs (compilation, workspaces)
             prefill_ms(model, cache, warm)
         rows = []
         for i in range(args.lengths):
-            n = 130 + p * 50 + i  # lengths neither path has seen
+            n = 120 + p * 30 + i  # lengths no path has seen (< 256, the smaller cache)
             tokens = torch.randint(0, cfg.vocab_size, (1, n), device="cuda")
             first = prefill_ms(model, caches[512], tokens)
             again = prefill_ms(model, caches[512], tokens)

@@ -11,12 +11,14 @@ committed length and are never read; rolling back is moving a length.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import kernels
 from .config import ModelConfig
@@ -29,6 +31,12 @@ SMALL_T = 32
 # with is_causal and no mask, which runs the flash kernel. With a mask SDPA may choose a backend
 # that prepares itself for every new shape and cache layout (FLASHDRAFT_CAUSAL_PREFILL=0: mask).
 CAUSAL_PREFILL = os.environ.get("FLASHDRAFT_CAUSAL_PREFILL", "1") != "0"
+# SDPA's backends for prefill, in order of preference: not cuDNN's, which builds a plan for
+# every new prompt length and cache size (~70-100 ms on the first prefill of each length on an
+# H200: benchmarks/prefill_first_call.py), and a server meets new lengths all the time.
+# None lets torch choose.
+PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                         SDPBackend.MATH]
 
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -129,10 +137,12 @@ class Attention(nn.Module):
         else:
             keys, values = cache.read(layer, b, kv_len)
             causal = isinstance(mask, str)
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values,
-                                                 attn_mask=None if causal else mask,
-                                                 is_causal=causal,
-                                                 enable_gqa=self.n_heads != self.n_kv)
+            backends = PREFILL_SDPA_BACKENDS
+            with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+                out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values,
+                                                     attn_mask=None if causal else mask,
+                                                     is_causal=causal,
+                                                     enable_gqa=self.n_heads != self.n_kv)
             out = out.transpose(1, 2).reshape(b, t, -1)
         return kernels.linear(out, self.wo)
 
