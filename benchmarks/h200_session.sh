@@ -140,7 +140,7 @@ for phase in "$@"; do
   prefill)
     # The one-time cost of a prompt length's first prefill, masked against causal SDPA.
     python3 benchmarks/prefill_first_call.py --shape "${PREFILL_SHAPE:-qwen2.5-1.5b}" \
-      --out "$OUT/prefill" 2>&1 | grep -v Warn | tee "$OUT/prefill.log"
+      --out "$OUT/prefill-${PREFILL_SHAPE:-qwen2.5-1.5b}" 2>&1 | grep -v Warn | tee "$OUT/prefill-${PREFILL_SHAPE:-qwen2.5-1.5b}.log"
     ;;
   official)
     # Roofline fractions and step cost curves of random-weight shapes (no comparisons).
