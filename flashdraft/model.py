@@ -28,8 +28,8 @@ from .kv_cache import KVCache
 # replay) attention is `grouped_attention`; longer inputs (prefill) take SDPA.
 SMALL_T = 32
 # A prefill from position 0 (the whole prompt) attends causally over exactly its own keys: SDPA
-# with is_causal and no mask, which runs the flash kernel. With a mask SDPA may choose a backend
-# that prepares itself for every new shape and cache layout (FLASHDRAFT_CAUSAL_PREFILL=0: mask).
+# with is_causal and no mask tensor, which the flash kernel takes (it takes no mask tensor);
+# FLASHDRAFT_CAUSAL_PREFILL=0: the explicit mask.
 CAUSAL_PREFILL = os.environ.get("FLASHDRAFT_CAUSAL_PREFILL", "1") != "0"
 # SDPA's backends for prefill, in order of preference: not cuDNN's, which builds a plan for
 # every new prompt length and cache size (~70-100 ms on the first prefill of each length on an
@@ -122,7 +122,7 @@ class Attention(nn.Module):
                 self.q_norm.weight if self.q_norm is not None else None,
                 self.k_norm.weight if self.k_norm is not None else None,
                 self.q_norm.eps if self.q_norm is not None else 0.0)
-        if mask is None and t <= SMALL_T:
+        if mask is None:
             # One kernel on the GPU: (Qwen3's head norms,) rope, the step's keys and values
             # into the cache, attention.
             out = kernels.rope_attention(qkv, *rope, kv_len, cache.split_len)
