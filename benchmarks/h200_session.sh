@@ -138,7 +138,8 @@ for phase in "$@"; do
     rm -rf /root/ckpt
     ;;
   prefill)
-    # The one-time cost of a prompt length's first prefill, masked against causal SDPA.
+    # The one-time cost of a prompt length's first prefill: explicit mask against SDPA's causal
+    # one, any SDPA backend against ours (model.PREFILL_SDPA_BACKENDS).
     python3 benchmarks/prefill_first_call.py --shape "${PREFILL_SHAPE:-qwen2.5-1.5b}" \
       --out "$OUT/prefill-${PREFILL_SHAPE:-qwen2.5-1.5b}" 2>&1 | grep -v Warn | tee "$OUT/prefill-${PREFILL_SHAPE:-qwen2.5-1.5b}.log"
     ;;

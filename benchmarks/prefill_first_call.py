@@ -3,9 +3,9 @@
 A server meets new prompt lengths all the time: whatever an attention backend prepares per new
 shape (or per cache layout: a longer request makes a larger cache) lands in that request's
 TTFT. For each prefill path (`model.CAUSAL_PREFILL`: SDPA with its own causal mask, or with an
-explicit boolean mask; `model.PREFILL_SDPA_BACKENDS`: ours, or any SDPA backend) this times, for lengths that path has not seen: the first prefill, the
-same again, and the same length once more into a cache of another size (another layout), plus
-which attention kernels the path runs.
+explicit boolean mask; `model.PREFILL_SDPA_BACKENDS`: ours, or any SDPA backend) this times, for
+lengths that path has not seen: the first prefill, the same again, and the same length once more
+into a cache of another size (another layout), plus which attention kernels the path runs.
 
     PYTHONPATH=. python3 benchmarks/prefill_first_call.py --shape qwen2.5-1.5b --out DIR
 """
@@ -54,7 +54,8 @@ def main() -> None:
     ap.add_argument("--out", default="prefill-out")
     args = ap.parse_args()
     if not 1 <= args.lengths <= 30:
-        raise SystemExit(f"--lengths must be 1..30 (each path's lengths fit the 256 cache), got {args.lengths}")
+        raise SystemExit(f"--lengths must be 1..30 (each path's lengths fit the 256 cache), "
+                         f"got {args.lengths}")
     cfg = get_shape(args.shape)
     model = build_random_model(cfg, torch.bfloat16, "cuda")
     caches = {size: KVCache.for_model(cfg, 1, size, torch.bfloat16, "cuda") for size in (256, 512)}

@@ -488,8 +488,8 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
     out = {label: [] for label in runs}
     for rep in range(repeats):
         for label, ((cfg, model, cache, need), setting) in runs.items():
-            for key, value in {**saved, **setting}.items():
-                _set(key, value)
+            for key, value in saved.items():
+                _set(key, setting.get(key, value))
             cache.split_len = setting.get("split_len", split_len)
             runner, t1, t16, tps = time_decode(model, cache, cfg, context)
             row = {"t1_ms": t1 * 1e3, "t16_ms": t16 * 1e3, "decode_tokens_per_s": tps,

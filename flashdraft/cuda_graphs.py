@@ -39,13 +39,15 @@ from .kv_cache import KVCache
 
 
 def eager_step(model, tokens: torch.Tensor, start: int, cache: KVCache,
-               hidden_layers: tuple[int, ...] = (), last_only: bool = False):
+               hidden_layers: tuple[int, ...] = (), last_only: bool = False, post=None):
     """One forward of tokens [1, T] at positions start … start + T - 1, attending over exactly
-    the positions written so far: the path every step takes when it is not a graph replay."""
+    the positions written so far: the path every step takes when it is not a graph replay.
+    Returns what the model returns, and with `post` a third value, post(tokens, logits)."""
     t = tokens.shape[1]
     positions = torch.arange(start, start + t, device=tokens.device).unsqueeze(0)
-    return model(tokens, positions, cache, kv_len=start + t, hidden_layers=hidden_layers,
-                 last_only=last_only)
+    logits, hidden = model(tokens, positions, cache, kv_len=start + t,
+                           hidden_layers=hidden_layers, last_only=last_only)
+    return (logits, hidden) if post is None else (logits, hidden, post(tokens, logits))
 
 
 @dataclass
@@ -116,8 +118,7 @@ class StepRunner:
         t = tokens.shape[1]
         if not self.enabled or t > self.max_graph_tokens or start + t > cache.max_len:
             self.stats.eager_calls += 1
-            logits, hidden = eager_step(self.model, tokens, start, cache, hidden_layers, last_only)
-            return (logits, hidden) if post is None else (logits, hidden, post(tokens, logits))
+            return eager_step(self.model, tokens, start, cache, hidden_layers, last_only, post)
         # Graphs hold the cache's addresses: they stay valid exactly while those do.
         cache_id = (cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape))
         if self._cache_id != cache_id:

@@ -126,8 +126,7 @@ class Engine:
         ids = torch.as_tensor(tokens, device=self.device).view(1, -1)
         if self.runner is not None and not last_only:  # prefill runs eagerly: one shape each
             return self.runner(ids, start, self.cache, hidden_layers, last_only, post)
-        logits, hidden = eager_step(self.model, ids, start, self.cache, hidden_layers, last_only)
-        return (logits, hidden) if post is None else (logits, hidden, post(ids, logits))
+        return eager_step(self.model, ids, start, self.cache, hidden_layers, last_only, post)
 
     @torch.inference_mode()
     def run(self, prompt: list[int], params: SamplingParams, drafter: Drafter | None = None,
