@@ -151,13 +151,22 @@ def kernel_table(runner, cache, context, vocab, steps: int = 10) -> dict:
             runner(tokens, context, cache)
         torch.cuda.synchronize()
     per = defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type.name == "CUDA" and e.device_time > 0:
-            per[e.name[:90]][0] += 1
-            per[e.name[:90]][1] += e.device_time
+    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"
+                     and e.device_time > 0), key=lambda e: e.time_range.start)
+    for e in events:
+        per[e.name[:90]][0] += 1
+        per[e.name[:90]][1] += e.device_time
     rows = sorted(((n, c / steps, us / steps) for n, (c, us) in per.items()), key=lambda r: -r[2])
+    # The step's kernels in launch order, µs averaged over the steps: the first layers' and the
+    # output head's kernels one by one (which product costs what).
+    per_step = len(events) // steps
+    sequence = []
+    if per_step * steps == len(events):
+        for i in list(range(min(per_step, 24))) + list(range(max(24, per_step - 4), per_step)):
+            us = sum(events[s * per_step + i].device_time for s in range(steps)) / steps
+            sequence.append((i, events[i].name[:40], us))
     return {"kernels_per_step": sum(r[1] for r in rows), "busy_us_per_step": sum(r[2] for r in rows),
-            "rows": rows[:25]}
+            "rows": rows[:25], "sequence": sequence}
 
 
 @torch.inference_mode()
@@ -457,11 +466,13 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
       rope   rope and the cache write inside attention (kernels.ROPE_ATTENTION) toggled
       split  attention splits twice as long (the cache's split_len: half as many programs,
              each reading twice the positions; none to merge where one split covers kv_len)
+      addnorm  the residual add and RMSNorm inside the product before them
+             (kernels.ADD_NORM) toggled
       nopdl  no programmatic dependent launch"""
     from flashdraft import mma
     set_path(DEFAULT)
     saved = {"GATED": kernels.GATED, "EARLY_LAUNCH": kernels.EARLY_LAUNCH, "PDL": kernels.PDL,
-             "ROPE_ATTENTION": kernels.ROPE_ATTENTION}
+             "ROPE_ATTENTION": kernels.ROPE_ATTENTION, "ADD_NORM": kernels.ADD_NORM}
     default = target(shape, quant, context)
     split_len = default[2].split_len
     runs = {"default": (default, {})}
@@ -481,10 +492,14 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
         elif switch == "split":
             runs[f"split x2 ({2 * default[2].split_len})"] = (
                 default, {"split_len": 2 * default[2].split_len})
+        elif switch == "addnorm":
+            runs[f"add-norm {not saved['ADD_NORM']}"] = (
+                default, {"ADD_NORM": not saved["ADD_NORM"]})
         elif switch == "nopdl":
             runs["nopdl"] = (default, {"PDL": False})
         else:
-            raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split or nopdl")
+            raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, "
+                             f"addnorm or nopdl")
     out = {label: [] for label in runs}
     for rep in range(repeats):
         for label, ((cfg, model, cache, need), setting) in runs.items():
@@ -496,12 +511,15 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
                    "roofline_fraction": tps * need / bandwidth}
             print(f"  {shape}:{quant} {label}: t1 {t1 * 1e3:.3f} ms  t16 {t16 * 1e3:.3f} ms  "
                   f"decode {tps:.1f} tok/s = {100 * row['roofline_fraction']:.1f}%", flush=True)
-            if rep == 0 and label in ("default", "nopdl"):
+            if rep == 0 and (label in ("default", "nopdl") or label.startswith("add-norm")):
                 row["profile"] = p = kernel_table(runner, cache, context, cfg.vocab_size)
                 print(f"    {p['kernels_per_step']:.0f} kernels/step, busy "
                       f"{p['busy_us_per_step']:.0f} us/step:")
                 for name, calls, us in p["rows"][:8]:
                     print(f"      {us:8.1f} us {calls:6.1f}x  {name}", flush=True)
+                print("    in launch order: " + ", ".join(
+                    f"{i}:{name.split('(')[0].split('<')[0][-18:]} {us:.1f}"
+                    for i, name, us in p["sequence"]), flush=True)
             out[label].append(row)
             del runner
     for key, value in saved.items():

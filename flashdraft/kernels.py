@@ -3,9 +3,10 @@
 On a GPU a decode or verification step is bound by how many kernels a layer runs, not by their
 arithmetic: after CUDA graphs removed the launch cost, each kernel still costs ~2 µs, and the
 1.5B example spent two thirds of its step outside the four matrix products. These kernels
-bring a decode layer down to eight: four products and four small kernels (seven with the
-activation inside the gate/up product, as the int4 kernel has it; FLASHDRAFT_GATED for bf16,
-not faster in the model):
+bring a bf16 decode layer down to six: four products, attention (with rope and the cache
+write) and SiLU · up (five with the activation inside the gate/up product, as the int4 kernel
+has it; FLASHDRAFT_GATED for bf16, not faster in the model); the residual adds and norms run
+inside the products before them (`linear_add_norm`):
 
 - `rms_norm(x, weight, eps, residual)`: residual += x, then RMSNorm of the sum, in one pass
   (the residual add of the previous sublayer fused into the norm of the next, as vLLM does).
@@ -24,7 +25,9 @@ not faster in the model):
 - `linear(x, module)`: products of up to 32 rows (`_skinny_kernel`, tensor cores, K split in a
   fixed way per weight shape, the slices added by the last program of a tile to finish).
   `gated_linear` (SiLU · up inside the gate/up product) is the same kernel with more work in
-  it, by default `silu_mul` after `linear`; `norm_linear` is `rms_norm` then `linear`.
+  it, by default `silu_mul` after `linear`. `linear_add_norm` (wo, w_down) adds the product
+  to the residual stream in place and normalises the rows for the next product, the last
+  program of each row block doing the norm: a decode layer has no norm kernel of its own.
 - `quant_linear(x, ...)`: the same for weight-only int8 / int4 weights, dequantized in
   registers (`_skinny_quant_kernel`).
 
@@ -395,9 +398,11 @@ if triton is not None:
 
     @triton.jit
     def _skinny_epilogue(acc, acc_up, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, n, stride_om,
-                         HAS_BIAS: tl.constexpr, GATED: tl.constexpr):
+                         HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ADD: tl.constexpr = False):
         # acc [BLOCK_N, BLOCK_M]: the finished sums of this tile; with GATED, acc holds the gate
-        # and acc_up the up projection of the same output columns.
+        # and acc_up the up projection of the same output columns. ADD: out already holds the
+        # residual stream, and the product is added to it (rounded first, as the unfused code
+        # stores the product and then adds).
         dt = out_ptr.dtype.element_ty
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -408,12 +413,40 @@ if triton is not None:
             gate = acc.to(dt).to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
             acc = act * acc_up.to(dt).to(tl.float32)
-        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(dt),
-                 mask=n_ok[:, None] & m_ok[None, :])
+        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        ok = n_ok[:, None] & m_ok[None, :]
+        if ADD:
+            acc = acc.to(dt).to(tl.float32) + tl.load(out_ptrs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, acc.to(dt), mask=ok)
 
     @triton.jit
-    def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, m, n, k, stride_xm,
-                       stride_wn, stride_om, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+    def _norm_rows_tail(res_ptr, nw_ptr, h_ptr, count_ptr, m, n, eps, stride_rm, stride_hm,
+                        BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+        # Called by every program that has just stored a finished tile of the residual stream:
+        # the last of a row block's column tiles to do so normalises those rows (RMSNorm with
+        # weight nw) into h, the next product's input: one program reads the whole rows once,
+        # where a separate norm kernel would cost a launch a sublayer. Each row is reduced
+        # alone, so a row's result does not depend on how many rows the step has.
+        tl.debug_barrier()  # every thread's part of the tile is stored before the counter moves
+        rows = count_ptr + tl.num_programs(0) * tl.num_programs(2) + tl.program_id(2)
+        if tl.atomic_add(rows, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            cols = tl.arange(0, BLOCK_H)
+            ok = cols < n
+            w = tl.load(nw_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+            row0 = tl.program_id(2) * BLOCK_M
+            for r in range(row0, tl.minimum(row0 + BLOCK_M, m)):
+                x = tl.load(res_ptr + r * stride_rm + cols, mask=ok, other=0.0,
+                            cache_modifier=".cg").to(tl.float32)
+                inv = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
+                tl.store(h_ptr + r * stride_hm + cols, (x * inv * w).to(h_ptr.dtype.element_ty),
+                         mask=ok)
+            tl.atomic_xchg(rows, 0)  # ready for the next launch
+
+    @triton.jit
+    def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, nw_ptr, h_ptr, eps,
+                       m, n, k, stride_xm, stride_wn, stride_om, stride_hm,
+                       HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ADD_NORM: tl.constexpr,
+                       BLOCK_H: tl.constexpr,
                        SPLIT: tl.constexpr, K_STEPS: tl.constexpr,
                        PRE_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
@@ -422,7 +455,10 @@ if triton is not None:
         # out [m, n] = x [m, k] @ w [n, k]^T, as (w @ x^T)^T so that the few rows of x are the
         # narrow side of the tensor-core product. With GATED, w is [2 n, k] (gate rows, then up
         # rows) and out = SiLU(x @ gate^T) * (x @ up^T): the MLP's first product and its
-        # activation in one kernel.
+        # activation in one kernel. With ADD_NORM, out is the residual stream: the product is
+        # added to it in place, and the rows' RMSNorm (weight nw, into h) is computed by the last
+        # program of each row block (`_norm_rows_tail`): the next sublayer's residual add and
+        # norm inside this product.
         # Program (n block, K slice, row block of BLOCK_M = 16). A row's result depends on that
         # row and the weights alone, never on m: the decode of one token and the verification
         # of k+1 tokens compute each row bit for bit alike.
@@ -467,7 +503,8 @@ if triton is not None:
                             mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 acc_up = tl.dot(u, tl.trans(xk), acc_up, input_precision=PRECISION)
         _skinny_finish(acc, acc_up, b_ptr, out_ptr, part_ptr, count_ptr, offs_n, offs_m, n_ok,
-                       m_ok, m, n, stride_om, HAS_BIAS, GATED, SPLIT, LAST_REDUCE)
+                       m_ok, m, n, stride_om, HAS_BIAS, GATED, SPLIT, LAST_REDUCE, ADD_NORM,
+                       nw_ptr, h_ptr, eps, stride_hm, BLOCK_H)
 
     @triton.jit
     def _quant_tile(w_ptr, offs_n, n_ok, g, k, stride_wn, stride_wk, BITS: tl.constexpr):
@@ -585,11 +622,17 @@ if triton is not None:
     @triton.jit
     def _skinny_finish(acc, acc_up, b_ptr, out_ptr, part_ptr, count_ptr, offs_n, offs_m, n_ok,
                        m_ok, m, n, stride_om, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                       SPLIT: tl.constexpr, LAST_REDUCE: tl.constexpr):
-        # A program's sums over its K slice -> the output (bf16 and quantized products alike).
+                       SPLIT: tl.constexpr, LAST_REDUCE: tl.constexpr,
+                       ADD_NORM: tl.constexpr = False, nw_ptr=None, h_ptr=None, eps=0.0,
+                       stride_hm=0, BLOCK_H: tl.constexpr = 16):
+        # A program's sums over its K slice -> the output (bf16 and quantized products alike);
+        # ADD_NORM: added to the residual stream in out, then its rows normalised into h.
         if SPLIT == 1:
             _skinny_epilogue(acc, acc_up, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, n, stride_om,
-                             HAS_BIAS, GATED)
+                             HAS_BIAS, GATED, ADD_NORM)
+            if ADD_NORM:
+                _norm_rows_tail(out_ptr, nw_ptr, h_ptr, count_ptr, m, n, eps, stride_om,
+                                stride_hm, offs_m.shape[0], BLOCK_H)
         else:
             # K split across SPLIT programs: each stores its float32 slice; with LAST_REDUCE the
             # last of them to finish adds the slices in slice order (so the result does not
@@ -612,8 +655,11 @@ if triton is not None:
                         acc_up += tl.load(part + s * m * width + n, mask=ok, other=0.0,
                                           cache_modifier=".cg")
                 _skinny_epilogue(acc, acc_up, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, n,
-                                 stride_om, HAS_BIAS, GATED)
+                                 stride_om, HAS_BIAS, GATED, ADD_NORM)
                 tl.atomic_xchg(tile, 0)  # ready for the next launch
+                if ADD_NORM:
+                    _norm_rows_tail(out_ptr, nw_ptr, h_ptr, count_ptr, m, n, eps, stride_om,
+                                    stride_hm, offs_m.shape[0], BLOCK_H)
 
     @triton.jit
     def _sum_slices_kernel(p_ptr, b_ptr, out_ptr, total, n, SPLIT: tl.constexpr,
@@ -866,29 +912,41 @@ def skinny_config(n: int, k: int, gated: bool = False, rule: str = "v2") -> Skin
     return SkinnyConfig(block_n, block_k, k_steps, split, pre, 4, stages)
 
 
-def _split_buffers(out: torch.Tensor, grid: tuple, split: int, width: int):
+def _split_buffers(out: torch.Tensor, grid: tuple, split: int, width: int,
+                   row_counters: bool = False):
     """The float32 K slices [split, rows, width] and tile counters of a product over grid
-    (n blocks, split, row blocks); unused (out) without a split."""
+    (n blocks, split, row blocks); unused (out) without a split. row_counters: one counter a
+    row block more (after the tiles'), for `_norm_rows_tail`."""
+    counters = out
+    if split > 1 or row_counters:
+        counters = _counters(out.device, grid[0] * grid[2] + (grid[2] if row_counters else 0))
     if split == 1:
-        return out, out
+        return out, counters
     parts = torch.empty(split * out.shape[0] * width, dtype=torch.float32, device=out.device)
-    return parts, _counters(out.device, grid[0] * grid[2])
+    return parts, counters
 
 
 def _skinny(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated: bool,
-            cfg: SkinnyConfig) -> torch.Tensor:
+            cfg: SkinnyConfig, add_norm: tuple | None = None) -> torch.Tensor:
     """x2 [rows, k] @ w^T through `_skinny_kernel` with launch parameters cfg (see there for
-    gated)."""
+    gated). add_norm: (residual [rows, n], norm weight, eps, h [rows, n]): the product is
+    added to residual in place and h receives RMSNorm(residual); returns h."""
     rows, k = x2.shape
     n = w.shape[0] // 2 if gated else w.shape[0]
-    out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
+    if add_norm is None:
+        out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
+        norm_w, eps, h = w, 0.0, out  # unused
+    else:
+        out, norm_w, eps, h = add_norm
     grid = (triton.cdiv(n, cfg.block_n), cfg.split, triton.cdiv(rows, 16))
-    last = SPLIT_REDUCE != "kernel" or gated
-    parts, counters = _split_buffers(out, grid, cfg.split, 2 * n if gated else n)
+    last = SPLIT_REDUCE != "kernel" or gated or add_norm is not None
+    parts, counters = _split_buffers(out, grid, cfg.split, 2 * n if gated else n,
+                                     add_norm is not None)
     _skinny_kernel[grid](
-        x2, w, bias if bias is not None else w, out, parts, counters, rows, n, k, x2.stride(0),
-        w.stride(0), out.stride(0), HAS_BIAS=bias is not None and (last or cfg.split == 1),
-        GATED=gated, SPLIT=cfg.split, K_STEPS=cfg.k_steps, PRE_STEPS=cfg.pre_steps, BLOCK_N=cfg.block_n,
+        x2, w, bias if bias is not None else w, out, parts, counters, norm_w, h, eps, rows, n, k,
+        x2.stride(0), w.stride(0), out.stride(0), h.stride(0),
+        HAS_BIAS=bias is not None and (last or cfg.split == 1), GATED=gated,
+        ADD_NORM=add_norm is not None, BLOCK_H=triton.next_power_of_2(n), SPLIT=cfg.split, K_STEPS=cfg.k_steps, PRE_STEPS=cfg.pre_steps, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, BLOCK_M=16, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         PREFETCH=PREFETCH, LAST_REDUCE=last, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **_pdl(x2))
@@ -897,7 +955,7 @@ def _skinny(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated:
         _sum_slices_kernel[(triton.cdiv(total, 1024),)](
             parts, bias if bias is not None else parts, out, total, n, SPLIT=cfg.split,
             HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4, **_pdl(x2))
-    return out
+    return out if add_norm is None else h
 
 
 # Weight-only int4 / int8 products of up to QUANT_MAX_ROWS rows (flashdraft.quant's formats):
@@ -1024,16 +1082,28 @@ def gated_linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     return out.view(*x.shape[:-1], n)
 
 
-def norm_linear(delta: torch.Tensor | None, residual: torch.Tensor, norm: torch.nn.Module,
-                module: torch.nn.Module, gated: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual add, the norm and the product that follows them: returns
-    (module(norm(residual + delta)), residual + delta), or with `gated` SiLU(gate) · up of that
-    product; delta None: no add. norm: an RMSNorm (weight, eps). `rms_norm` adds delta into
-    residual in place (one kernel with the norm), then the product."""
-    h = rms_norm(residual if delta is None else delta, norm.weight, norm.eps,
-                 None if delta is None else residual)
-    return (gated_linear(h, module) if gated else linear(h, module)), residual
+# The residual add and RMSNorm after a sublayer inside its last product (`linear_add_norm`):
+# one kernel a sublayer fewer. FLASHDRAFT_ADD_NORM=0 runs them as the product, then `rms_norm`.
+ADD_NORM = os.environ.get("FLASHDRAFT_ADD_NORM", "1") != "0"
+
+
+def linear_add_norm(x: torch.Tensor, module: torch.nn.Module, residual: torch.Tensor,
+                    norm: torch.nn.Module) -> torch.Tensor:
+    """A sublayer's last product and what follows it: residual += module(x), in place, then
+    returns norm(residual), the next product's input. norm: an RMSNorm (weight, eps). On the
+    GPU, for a plain nn.Linear and at most SKINNY_MAX_ROWS rows, one `_skinny_kernel` (its
+    last program of each row block normalises the rows), else the product, then `rms_norm`
+    (the add and the norm in one kernel)."""
+    n = residual.shape[-1]
+    if not (ADD_NORM and _skinny_serves(x, module) and residual.is_contiguous()
+            and residual.dtype == x.dtype):
+        return rms_norm(linear(x, module), norm.weight, norm.eps, residual)
+    w = module.weight
+    r2 = residual.view(-1, n)
+    h = torch.empty_like(r2)
+    _skinny(_rows(x), w, module.bias, False, skinny_config(*w.shape, False, SKINNY_RULE),
+            (r2, norm.weight, norm.eps, h))
+    return h.view(residual.shape)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

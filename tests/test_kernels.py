@@ -278,36 +278,44 @@ def test_gated_linear_is_silu_mul_of_the_product_and_batch_invariant(monkeypatch
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,k,gated,with_delta", [(96, 2048, False, True), (550, 256, True, True),
-                                                  (40, 900, False, False), (200, 384, True, False)])
-def test_norm_linear_is_add_norm_product_and_batch_invariant(monkeypatch, dtype, n, k, gated,
-                                                             with_delta):
-    """Residual add and RMSNorm (one kernel), then the product (SiLU · up inside it with gated),
-    against the separate reference steps; the stored sum is exactly the reference's."""
-    monkeypatch.setattr(kernels, "GATED", True)  # off by default (not faster in the model)
+@pytest.mark.parametrize("n,k,bias", [(96, 2048, False), (1100, 256, True), (40, 900, False)])
+def test_linear_add_norm_adds_the_product_then_normalises_and_is_batch_invariant(
+        monkeypatch, dtype, n, k, bias):
+    """A sublayer's last product with the residual add and the next RMSNorm inside it (one
+    kernel): the residual stream gets exactly residual + the product as the unfused add
+    rounds it, the norm matches the reference, the switch's unfused path (product, then the
+    add-and-norm kernel) gives the same residual, and every row is computed alike whatever
+    the row count (20 rows: two row blocks, each normalised by its own last program)."""
     from flashdraft.model import RMSNorm
-    g = torch.Generator().manual_seed(8)
-    layer = torch.nn.Linear(k, (2 if gated else 1) * n, bias=True).to(DEVICE, dtype)
-    norm = RMSNorm(k, 1e-6).to(DEVICE, dtype)
+    g = torch.Generator().manual_seed(9)
+    layer = torch.nn.Linear(k, n, bias=bias).to(DEVICE, dtype)
+    norm = RMSNorm(n, 1e-6).to(DEVICE, dtype)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(layer.weight.shape, generator=g) * 0.05)
-        norm.weight.copy_(1 + 0.1 * torch.randn(k, generator=g))
-    residual = torch.randn(1, 20, k, generator=g).to(DEVICE, dtype)
-    delta = torch.randn(1, 20, k, generator=g).to(DEVICE, dtype) if with_delta else None
+        norm.weight.copy_(1 + 0.1 * torch.randn(n, generator=g))
+    x = torch.randn(1, 20, k, generator=g).to(DEVICE, dtype)
+    residual = torch.randn(1, 20, n, generator=g).to(DEVICE, dtype)
     with run_kernels(), torch.inference_mode():
-        full, summed = kernels.norm_linear(delta, residual.clone(), norm, layer, gated)
-        rows = [kernels.norm_linear(None if delta is None else delta[:, i:i + 1],
-                                    residual[:, i:i + 1].clone(), norm, layer, gated)[0]
-                for i in (0, 19)]
-    r = residual.clone()
-    h = kernels.rms_norm_reference(r if delta is None else delta, norm.weight, 1e-6,
-                                   None if delta is None else r)
-    product = kernels.linear_reference(h.float(), layer.weight.float(), layer.bias.float())
-    ref = kernels.silu_mul_reference(product.to(dtype)) if gated else product
-    close(full, ref, dtype)
-    assert torch.equal(summed, r)
-    for i, row in zip((0, 19), rows):
-        assert torch.equal(row[:, 0], full[:, i])
+        r = residual.clone()
+        h = kernels.linear_add_norm(x, layer, r, norm)
+        product = kernels.linear(x, layer)
+        rows = []
+        for i in (0, 19):
+            ri = residual[:, i:i + 1].clone()
+            rows.append((kernels.linear_add_norm(x[:, i:i + 1], layer, ri, norm), ri))
+        monkeypatch.setattr(kernels, "ADD_NORM", False)
+        r_unfused = residual.clone()
+        h_unfused = kernels.linear_add_norm(x, layer, r_unfused, norm)
+    assert torch.equal(r, residual + product)
+    assert torch.equal(r_unfused, r)
+    close(h_unfused, h, dtype)
+    ref_r = residual.float() + kernels.linear_reference(
+        x.float(), layer.weight.float(), layer.bias.float() if bias else None)
+    close(r, ref_r, dtype)
+    close(h, kernels.rms_norm_reference(ref_r.to(dtype).float(), norm.weight.float(), 1e-6), dtype)
+    for i, (hi, ri) in zip((0, 19), rows):
+        assert torch.equal(hi[:, 0], h[:, i])
+        assert torch.equal(ri[:, 0], r[:, i])
     counters_are_back_to_zero()
 
 
