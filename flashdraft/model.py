@@ -173,7 +173,8 @@ class Block(nn.Module):
     def forward(self, h, residual, next_norm, cos, sin, positions, mask, cache, layer, kv_len):
         """residual: the block's input, which becomes its output in place; h: attn_norm of it.
         Returns next_norm of the block's output (the next block's attn_norm, or the final
-        norm), the input of the product after it."""
+        norm), the input of the product after it: a tensor, or on the GPU a `kernels.Normed`
+        that the next product applies as it reads the residual stream."""
         qkv = kernels.linear(h, self.attn.wqkv)
         a = self.attn(qkv, cos, sin, positions, mask, cache, layer, kv_len)
         h = kernels.linear_add_norm(a, self.attn.wo, residual, self.mlp_norm)
@@ -230,6 +231,6 @@ class Transformer(nn.Module):
             if i + 1 in hidden_layers:
                 hidden.append(residual.clone())  # the output of layer i (updated in place)
         if last_only:
-            h = h[:, -1:]
+            h = kernels.dense(h)[:, -1:]
         logits = kernels.linear(h, self.lm_head)
         return logits.float(), hidden
