@@ -3,10 +3,9 @@
 On a GPU a decode or verification step is bound by how many kernels a layer runs, not by their
 arithmetic: after CUDA graphs removed the launch cost, each kernel still costs ~2 µs, and the
 1.5B example spent two thirds of its step outside the four matrix products. These kernels
-bring a bf16 decode layer down to six: four products, attention (with rope and the cache
-write) and SiLU · up (five with the activation inside the gate/up product, as the int4 kernel
-has it; FLASHDRAFT_GATED for bf16, not faster in the model); the residual adds and norms run
-inside the products before them (`linear_add_norm`):
+bring a decode layer down to eight: four products and four small kernels (seven with the
+activation inside the gate/up product, as the int4 kernel has it; FLASHDRAFT_GATED for bf16,
+not faster in the model):
 
 - `rms_norm(x, weight, eps, residual)`: residual += x, then RMSNorm of the sum, in one pass
   (the residual add of the previous sublayer fused into the norm of the next, as vLLM does).
@@ -25,9 +24,7 @@ inside the products before them (`linear_add_norm`):
 - `linear(x, module)`: products of up to 32 rows (`_skinny_kernel`, tensor cores, K split in a
   fixed way per weight shape, the slices added by the last program of a tile to finish).
   `gated_linear` (SiLU · up inside the gate/up product) is the same kernel with more work in
-  it, by default `silu_mul` after `linear`. `linear_add_norm` (wo, w_down) adds the product
-  to the residual stream in place and normalises the rows for the next product, the last
-  program of each row block doing the norm: a decode layer has no norm kernel of its own.
+  it, by default `silu_mul` after `linear`; `norm_linear` is `rms_norm` then `linear`.
 - `quant_linear(x, ...)`: the same for weight-only int8 / int4 weights, dequantized in
   registers (`_skinny_quant_kernel`).
 
@@ -398,11 +395,9 @@ if triton is not None:
 
     @triton.jit
     def _skinny_epilogue(acc, acc_up, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, n, stride_om,
-                         HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ADD: tl.constexpr = False):
+                         HAS_BIAS: tl.constexpr, GATED: tl.constexpr):
         # acc [BLOCK_N, BLOCK_M]: the finished sums of this tile; with GATED, acc holds the gate
-        # and acc_up the up projection of the same output columns. ADD: out already holds the
-        # residual stream, and the product is added to it (rounded first, as the unfused code
-        # stores the product and then adds).
+        # and acc_up the up projection of the same output columns.
         dt = out_ptr.dtype.element_ty
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -413,48 +408,12 @@ if triton is not None:
             gate = acc.to(dt).to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
             acc = act * acc_up.to(dt).to(tl.float32)
-        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-        ok = n_ok[:, None] & m_ok[None, :]
-        if ADD:
-            acc = acc.to(dt).to(tl.float32) + tl.load(out_ptrs, mask=ok, other=0.0).to(tl.float32)
-        y = acc.to(dt)
-        tl.store(out_ptrs, y, mask=ok)
-        return y.to(tl.float32)
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(dt),
+                 mask=n_ok[:, None] & m_ok[None, :])
 
     @triton.jit
-    def _row_norms(y, ok, ss_ptr, inv_ptr, count_ptr, offs_m, m_ok, m, n, eps,
-                   TILES: tl.constexpr):
-        # y [BLOCK_N, BLOCK_M]: a finished tile of the residual stream, as stored. Its rows'
-        # sums of squares over the tile's columns go to ss [column tiles, m]; the last of a row
-        # block's column tiles to get here adds them, in tile order, and stores 1/rms of each
-        # row into inv [m] (float32): the RMSNorm that the next product applies to its input
-        # (NORM_IN). A row's sums do not depend on how many rows the step has.
-        tl.store(ss_ptr + tl.program_id(0) * m + offs_m,
-                 tl.sum(tl.where(ok, y * y, 0.0), axis=0), mask=m_ok)
-        tl.debug_barrier()  # every thread's sums are stored before the counter moves
-        rows = count_ptr + tl.num_programs(0) * tl.num_programs(2) + tl.program_id(2)
-        if tl.atomic_add(rows, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-            t = tl.arange(0, TILES)
-            parts = tl.load(ss_ptr + t[:, None] * m + offs_m[None, :],
-                            mask=(t < tl.num_programs(0))[:, None] & m_ok[None, :], other=0.0,
-                            cache_modifier=".cg")
-            tl.store(inv_ptr + offs_m, tl.rsqrt(tl.sum(parts, axis=0) / n + eps), mask=m_ok)
-            tl.atomic_xchg(rows, 0)  # ready for the next launch
-
-    @triton.jit
-    def _normed_input(x, inv, nw_ptr, offs_k, k_ok, NORM_IN: tl.constexpr):
-        # x [BLOCK_M, BLOCK_K] of the residual stream -> RMSNorm(x) with 1/rms inv [BLOCK_M] and
-        # the norm's weight at offs_k, rounded as the norm kernel stores it; else x as it is.
-        if NORM_IN:
-            w = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            x = (x.to(tl.float32) * inv[:, None] * w[None, :]).to(x.dtype)
-        return x
-
-    @triton.jit
-    def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, x_inv_ptr, x_nw_ptr,
-                       ss_ptr, inv_ptr, eps, m, n, k, stride_xm, stride_wn, stride_om,
-                       HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM_IN: tl.constexpr,
-                       ADD_NORM: tl.constexpr, TILES: tl.constexpr,
+    def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, m, n, k, stride_xm,
+                       stride_wn, stride_om, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                        SPLIT: tl.constexpr, K_STEPS: tl.constexpr,
                        PRE_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
@@ -463,11 +422,7 @@ if triton is not None:
         # out [m, n] = x [m, k] @ w [n, k]^T, as (w @ x^T)^T so that the few rows of x are the
         # narrow side of the tensor-core product. With GATED, w is [2 n, k] (gate rows, then up
         # rows) and out = SiLU(x @ gate^T) * (x @ up^T): the MLP's first product and its
-        # activation in one kernel. With ADD_NORM, out is the residual stream: the product is
-        # added to it in place, and 1/rms of its rows goes to inv (`_row_norms`). With NORM_IN,
-        # x is the residual stream and RMSNorm (x_inv from such a product, weight x_nw) is
-        # applied to each input tile as it is loaded: the residual add and norm between two
-        # sublayers cost no kernel of their own.
+        # activation in one kernel.
         # Program (n block, K slice, row block of BLOCK_M = 16). A row's result depends on that
         # row and the weights alone, never on m: the decode of one token and the verification
         # of k+1 tokens compute each row bit for bit alike.
@@ -493,10 +448,8 @@ if triton is not None:
                             mask=n_ok[:, None] & p_ok[None, :], other=0.0)
         if PREFETCH:
             _pdl_wait(USE_PDL, EARLY_LAUNCH)
-        inv = tl.load(x_inv_ptr + offs_m, mask=m_ok, other=0.0) if NORM_IN else None
         x_pre = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_p[None, :],
                         mask=m_ok[:, None] & p_ok[None, :], other=0.0)
-        x_pre = _normed_input(x_pre, inv, x_nw_ptr, offs_p, p_ok, NORM_IN)
         acc = tl.dot(w_pre, tl.trans(x_pre), input_precision=PRECISION, out_dtype=tl.float32)
         acc_up = acc
         if GATED:
@@ -507,7 +460,6 @@ if triton is not None:
             k_ok = offs_k < k
             xk = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                          mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            xk = _normed_input(xk, inv, x_nw_ptr, offs_k, k_ok, NORM_IN)
             w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(w, tl.trans(xk), acc, input_precision=PRECISION)
             if GATED:
@@ -515,8 +467,7 @@ if triton is not None:
                             mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 acc_up = tl.dot(u, tl.trans(xk), acc_up, input_precision=PRECISION)
         _skinny_finish(acc, acc_up, b_ptr, out_ptr, part_ptr, count_ptr, offs_n, offs_m, n_ok,
-                       m_ok, m, n, stride_om, HAS_BIAS, GATED, SPLIT, LAST_REDUCE, ADD_NORM,
-                       ss_ptr, inv_ptr, eps, TILES)
+                       m_ok, m, n, stride_om, HAS_BIAS, GATED, SPLIT, LAST_REDUCE)
 
     @triton.jit
     def _quant_tile(w_ptr, offs_n, n_ok, g, k, stride_wn, stride_wk, BITS: tl.constexpr):
@@ -634,17 +585,11 @@ if triton is not None:
     @triton.jit
     def _skinny_finish(acc, acc_up, b_ptr, out_ptr, part_ptr, count_ptr, offs_n, offs_m, n_ok,
                        m_ok, m, n, stride_om, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                       SPLIT: tl.constexpr, LAST_REDUCE: tl.constexpr,
-                       ADD_NORM: tl.constexpr = False, ss_ptr=None, inv_ptr=None, eps=0.0,
-                       TILES: tl.constexpr = 1):
-        # A program's sums over its K slice -> the output (bf16 and quantized products alike);
-        # ADD_NORM: added to the residual stream in out, and its rows' 1/rms into inv.
-        ok = n_ok[:, None] & m_ok[None, :]
+                       SPLIT: tl.constexpr, LAST_REDUCE: tl.constexpr):
+        # A program's sums over its K slice -> the output (bf16 and quantized products alike).
         if SPLIT == 1:
-            y = _skinny_epilogue(acc, acc_up, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, n,
-                                 stride_om, HAS_BIAS, GATED, ADD_NORM)
-            if ADD_NORM:
-                _row_norms(y, ok, ss_ptr, inv_ptr, count_ptr, offs_m, m_ok, m, n, eps, TILES)
+            _skinny_epilogue(acc, acc_up, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, n, stride_om,
+                             HAS_BIAS, GATED)
         else:
             # K split across SPLIT programs: each stores its float32 slice; with LAST_REDUCE the
             # last of them to finish adds the slices in slice order (so the result does not
@@ -652,6 +597,7 @@ if triton is not None:
             # does (plain products only).
             width = 2 * n if GATED else n
             part = part_ptr + offs_m[None, :] * width + offs_n[:, None]
+            ok = n_ok[:, None] & m_ok[None, :]
             tl.store(part + tl.program_id(1) * m * width, acc, mask=ok)
             if GATED:
                 tl.store(part + tl.program_id(1) * m * width + n, acc_up, mask=ok)
@@ -665,11 +611,9 @@ if triton is not None:
                     if GATED:
                         acc_up += tl.load(part + s * m * width + n, mask=ok, other=0.0,
                                           cache_modifier=".cg")
-                y = _skinny_epilogue(acc, acc_up, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, n,
-                                     stride_om, HAS_BIAS, GATED, ADD_NORM)
+                _skinny_epilogue(acc, acc_up, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, n,
+                                 stride_om, HAS_BIAS, GATED)
                 tl.atomic_xchg(tile, 0)  # ready for the next launch
-                if ADD_NORM:
-                    _row_norms(y, ok, ss_ptr, inv_ptr, count_ptr, offs_m, m_ok, m, n, eps, TILES)
 
     @triton.jit
     def _sum_slices_kernel(p_ptr, b_ptr, out_ptr, total, n, SPLIT: tl.constexpr,
@@ -922,57 +866,38 @@ def skinny_config(n: int, k: int, gated: bool = False, rule: str = "v2") -> Skin
     return SkinnyConfig(block_n, block_k, k_steps, split, pre, 4, stages)
 
 
-def _split_buffers(out: torch.Tensor, grid: tuple, split: int, width: int,
-                   row_counters: bool = False):
+def _split_buffers(out: torch.Tensor, grid: tuple, split: int, width: int):
     """The float32 K slices [split, rows, width] and tile counters of a product over grid
-    (n blocks, split, row blocks); unused (out) without a split. row_counters: one counter a
-    row block more (after the tiles'), for `_row_norms`."""
-    counters = out
-    if split > 1 or row_counters:
-        counters = _counters(out.device, grid[0] * grid[2] + (grid[2] if row_counters else 0))
+    (n blocks, split, row blocks); unused (out) without a split."""
     if split == 1:
-        return out, counters
+        return out, out
     parts = torch.empty(split * out.shape[0] * width, dtype=torch.float32, device=out.device)
-    return parts, counters
+    return parts, _counters(out.device, grid[0] * grid[2])
 
 
 def _skinny(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated: bool,
-            cfg: SkinnyConfig, norm_in: tuple | None = None,
-            add_norm: tuple | None = None) -> torch.Tensor:
+            cfg: SkinnyConfig) -> torch.Tensor:
     """x2 [rows, k] @ w^T through `_skinny_kernel` with launch parameters cfg (see there for
-    gated). norm_in: (inv [rows], weight [k]): x2 is the residual stream, RMSNorm'd on the way
-    in. add_norm: (residual [rows, n], eps): the product is added to residual in place; returns
-    1/rms of its rows (float32 [rows]) instead of an output."""
+    gated)."""
     rows, k = x2.shape
     n = w.shape[0] // 2 if gated else w.shape[0]
+    out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split, triton.cdiv(rows, 16))
-    if add_norm is None:
-        out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
-        ss = inv = out  # unused
-        eps = 0.0
-    else:
-        out, eps = add_norm
-        ss = torch.empty(grid[0] * rows, dtype=torch.float32, device=x2.device)
-        inv = torch.empty(rows, dtype=torch.float32, device=x2.device)
-    x_inv, x_nw = norm_in if norm_in is not None else (x2, x2)
-    last = SPLIT_REDUCE != "kernel" or gated or add_norm is not None
-    parts, counters = _split_buffers(out, grid, cfg.split, 2 * n if gated else n,
-                                     add_norm is not None)
+    last = SPLIT_REDUCE != "kernel" or gated
+    parts, counters = _split_buffers(out, grid, cfg.split, 2 * n if gated else n)
     _skinny_kernel[grid](
-        x2, w, bias if bias is not None else w, out, parts, counters, x_inv, x_nw, ss, inv, eps,
-        rows, n, k, x2.stride(0), w.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None and (last or cfg.split == 1), GATED=gated,
-        NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None,
-        TILES=triton.next_power_of_2(grid[0]), SPLIT=cfg.split, K_STEPS=cfg.k_steps,
-        PRE_STEPS=cfg.pre_steps, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=16,
-        PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", PREFETCH=PREFETCH,
-        LAST_REDUCE=last, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl(x2))
+        x2, w, bias if bias is not None else w, out, parts, counters, rows, n, k, x2.stride(0),
+        w.stride(0), out.stride(0), HAS_BIAS=bias is not None and (last or cfg.split == 1),
+        GATED=gated, SPLIT=cfg.split, K_STEPS=cfg.k_steps, PRE_STEPS=cfg.pre_steps, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, BLOCK_M=16, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
+        PREFETCH=PREFETCH, LAST_REDUCE=last, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **_pdl(x2))
     if cfg.split > 1 and not last:
         total = rows * n
         _sum_slices_kernel[(triton.cdiv(total, 1024),)](
             parts, bias if bias is not None else parts, out, total, n, SPLIT=cfg.split,
             HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4, **_pdl(x2))
-    return out if add_norm is None else inv
+    return out
 
 
 # Weight-only int4 / int8 products of up to QUANT_MAX_ROWS rows (flashdraft.quant's formats):
@@ -1064,30 +989,6 @@ def quant_linear(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     return out
 
 
-class Normed(NamedTuple):
-    """RMSNorm(residual) with `weight`, not yet applied: inv [rows] (float32) holds 1/rms of
-    each row of residual (viewed as [rows, hidden]), computed by the product that last added
-    to it (`linear_add_norm`). `linear` and `gated_linear` apply the norm to their input tiles
-    as they load them; anything else takes `tensor()`."""
-    residual: torch.Tensor
-    inv: torch.Tensor
-    weight: torch.Tensor
-
-    def tensor(self) -> torch.Tensor:
-        """The normalised rows, rounded as the norm kernel and the products round them."""
-        r = self.residual
-        return (r.float() * self.inv.view(*r.shape[:-1], 1) * self.weight.float()).to(r.dtype)
-
-
-def dense(x: torch.Tensor | Normed) -> torch.Tensor:
-    """x as a tensor (a Normed applied)."""
-    return x.tensor() if isinstance(x, Normed) else x
-
-
-def dense_shape(x: torch.Tensor | Normed) -> torch.Size:
-    return x.residual.shape if isinstance(x, Normed) else x.shape
-
-
 def _skinny_serves(x: torch.Tensor, module: torch.nn.Module) -> bool:
     rows = x.numel() // x.shape[-1]
     return (SKINNY and type(module) is torch.nn.Linear and use_triton(x)
@@ -1099,64 +1000,40 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _input(x: torch.Tensor | Normed, module: torch.nn.Module):
-    """(x's rows, norm_in) for `_skinny` when it serves x and module, else (None, None)."""
-    if isinstance(x, Normed):
-        r = x.residual
-        if _skinny_serves(r, module) and r.is_contiguous():
-            return r.view(-1, r.shape[-1]), (x.inv, x.weight)
-        return None, None
-    return (_rows(x), None) if _skinny_serves(x, module) else (None, None)
-
-
-def linear(x: torch.Tensor | Normed, module: torch.nn.Module) -> torch.Tensor:
-    """module(x); for a plain nn.Linear and at most SKINNY_MAX_ROWS rows, `_skinny_kernel`
-    (which applies a Normed x's norm to its input tiles)."""
-    x2, norm_in = _input(x, module)
-    if x2 is None:
-        return module(dense(x))
+def linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+    """module(x); for a plain nn.Linear and at most SKINNY_MAX_ROWS rows, `_skinny_kernel`."""
+    if not _skinny_serves(x, module):
+        return module(x)
     w = module.weight
-    out = _skinny(x2, w, module.bias, False, skinny_config(*w.shape, False, SKINNY_RULE),
-                  norm_in)
-    return out.view(*dense_shape(x)[:-1], w.shape[0])
+    out = _skinny(_rows(x), w, module.bias, False, skinny_config(*w.shape, False, SKINNY_RULE))
+    return out.view(*x.shape[:-1], w.shape[0])
 
 
-def gated_linear(x: torch.Tensor | Normed, module: torch.nn.Module) -> torch.Tensor:
+def gated_linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     """SiLU(gate) · up of module(x) = [gate, up] (the MLP's first product and its activation);
     for a plain nn.Linear and at most SKINNY_MAX_ROWS rows, one `_skinny_kernel`; a layer with
     its own (`forward_gated`: quant.QuantLinear) computes it."""
     fused = getattr(module, "forward_gated", None)
     if fused is not None:
-        return fused(dense(x))
-    x2, norm_in = _input(x, module)
-    if not (GATED and x2 is not None):
+        return fused(x)
+    if not (GATED and _skinny_serves(x, module)):
         return silu_mul(linear(x, module))
     w = module.weight
     n = w.shape[0] // 2
-    out = _skinny(x2, w, module.bias, True, skinny_config(n, w.shape[1], True, SKINNY_RULE),
-                  norm_in)
-    return out.view(*dense_shape(x)[:-1], n)
+    out = _skinny(_rows(x), w, module.bias, True, skinny_config(n, w.shape[1], True, SKINNY_RULE))
+    return out.view(*x.shape[:-1], n)
 
 
-# The residual add and RMSNorm between two sublayers without a kernel of their own
-# (`linear_add_norm`, `Normed`). FLASHDRAFT_ADD_NORM=0: the product, then `rms_norm`.
-ADD_NORM = os.environ.get("FLASHDRAFT_ADD_NORM", "1") != "0"
-
-
-def linear_add_norm(x: torch.Tensor, module: torch.nn.Module, residual: torch.Tensor,
-                    norm: torch.nn.Module) -> torch.Tensor | Normed:
-    """A sublayer's last product and what follows it: residual += module(x), in place, then
-    norm(residual), the next product's input. norm: an RMSNorm (weight, eps). On the GPU, for
-    a plain nn.Linear and at most SKINNY_MAX_ROWS rows, one `_skinny_kernel` that also leaves
-    1/rms of each row, returned as a `Normed` for the next product to apply; else the product,
-    then `rms_norm` (the add and the norm in one kernel)."""
-    if not (ADD_NORM and _skinny_serves(x, module) and residual.is_contiguous()
-            and residual.dtype == x.dtype):
-        return rms_norm(linear(x, module), norm.weight, norm.eps, residual)
-    w = module.weight
-    inv = _skinny(_rows(x), w, module.bias, False, skinny_config(*w.shape, False, SKINNY_RULE),
-                  add_norm=(residual.view(-1, residual.shape[-1]), norm.eps))
-    return Normed(residual, inv, norm.weight)
+def norm_linear(delta: torch.Tensor | None, residual: torch.Tensor, norm: torch.nn.Module,
+                module: torch.nn.Module, gated: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add, the norm and the product that follows them: returns
+    (module(norm(residual + delta)), residual + delta), or with `gated` SiLU(gate) · up of that
+    product; delta None: no add. norm: an RMSNorm (weight, eps). `rms_norm` adds delta into
+    residual in place (one kernel with the norm), then the product."""
+    h = rms_norm(residual if delta is None else delta, norm.weight, norm.eps,
+                 None if delta is None else residual)
+    return (gated_linear(h, module) if gated else linear(h, module)), residual
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

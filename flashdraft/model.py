@@ -110,9 +110,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, qkv, cos, sin, positions, mask, cache: KVCache, layer: int, kv_len: int):
-        # The attention of the heads, before wo (which `Block` runs with the add and norm after
-        # it). qkv: [batch, seq, q_dim + 2 kv_dim], the output of wqkv; positions: [batch, seq];
-        # cos, sin: [batch, seq, head_dim / 2];
+        # qkv: [batch, seq, q_dim + 2 kv_dim], the output of wqkv (run with the norm before it,
+        # `Block`); positions: [batch, seq]; cos, sin: [batch, seq, head_dim / 2];
         # mask: None where kernels.attention serves (the GPU, seq <= SMALL_T), else additive
         # [batch, 1, seq, 1, kv_len] if seq <= SMALL_T (grouped_attention), else bool
         # [batch, 1, seq, kv_len] (SDPA), or "causal": SDPA's own causal mask (a prefill from
@@ -126,7 +125,8 @@ class Attention(nn.Module):
         if mask is None:
             # One kernel on the GPU: (Qwen3's head norms,) rope, the step's keys and values
             # into the cache, attention.
-            return kernels.rope_attention(qkv, *rope, kv_len, cache.split_len)
+            out = kernels.rope_attention(qkv, *rope, kv_len, cache.split_len)
+            return kernels.linear(out, self.wo)
         # (Qwen3's head norms,) rope on the q and k heads in place, the keys and values into
         # the cache at their positions (one kernel on the GPU).
         kernels.rope_and_cache_write(qkv, *rope)
@@ -144,24 +144,24 @@ class Attention(nn.Module):
                                                      is_causal=causal,
                                                      enable_gqa=self.n_heads != self.n_kv)
             out = out.transpose(1, 2).reshape(b, t, -1)
-        return out
+        return kernels.linear(out, self.wo)
 
 
 class MLP(nn.Module):
-    """The MLP's weights; `Block` runs them: w_gate_up with SiLU · up (`kernels.gated_linear`),
-    then w_down with the residual add and the norm after it (`kernels.linear_add_norm`)."""
-
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.w_gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+    def forward(self, act):
+        # act: SiLU(gate) · up, computed with the norm before it and w_gate_up (`Block`)
+        return kernels.linear(act, self.w_down)
+
 
 class Block(nn.Module):
-    """x + attn(norm(x)), then + mlp(norm(·)). Each sublayer's last product (wo, w_down) adds
-    its output to the residual stream in place and normalises the sum for the product after it
-    (`kernels.linear_add_norm`: one kernel on the GPU), so a block takes and returns its input
-    already normalised."""
+    """x + attn(norm(x)), then + mlp(norm(·)); run as "residual stream + sublayer output" pairs:
+    each residual add goes with the norm after it and the product after that
+    (`kernels.norm_linear`: add and norm in one kernel on the GPU)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -170,16 +170,15 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, residual, next_norm, cos, sin, positions, mask, cache, layer, kv_len):
-        """residual: the block's input, which becomes its output in place; h: attn_norm of it.
-        Returns next_norm of the block's output (the next block's attn_norm, or the final
-        norm), the input of the product after it: a tensor, or on the GPU a `kernels.Normed`
-        that the next product applies as it reads the residual stream."""
-        qkv = kernels.linear(h, self.attn.wqkv)
+    def forward(self, delta, residual, cos, sin, positions, mask, cache, layer, kv_len):
+        """residual + delta is the block's input (delta None: residual alone, the first block).
+        Returns (delta', residual'): the MLP's output and the residual stream before it, whose
+        sum is the block's output."""
+        qkv, residual = kernels.norm_linear(delta, residual, self.attn_norm, self.attn.wqkv)
         a = self.attn(qkv, cos, sin, positions, mask, cache, layer, kv_len)
-        h = kernels.linear_add_norm(a, self.attn.wo, residual, self.mlp_norm)
-        act = kernels.gated_linear(h, self.mlp.w_gate_up)
-        return kernels.linear_add_norm(act, self.mlp.w_down, residual, next_norm)
+        act, residual = kernels.norm_linear(a, residual, self.mlp_norm, self.mlp.w_gate_up,
+                                            gated=True)
+        return self.mlp(act), residual
 
 
 class Transformer(nn.Module):
@@ -224,13 +223,12 @@ class Transformer(nn.Module):
             else:
                 mask = visible.unsqueeze(1)
         hidden = [residual.clone()] if 0 in hidden_layers else []
-        h = self.layers[0].attn_norm(residual)
+        delta = None  # the output of layer i is residual + delta
         for i, block in enumerate(self.layers):
-            next_norm = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
-            h = block(h, residual, next_norm, cos, sin, positions, mask, cache, i, kv_len)
+            delta, residual = block(delta, residual, cos, sin, positions, mask, cache, i, kv_len)
             if i + 1 in hidden_layers:
-                hidden.append(residual.clone())  # the output of layer i (updated in place)
+                hidden.append(residual + delta)
         if last_only:
-            h = kernels.dense(h)[:, -1:]
-        logits = kernels.linear(h, self.lm_head)
+            delta, residual = delta[:, -1:], residual[:, -1:]
+        logits, _ = kernels.norm_linear(delta, residual, self.norm, self.lm_head)
         return logits.float(), hidden

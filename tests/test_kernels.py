@@ -278,59 +278,36 @@ def test_gated_linear_is_silu_mul_of_the_product_and_batch_invariant(monkeypatch
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,k,bias", [(96, 2048, False), (1100, 256, True), (40, 900, False)])
-def test_linear_add_norm_then_the_next_product_and_batch_invariant(monkeypatch, dtype, n, k,
-                                                                   bias):
-    """A sublayer's last product with the residual add inside it and the rows' 1/rms left for
-    the next product, which applies the norm to its input tiles (one kernel each, no norm
-    kernel): the residual stream gets exactly residual + the product as the unfused add rounds
-    it; the next products (plain, and gate/up with SiLU · up inside) give exactly what they
-    give on the applied norm, which matches the reference RMSNorm; the switch's unfused path
-    gives the same residual; every row is computed alike whatever the row count (20 rows: two
-    row blocks)."""
-    monkeypatch.setattr(kernels, "GATED", True)  # the gated product takes the Normed input too
+@pytest.mark.parametrize("n,k,gated,with_delta", [(96, 2048, False, True), (550, 256, True, True),
+                                                  (40, 900, False, False), (200, 384, True, False)])
+def test_norm_linear_is_add_norm_product_and_batch_invariant(monkeypatch, dtype, n, k, gated,
+                                                             with_delta):
+    """Residual add and RMSNorm (one kernel), then the product (SiLU · up inside it with gated),
+    against the separate reference steps; the stored sum is exactly the reference's."""
+    monkeypatch.setattr(kernels, "GATED", True)  # off by default (not faster in the model)
     from flashdraft.model import RMSNorm
-    g = torch.Generator().manual_seed(9)
-    layer = torch.nn.Linear(k, n, bias=bias).to(DEVICE, dtype)
-    after = torch.nn.Linear(n, 72, bias=False).to(DEVICE, dtype)  # the next product: gate, up
-    norm = RMSNorm(n, 1e-6).to(DEVICE, dtype)
+    g = torch.Generator().manual_seed(8)
+    layer = torch.nn.Linear(k, (2 if gated else 1) * n, bias=True).to(DEVICE, dtype)
+    norm = RMSNorm(k, 1e-6).to(DEVICE, dtype)
     with torch.no_grad():
-        for lin in (layer, after):
-            lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 0.05)
-        norm.weight.copy_(1 + 0.1 * torch.randn(n, generator=g))
-    x = torch.randn(1, 20, k, generator=g).to(DEVICE, dtype)
-    residual = torch.randn(1, 20, n, generator=g).to(DEVICE, dtype)
-
-    def sublayers(x, residual):
-        normed = kernels.linear_add_norm(x, layer, residual, norm)
-        assert isinstance(normed, kernels.Normed)
-        return (normed, kernels.linear(normed, after), kernels.gated_linear(normed, after),
-                normed.tensor())
-
+        layer.weight.copy_(torch.randn(layer.weight.shape, generator=g) * 0.05)
+        norm.weight.copy_(1 + 0.1 * torch.randn(k, generator=g))
+    residual = torch.randn(1, 20, k, generator=g).to(DEVICE, dtype)
+    delta = torch.randn(1, 20, k, generator=g).to(DEVICE, dtype) if with_delta else None
     with run_kernels(), torch.inference_mode():
-        r = residual.clone()
-        normed, nxt, gated, h = sublayers(x, r)
-        product = kernels.linear(x, layer)
-        nxt_dense = kernels.linear(h, after)
-        gated_dense = kernels.gated_linear(h, after)
-        rows = []
-        for i in (0, 19):
-            ri = residual[:, i:i + 1].clone()
-            rows.append((ri,) + sublayers(x[:, i:i + 1], ri)[1:])
-        monkeypatch.setattr(kernels, "ADD_NORM", False)
-        r_unfused = residual.clone()
-        h_unfused = kernels.linear_add_norm(x, layer, r_unfused, norm)
-    assert torch.equal(r, residual + product)
-    assert torch.equal(r_unfused, r)
-    assert torch.equal(nxt, nxt_dense) and torch.equal(gated, gated_dense)
-    close(h, h_unfused, dtype)
-    ref_r = residual.float() + kernels.linear_reference(
-        x.float(), layer.weight.float(), layer.bias.float() if bias else None)
-    close(r, ref_r, dtype)
-    close(h, kernels.rms_norm_reference(ref_r.to(dtype).float(), norm.weight.float(), 1e-6), dtype)
+        full, summed = kernels.norm_linear(delta, residual.clone(), norm, layer, gated)
+        rows = [kernels.norm_linear(None if delta is None else delta[:, i:i + 1],
+                                    residual[:, i:i + 1].clone(), norm, layer, gated)[0]
+                for i in (0, 19)]
+    r = residual.clone()
+    h = kernels.rms_norm_reference(r if delta is None else delta, norm.weight, 1e-6,
+                                   None if delta is None else r)
+    product = kernels.linear_reference(h.float(), layer.weight.float(), layer.bias.float())
+    ref = kernels.silu_mul_reference(product.to(dtype)) if gated else product
+    close(full, ref, dtype)
+    assert torch.equal(summed, r)
     for i, row in zip((0, 19), rows):
-        for full, one in zip((r, nxt, gated, h), row):
-            assert torch.equal(one[:, 0], full[:, i])
+        assert torch.equal(row[:, 0], full[:, i])
     counters_are_back_to_zero()
 
 
