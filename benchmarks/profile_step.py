@@ -466,15 +466,13 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
       rope   rope and the cache write inside attention (kernels.ROPE_ATTENTION) toggled
       split  attention splits twice as long (the cache's split_len: half as many programs,
              each reading twice the positions; none to merge where one split covers kv_len)
-      rule   the skinny kernel's launch rule v2 <-> v3 (kernels.SKINNY_RULE)
       nonorm the RMSNorm kernels skipped (their input passed on, the residual add dropped):
              wrong output, speed only, the most that removing them could give
       nopdl  no programmatic dependent launch"""
     from flashdraft import mma
     set_path(DEFAULT)
     saved = {"GATED": kernels.GATED, "EARLY_LAUNCH": kernels.EARLY_LAUNCH, "PDL": kernels.PDL,
-             "ROPE_ATTENTION": kernels.ROPE_ATTENTION, "rms_norm": kernels.rms_norm,
-             "SKINNY_RULE": kernels.SKINNY_RULE}
+             "ROPE_ATTENTION": kernels.ROPE_ATTENTION, "rms_norm": kernels.rms_norm}
     default = target(shape, quant, context)
     split_len = default[2].split_len
     runs = {"default": (default, {})}
@@ -494,17 +492,14 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
         elif switch == "split":
             runs[f"split x2 ({2 * default[2].split_len})"] = (
                 default, {"split_len": 2 * default[2].split_len})
-        elif switch == "rule":
-            other = "v3" if saved["SKINNY_RULE"] == "v2" else "v2"
-            runs[f"rule {other}"] = (default, {"SKINNY_RULE": other})
         elif switch == "nonorm":
             runs["no norm kernels (wrong output)"] = (
                 default, {"rms_norm": lambda x, weight, eps, residual=None: x})
         elif switch == "nopdl":
             runs["nopdl"] = (default, {"PDL": False})
         else:
-            raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, rule, "
-                             f"nonorm or nopdl")
+            raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, nonorm "
+                             f"or nopdl")
     out = {label: [] for label in runs}
     for rep in range(repeats):
         for label, ((cfg, model, cache, need), setting) in runs.items():
@@ -516,7 +511,7 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
                    "roofline_fraction": tps * need / bandwidth}
             print(f"  {shape}:{quant} {label}: t1 {t1 * 1e3:.3f} ms  t16 {t16 * 1e3:.3f} ms  "
                   f"decode {tps:.1f} tok/s = {100 * row['roofline_fraction']:.1f}%", flush=True)
-            if rep == 0 and (label in ("default", "nopdl") or label.startswith("rule")):
+            if rep == 0 and label in ("default", "nopdl"):
                 row["profile"] = p = kernel_table(runner, cache, context, cfg.vocab_size)
                 print(f"    {p['kernels_per_step']:.0f} kernels/step, busy "
                       f"{p['busy_us_per_step']:.0f} us/step:")

@@ -826,9 +826,7 @@ class SkinnyConfig(NamedTuple):
 # others in the model (benchmarks/profile_step.py --variants, H200, benchmarks/NOTES-gpu.md);
 # the defaults are the fastest there:
 # FLASHDRAFT_SKINNY_RULE   v2 (default): 64 × 128 tiles, K split to ~256 programs;
-#                          v3: v2's tiles, K split so that the multiprocessors get equal work
-#                          (`_balanced_split`); v1: narrow tiles (16-64 × 512-128), K split to
-#                          ~528 programs
+#                          v1: narrow tiles (16-64 × 512-128), K split to ~528 programs
 # FLASHDRAFT_SPLIT_REDUCE  last (default): the last program of a tile adds the K slices;
 #                          kernel: a second kernel does (plain products only)
 # FLASHDRAFT_GATED=1       SiLU · up inside the gate/up product (default: its own kernel after it)
@@ -839,38 +837,11 @@ SPLIT_REDUCE = os.environ.get("FLASHDRAFT_SPLIT_REDUCE", "last")
 GATED = os.environ.get("FLASHDRAFT_GATED", "0") == "1"
 
 
-def _balanced_split(tiles_n: int, k_tiles: int, split: int, sms: int) -> int:
-    """The K split that spreads tiles_n × k_tiles weight tiles most evenly over sms
-    multiprocessors, if it beats `split` by 10 % or more, else split. The cost of a split s is
-    the tile loads of the busiest multiprocessor, ceil(programs / sms) · ceil(k_tiles / s),
-    plus one for the reduction of the slices: 192 programs on 132 multiprocessors leave 60 of
-    them with twice the work, and the product takes as long as those (v2's 1.5B qkv, 8B qkv,
-    1.5B gate/up: 73-75 % of the bandwidth of the products that divide evenly). At most
-    8 programs a multiprocessor."""
-    def cost(s: int) -> float:
-        k_steps = triton.cdiv(k_tiles, s)
-        return triton.cdiv(tiles_n * s, sms) * k_steps + (s > 1)
-    best = split
-    for s in range(1, k_tiles + 1):
-        if triton.cdiv(k_tiles, triton.cdiv(k_tiles, s)) == s and tiles_n * s <= 8 * sms \
-                and cost(s) < cost(best):
-            best = s
-    return best if cost(best) <= 0.9 * cost(split) else split
-
-
-def _sms(x: torch.Tensor) -> int:
-    """Multiprocessors of x's device (132 on an H100/H200; the same figure off the GPU)."""
-    if not x.is_cuda:
-        return 132
-    return torch.cuda.get_device_properties(x.device).multi_processor_count
-
-
 @functools.cache
-def skinny_config(n: int, k: int, gated: bool = False, rule: str = "v2",
-                  sms: int = 132) -> SkinnyConfig:
-    """Launch parameters for an [n, k] weight ([2 n, k] gate and up with `gated`) on a device
-    of sms multiprocessors: a function of the weight's shape only, never of the number of rows,
-    so every row count runs the same arithmetic. Rules: see SKINNY_RULE."""
+def skinny_config(n: int, k: int, gated: bool = False, rule: str = "v2") -> SkinnyConfig:
+    """Launch parameters for an [n, k] weight ([2 n, k] gate and up with `gated`): a function
+    of the weight's shape only, never of the number of rows, so every row count runs the same
+    arithmetic. Rules: see SKINNY_RULE."""
     if rule == "v1":  # the widest tile that still gives ~264 programs, else split K to ~528
         for block_n in (64, 32, 16):
             if triton.cdiv(n, block_n) >= 264:
@@ -878,23 +849,20 @@ def skinny_config(n: int, k: int, gated: bool = False, rule: str = "v2",
         block_k = min(8192 // block_n, max(16, triton.next_power_of_2(k)))
         k_tiles, n_blocks = triton.cdiv(k, block_k), triton.cdiv(n, block_n)
         split = 1 if n_blocks >= 264 else min(k_tiles, triton.cdiv(528, n_blocks))
-    elif rule in ("v2", "v3"):  # 64 × 128 tiles, K split until ~_SKINNY_PROGRAMS programs
+    elif rule == "v2":  # 64 × 128 tiles, K split until ~_SKINNY_PROGRAMS programs
         block_n, block_k = 64, min(128, max(16, triton.next_power_of_2(k)))
         k_tiles = triton.cdiv(k, block_k)
         tiles_n = triton.cdiv(n, block_n) * (2 if gated else 1)  # weight tiles across n
         split = max(1, min(k_tiles, _SKINNY_PROGRAMS // tiles_n))
-        split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))
-        if rule == "v3":
-            split = _balanced_split(tiles_n, k_tiles, split, sms)
     else:
-        raise ValueError(f"unknown FLASHDRAFT_SKINNY_RULE {rule!r}: use v1, v2 or v3")
+        raise ValueError(f"unknown FLASHDRAFT_SKINNY_RULE {rule!r}: use v1 or v2")
     k_steps = triton.cdiv(k_tiles, split)
     split = triton.cdiv(k_tiles, k_steps)
     pre = 1
     while pre * 2 <= k_steps and pre * 2 * block_n * block_k * (2 if gated else 1) <= \
             _PREFETCH_ELEMENTS:
         pre *= 2
-    stages = 4 if rule != "v1" and k_steps >= 8 else 3
+    stages = 4 if rule == "v2" and k_steps >= 8 else 3
     return SkinnyConfig(block_n, block_k, k_steps, split, pre, 4, stages)
 
 
@@ -1037,8 +1005,7 @@ def linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     if not _skinny_serves(x, module):
         return module(x)
     w = module.weight
-    out = _skinny(_rows(x), w, module.bias, False,
-                  skinny_config(*w.shape, False, SKINNY_RULE, _sms(x)))
+    out = _skinny(_rows(x), w, module.bias, False, skinny_config(*w.shape, False, SKINNY_RULE))
     return out.view(*x.shape[:-1], w.shape[0])
 
 
@@ -1053,8 +1020,7 @@ def gated_linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
         return silu_mul(linear(x, module))
     w = module.weight
     n = w.shape[0] // 2
-    out = _skinny(_rows(x), w, module.bias, True,
-                  skinny_config(n, w.shape[1], True, SKINNY_RULE, _sms(x)))
+    out = _skinny(_rows(x), w, module.bias, True, skinny_config(n, w.shape[1], True, SKINNY_RULE))
     return out.view(*x.shape[:-1], n)
 
 
