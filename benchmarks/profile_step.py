@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import os
 import sys
 import time
 from collections import defaultdict
@@ -453,6 +454,9 @@ def mma_products(shape: str, sweep: bool) -> dict:
     return result
 
 
+L2PRE_MB = float(os.environ.get("L2PRE_MB", "24"))  # the l2pre switch's budget a product
+
+
 @torch.inference_mode()
 def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
               switches: list[str], repeats: int = 2) -> dict:
@@ -466,13 +470,16 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
       rope   rope and the cache write inside attention (kernels.ROPE_ATTENTION) toggled
       split  attention splits twice as long (the cache's split_len: half as many programs,
              each reading twice the positions; none to merge where one split covers kv_len)
+      l2pre  the products ask the L2 for their next weight tiles before their PDL wait, up to
+             L2PRE_MB a product (kernels.L2_PREFETCH_MB) toggled
       nonorm the RMSNorm kernels skipped (their input passed on, the residual add dropped):
              wrong output, speed only, the most that removing them could give
       nopdl  no programmatic dependent launch"""
     from flashdraft import mma
     set_path(DEFAULT)
     saved = {"GATED": kernels.GATED, "EARLY_LAUNCH": kernels.EARLY_LAUNCH, "PDL": kernels.PDL,
-             "ROPE_ATTENTION": kernels.ROPE_ATTENTION, "rms_norm": kernels.rms_norm}
+             "ROPE_ATTENTION": kernels.ROPE_ATTENTION, "rms_norm": kernels.rms_norm,
+             "L2_PREFETCH_MB": kernels.L2_PREFETCH_MB}
     default = target(shape, quant, context)
     split_len = default[2].split_len
     runs = {"default": (default, {})}
@@ -492,14 +499,17 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
         elif switch == "split":
             runs[f"split x2 ({2 * default[2].split_len})"] = (
                 default, {"split_len": 2 * default[2].split_len})
+        elif switch == "l2pre":
+            mb = 0.0 if saved["L2_PREFETCH_MB"] else L2PRE_MB
+            runs[f"l2 prefetch {mb:g} MB"] = (default, {"L2_PREFETCH_MB": mb})
         elif switch == "nonorm":
             runs["no norm kernels (wrong output)"] = (
                 default, {"rms_norm": lambda x, weight, eps, residual=None: x})
         elif switch == "nopdl":
             runs["nopdl"] = (default, {"PDL": False})
         else:
-            raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, nonorm "
-                             f"or nopdl")
+            raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, l2pre, "
+                             f"nonorm or nopdl")
     out = {label: [] for label in runs}
     for rep in range(repeats):
         for label, ((cfg, model, cache, need), setting) in runs.items():
@@ -511,7 +521,7 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
                    "roofline_fraction": tps * need / bandwidth}
             print(f"  {shape}:{quant} {label}: t1 {t1 * 1e3:.3f} ms  t16 {t16 * 1e3:.3f} ms  "
                   f"decode {tps:.1f} tok/s = {100 * row['roofline_fraction']:.1f}%", flush=True)
-            if rep == 0 and label in ("default", "nopdl"):
+            if rep == 0 and (label in ("default", "nopdl") or label.startswith("l2")):
                 row["profile"] = p = kernel_table(runner, cache, context, cfg.vocab_size)
                 print(f"    {p['kernels_per_step']:.0f} kernels/step, busy "
                       f"{p['busy_us_per_step']:.0f} us/step:")
