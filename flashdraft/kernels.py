@@ -909,7 +909,8 @@ def _l2_tiles(cfg: SkinnyConfig, grid: tuple, element_size: int, gated: bool) ->
     if L2_PREFETCH_MB <= 0 or not PREFETCH or INTERPRET:
         return 0
     tile = cfg.block_n * cfg.block_k * element_size * (2 if gated else 1)
-    tiles = min(cfg.k_steps - cfg.pre_steps, int(L2_PREFETCH_MB * 2**20) // (grid[0] * grid[1] * tile))
+    tiles = min(cfg.k_steps - cfg.pre_steps,
+                int(L2_PREFETCH_MB * 2**20) // (grid[0] * grid[1] * tile))
     return 1 << (tiles.bit_length() - 1) if tiles > 0 else 0
 
 
@@ -923,7 +924,6 @@ def _skinny(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated:
     grid = (triton.cdiv(n, cfg.block_n), cfg.split, triton.cdiv(rows, 16))
     last = SPLIT_REDUCE != "kernel" or gated
     parts, counters = _split_buffers(out, grid, cfg.split, 2 * n if gated else n)
-    line = 128 // w.element_size()
     _skinny_kernel[grid](
         x2, w, bias if bias is not None else w, out, parts, counters, rows, n, k, x2.stride(0),
         w.stride(0), out.stride(0), HAS_BIAS=bias is not None and (last or cfg.split == 1),
@@ -931,7 +931,7 @@ def _skinny(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated:
         BLOCK_K=cfg.block_k, BLOCK_M=16, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         PREFETCH=PREFETCH, LAST_REDUCE=last, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, L2_TILES=_l2_tiles(cfg, grid, w.element_size(), gated),
-        LINE=line, **_pdl(x2))
+        LINE=128 // w.element_size(), **_pdl(x2))
     if cfg.split > 1 and not last:
         total = rows * n
         _sum_slices_kernel[(triton.cdiv(total, 1024),)](
