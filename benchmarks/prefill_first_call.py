@@ -5,7 +5,8 @@ shape (or per cache layout: a longer request makes a larger cache) lands in that
 TTFT. For each prefill path (`model.CAUSAL_PREFILL`: SDPA with its own causal mask, or with an
 explicit boolean mask; `model.PREFILL_SDPA_BACKENDS`: ours, or any SDPA backend) this times, for
 lengths that path has not seen: the first prefill, the same again, and the same length once more
-into a cache of another size (another layout), plus which attention kernels the path runs.
+into a cache of another size (another layout), plus which attention kernels the path runs; then
+where a repeated prefill's time goes (wall against GPU busy time, the costliest host ops).
 
     PYTHONPATH=. python3 benchmarks/prefill_first_call.py --shape qwen2.5-1.5b --out DIR
 """
@@ -44,6 +45,23 @@ def attention_kernels(model, cache, tokens: torch.Tensor) -> list[str]:
     return sorted(n[:120] for n in names if any(w in n.lower() for w in
                                                 ("attn", "fmha", "flash", "cudnn", "sdpa",
                                                  "softmax", "attention")))
+
+
+def where_time_goes(model, cache, tokens: torch.Tensor) -> dict:
+    """A repeated prefill (the default path) under torch.profiler: its wall time against the
+    GPU's busy time and kernel count (what launching costs), and the host ops that take the
+    most time of their own."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(2):
+        prefill_ms(model, cache, tokens)
+    wall = statistics.median(prefill_ms(model, cache, tokens) for _ in range(5))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        prefill_ms(model, cache, tokens)
+    gpu = [e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 0]
+    host = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:10]
+    return {"tokens": tokens.shape[1], "wall_ms": wall, "kernels": len(gpu),
+            "gpu_busy_ms": sum(e.device_time for e in gpu) / 1e3,
+            "host_self_ms": [(a.key[:60], a.count, a.self_cpu_time_total / 1e3) for a in host]}
 
 
 @torch.inference_mode()
@@ -85,6 +103,11 @@ def main() -> None:
         print(f"{args.shape} {name}: median first {summary['first_ms']:.1f} ms, again "
               f"{summary['again_ms']:.1f} ms, first into another cache size "
               f"{summary['other_cache_ms']:.1f} ms; kernels: {kernels}", flush=True)
+    tokens = torch.randint(0, cfg.vocab_size, (1, 200), device="cuda")
+    result["where_time_goes"] = w = where_time_goes(model, caches[512], tokens)
+    print(f"{args.shape} default path, {w['tokens']} tokens again: wall {w['wall_ms']:.1f} ms, "
+          f"GPU busy {w['gpu_busy_ms']:.1f} ms in {w['kernels']} kernels; host ops (self ms): "
+          + ", ".join(f"{k} x{c} {ms:.1f}" for k, c, ms in w["host_self_ms"]), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "prefill_first_call.json").write_text(json.dumps(result, indent=1))
