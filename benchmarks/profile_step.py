@@ -591,8 +591,8 @@ def main() -> None:
                          "(sweep: also under each launch shape of MMA_SWEEP)")
     ap.add_argument("--breakdown", default=None, metavar="SWITCHES",
                     help="the default decode path against each comma-separated switch "
-                         "toggled (gated, early, rope, split, nopdl: see breakdown), in turn, "
-                         "with kernel tables")
+                         "toggled (gated, early, rope, split, l2pre, nonorm, nopdl: see "
+                         "breakdown), in turn, with kernel tables")
     ap.add_argument("--sweep", type=float, default=0.0,
                     help="seconds per shape for a launch-parameter sweep of the skinny kernel")
     args = ap.parse_args()
