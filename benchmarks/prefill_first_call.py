@@ -6,7 +6,8 @@ TTFT. For each prefill path (`model.CAUSAL_PREFILL`: SDPA with its own causal ma
 explicit boolean mask; `model.PREFILL_SDPA_BACKENDS`: ours, or any SDPA backend) this times, for
 lengths that path has not seen: the first prefill, the same again, and the same length once more
 into a cache of another size (another layout), plus which attention kernels the path runs; then
-where a repeated prefill's time goes (wall against GPU busy time, the costliest host ops).
+where a repeated prefill's time goes (wall against GPU busy time, the costliest host ops, the
+same prefill in PyTorch ops only and as one replayed CUDA graph).
 
     PYTHONPATH=. python3 benchmarks/prefill_first_call.py --shape qwen2.5-1.5b --out DIR
 """
@@ -23,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from flashdraft import kernels  # noqa: E402
 from flashdraft import model as model_module  # noqa: E402
 from flashdraft.kv_cache import KVCache  # noqa: E402
 from flashdraft.shapes import build_random_model, get_shape  # noqa: E402
@@ -61,7 +63,48 @@ def where_time_goes(model, cache, tokens: torch.Tensor) -> dict:
     host = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:10]
     return {"tokens": tokens.shape[1], "wall_ms": wall, "kernels": len(gpu),
             "gpu_busy_ms": sum(e.device_time for e in gpu) / 1e3,
-            "host_self_ms": [(a.key[:60], a.count, a.self_cpu_time_total / 1e3) for a in host]}
+            "host_self_ms": [(a.key[:60], a.count, a.self_cpu_time_total / 1e3) for a in host],
+            "torch_ops_ms": _median_wall(model, cache, tokens, kernels.disabled),
+            "graph_replay_ms": _graph_replay_ms(model, cache, tokens)}
+
+
+def _graph_replay_ms(model, cache, tokens: torch.Tensor) -> float | str:
+    try:
+        return _graph_replay(model, cache, tokens)
+    except RuntimeError as e:  # a capture failure is a finding, not a reason to lose the rest
+        torch.cuda.synchronize()
+        return f"capture failed: {str(e)[:200]}"
+
+
+def _median_wall(model, cache, tokens: torch.Tensor, context) -> float:
+    with context():
+        for _ in range(2):
+            prefill_ms(model, cache, tokens)
+        return statistics.median(prefill_ms(model, cache, tokens) for _ in range(5))
+
+
+def _graph_replay(model, cache, tokens: torch.Tensor) -> float:
+    """The same prefill captured as one CUDA graph and replayed: the time without the host's
+    launches, i.e. what a prefill graph per length bucket could reach."""
+    n = tokens.shape[1]
+    positions = torch.arange(n, device="cuda")[None]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            model(tokens, positions, cache, kv_len=n, last_only=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        model(tokens, positions, cache, kv_len=n, last_only=True)
+    times = []
+    for _ in range(7):
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - began) * 1e3)
+    return statistics.median(times)
 
 
 @torch.inference_mode()
@@ -107,7 +150,9 @@ def main() -> None:
     result["where_time_goes"] = w = where_time_goes(model, caches[512], tokens)
     print(f"{args.shape} default path, {w['tokens']} tokens again: wall {w['wall_ms']:.1f} ms, "
           f"GPU busy {w['gpu_busy_ms']:.1f} ms in {w['kernels']} kernels; host ops (self ms): "
-          + ", ".join(f"{k} x{c} {ms:.1f}" for k, c, ms in w["host_self_ms"]), flush=True)
+          + ", ".join(f"{k} x{c} {ms:.1f}" for k, c, ms in w["host_self_ms"])
+          + f"; the same in PyTorch ops only {w['torch_ops_ms']:.1f} ms, as one CUDA graph "
+          f"replayed {w['graph_replay_ms']} ms", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "prefill_first_call.json").write_text(json.dumps(result, indent=1))

@@ -474,7 +474,8 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
              L2PRE_MB a product (kernels.L2_PREFETCH_MB) toggled
       nonorm the RMSNorm kernels skipped (their input passed on, the residual add dropped):
              wrong output, speed only, the most that removing them could give
-      nopdl  no programmatic dependent launch"""
+      nopdl  no programmatic dependent launch
+    Switches joined by "+" (e.g. "early+l2pre") are toggled together in one run."""
     from flashdraft import mma
     set_path(DEFAULT)
     saved = {"GATED": kernels.GATED, "EARLY_LAUNCH": kernels.EARLY_LAUNCH, "PDL": kernels.PDL,
@@ -483,33 +484,40 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
     default = target(shape, quant, context)
     split_len = default[2].split_len
     runs = {"default": (default, {})}
+
+    def toggled(switch: str) -> tuple[str, dict]:
+        if switch == "gated":
+            return f"gated {not saved['GATED']}", {"GATED": not saved["GATED"]}
+        if switch == "early":
+            return f"early {not saved['EARLY_LAUNCH']}", {"EARLY_LAUNCH": not saved["EARLY_LAUNCH"]}
+        if switch == "rope":
+            return (f"rope-attention {not saved['ROPE_ATTENTION']}",
+                    {"ROPE_ATTENTION": not saved["ROPE_ATTENTION"]})
+        if switch == "split":
+            return f"split x2 ({2 * split_len})", {"split_len": 2 * split_len}
+        if switch == "l2pre":
+            mb = 0.0 if saved["L2_PREFETCH_MB"] else L2PRE_MB
+            return f"l2 prefetch {mb:g} MB", {"L2_PREFETCH_MB": mb}
+        if switch == "nonorm":
+            return ("no norm kernels (wrong output)",
+                    {"rms_norm": lambda x, weight, eps, residual=None: x})
+        if switch == "nopdl":
+            return "nopdl", {"PDL": False}
+        raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, l2pre, "
+                         f"nonorm or nopdl, or several joined by '+'")
+
     for switch in switches:
         if switch == "gated" and (quant or "").startswith("int4"):
             mma.GATED = not mma.GATED
             runs[f"mma-gated {mma.GATED}"] = (target(shape, quant, context), {})
             mma.GATED = not mma.GATED
-        elif switch == "gated":
-            runs[f"gated {not saved['GATED']}"] = (default, {"GATED": not saved["GATED"]})
-        elif switch == "early":
-            runs[f"early {not saved['EARLY_LAUNCH']}"] = (
-                default, {"EARLY_LAUNCH": not saved["EARLY_LAUNCH"]})
-        elif switch == "rope":
-            runs[f"rope-attention {not saved['ROPE_ATTENTION']}"] = (
-                default, {"ROPE_ATTENTION": not saved["ROPE_ATTENTION"]})
-        elif switch == "split":
-            runs[f"split x2 ({2 * default[2].split_len})"] = (
-                default, {"split_len": 2 * default[2].split_len})
-        elif switch == "l2pre":
-            mb = 0.0 if saved["L2_PREFETCH_MB"] else L2PRE_MB
-            runs[f"l2 prefetch {mb:g} MB"] = (default, {"L2_PREFETCH_MB": mb})
-        elif switch == "nonorm":
-            runs["no norm kernels (wrong output)"] = (
-                default, {"rms_norm": lambda x, weight, eps, residual=None: x})
-        elif switch == "nopdl":
-            runs["nopdl"] = (default, {"PDL": False})
-        else:
-            raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, l2pre, "
-                             f"nonorm or nopdl")
+            continue
+        labels, setting = [], {}
+        for part in switch.split("+"):
+            label, part_setting = toggled(part)
+            labels.append(label)
+            setting.update(part_setting)
+        runs[" + ".join(labels)] = (default, setting)
     out = {label: [] for label in runs}
     for rep in range(repeats):
         for label, ((cfg, model, cache, need), setting) in runs.items():
@@ -521,7 +529,7 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
                    "roofline_fraction": tps * need / bandwidth}
             print(f"  {shape}:{quant} {label}: t1 {t1 * 1e3:.3f} ms  t16 {t16 * 1e3:.3f} ms  "
                   f"decode {tps:.1f} tok/s = {100 * row['roofline_fraction']:.1f}%", flush=True)
-            if rep == 0 and (label in ("default", "nopdl") or label.startswith("l2")):
+            if rep == 0 and (label in ("default", "nopdl") or "l2" in label):
                 row["profile"] = p = kernel_table(runner, cache, context, cfg.vocab_size)
                 print(f"    {p['kernels_per_step']:.0f} kernels/step, busy "
                       f"{p['busy_us_per_step']:.0f} us/step:")
@@ -591,7 +599,7 @@ def main() -> None:
                          "(sweep: also under each launch shape of MMA_SWEEP)")
     ap.add_argument("--breakdown", default=None, metavar="SWITCHES",
                     help="the default decode path against each comma-separated switch "
-                         "toggled (gated, early, rope, split, l2pre, nonorm, nopdl: see "
+                         "toggled (gated, early, rope, split, l2pre, nonorm, nopdl, or several joined by '+': see "
                          "breakdown), in turn, with kernel tables")
     ap.add_argument("--sweep", type=float, default=0.0,
                     help="seconds per shape for a launch-parameter sweep of the skinny kernel")
