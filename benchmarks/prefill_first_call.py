@@ -6,8 +6,9 @@ TTFT. For each prefill path (`model.CAUSAL_PREFILL`: SDPA with its own causal ma
 explicit boolean mask; `model.PREFILL_SDPA_BACKENDS`: ours, or any SDPA backend) this times, for
 lengths that path has not seen: the first prefill, the same again, and the same length once more
 into a cache of another size (another layout), plus which attention kernels the path runs; then
-where a repeated prefill's time goes (wall against GPU busy time, the costliest host ops, the
-same prefill in PyTorch ops only and as one replayed CUDA graph).
+the engine's prefill as graphs per padded length (`cuda_graphs.prefill`); then where a repeated
+eager prefill's time goes (wall against GPU busy time, the costliest host ops, the same prefill
+in PyTorch ops only and as one replayed CUDA graph).
 
     PYTHONPATH=. python3 benchmarks/prefill_first_call.py --shape qwen2.5-1.5b --out DIR
 """
@@ -107,6 +108,32 @@ def _graph_replay(model, cache, tokens: torch.Tensor) -> float:
     return statistics.median(times)
 
 
+def graph_prefills(model, cache, vocab: int, lengths: int) -> dict:
+    """The engine's prefill (`cuda_graphs.prefill`: padded to a power of two, one CUDA graph per
+    padded length): new lengths of 150-217 tokens (one padded length, 256), the first (which
+    captures that length's graph the first time) and again; and 200 tokens, again."""
+    from flashdraft.cuda_graphs import StepRunner, prefill
+
+    runner = StepRunner(model, "cuda")
+
+    def ms(n: int) -> float:
+        prompt = torch.randint(0, vocab, (n,)).tolist()
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        prefill(model, prompt, cache, (), runner, "cuda")
+        torch.cuda.synchronize()
+        return (time.perf_counter() - began) * 1e3
+    rows = [{"tokens": n, "first_ms": ms(n), "again_ms": ms(n)}
+            for n in range(150, 150 + 9 * lengths, 9)]
+    summary = {k: statistics.median(r[k] for r in rows[1:]) for k in ("first_ms", "again_ms")}
+    summary["capture_ms"] = rows[0]["first_ms"]
+    summary["200_tokens_ms"] = statistics.median(ms(200) for _ in range(5))
+    print(f"graph prefill (padded to 256): the first length {summary['capture_ms']:.1f} ms "
+          f"(capture), later new lengths median {summary['first_ms']:.1f} ms, again "
+          f"{summary['again_ms']:.1f} ms; 200 tokens {summary['200_tokens_ms']:.2f} ms", flush=True)
+    return {"rows": rows, "median": summary, "captures": runner.stats.captures}
+
+
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -146,6 +173,8 @@ def main() -> None:
         print(f"{args.shape} {name}: median first {summary['first_ms']:.1f} ms, again "
               f"{summary['again_ms']:.1f} ms, first into another cache size "
               f"{summary['other_cache_ms']:.1f} ms; kernels: {kernels}", flush=True)
+    model_module.CAUSAL_PREFILL, model_module.PREFILL_SDPA_BACKENDS = True, default
+    result["paths"]["graphs"] = graph_prefills(model, caches[512], cfg.vocab_size, args.lengths)
     tokens = torch.randint(0, cfg.vocab_size, (1, 200), device="cuda")
     result["where_time_goes"] = w = where_time_goes(model, caches[512], tokens)
     print(f"{args.shape} default path, {w['tokens']} tokens again: wall {w['wall_ms']:.1f} ms, "

@@ -716,7 +716,13 @@ def run_bench(s: BenchSettings, out=None) -> dict:
         # selection, the allocator); one untimed token per prompt keeps them off whichever
         # configuration happens to run first (it was plain decoding's TTFT), for the target
         # and for each draft model (whose prefill runs when a request begins).
+        # The caches are sized first for the longest timed request: a cache that grows later
+        # drops the CUDA graphs captured into the old one (the prefill graphs among them).
         log("prefilling every prompt once (untimed)")
+        longest = max(len(x) for x in ids) + s.max_tokens + max(s.num_speculative_tokens) + 1
+        for d in s.drafts:
+            llm.engine.ensure_capacity(longest, llm.get_drafter(d))
+        llm.engine.ensure_capacity(longest)
         for draft in [None] + [d for d in s.drafts if d != "ngram"]:
             for pids in ids:
                 llm.generate({"prompt_token_ids": pids}, SamplingParams(temperature=0, max_tokens=1),

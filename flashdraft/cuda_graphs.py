@@ -20,8 +20,18 @@ small kernels would otherwise each be launched from Python between the step and 
 synchronisation of a speculative step).
 
 Graphs are captured lazily, the first time a (T, kv_len bucket, hidden layers, last_only, post)
-combination is asked for; prefill longer than `max_graph_tokens` and every call on a CPU run
+combination is asked for; steps longer than `max_graph_tokens` and every call on a CPU run
 eagerly, through exactly the same model code.
+
+Prefill (`prefill`) is a graph too. Launched from Python, a prefill's few hundred kernels cost
+about ten times their GPU time (the 1.5B, 200 tokens on the H200: ~20-30 ms of launches for
+~2.4 ms of work), and that is the request's TTFT. On a GPU a prompt of t tokens runs padded to
+`prefill_length(t)` (a power of two), so that a few graphs serve every prompt: causal attention
+keeps the padding out of the real tokens' results, the keys and values it writes past the
+prompt sit at positions that every later step overwrites before it reads them (the same
+argument as for the kv_len bucket), and the logits are taken at the last real token
+(`logits_at`). With graphs off the same padded shape runs eagerly, so both paths compute the
+same numbers.
 
 Optionally the forward is `torch.compile`d first (compile=True) and the compiled step is then
 captured like the eager one. It was measured (1.7× on the 1.5B, 131 s of compilation) before
@@ -30,6 +40,7 @@ with them has not been measured. Kept off by default; see benchmarks/NOTES-gpu.m
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -38,16 +49,50 @@ import torch
 from .kv_cache import KVCache
 
 
+# Prompts up to this many tokens are prefilled padded to a power of two, as CUDA graphs on a
+# GPU; longer ones run eagerly at their own length (the launches are small against the work).
+PREFILL_GRAPH_MAX = int(os.environ.get("FLASHDRAFT_PREFILL_GRAPH_MAX", "2048"))
+
+
 def eager_step(model, tokens: torch.Tensor, start: int, cache: KVCache,
-               hidden_layers: tuple[int, ...] = (), last_only: bool = False, post=None):
+               hidden_layers: tuple[int, ...] = (), last_only: bool = False, post=None,
+               logits_at: torch.Tensor | None = None):
     """One forward of tokens [1, T] at positions start … start + T - 1, attending over exactly
     the positions written so far: the path every step takes when it is not a graph replay.
     Returns what the model returns, and with `post` a third value, post(tokens, logits)."""
     t = tokens.shape[1]
     positions = torch.arange(start, start + t, device=tokens.device).unsqueeze(0)
     logits, hidden = model(tokens, positions, cache, kv_len=start + t,
-                           hidden_layers=hidden_layers, last_only=last_only)
+                           hidden_layers=hidden_layers, last_only=last_only, logits_at=logits_at)
     return (logits, hidden) if post is None else (logits, hidden, post(tokens, logits))
+
+
+def prefill_length(t: int, cache: KVCache) -> int:
+    """The length a prefill of t tokens runs at on a GPU: t rounded up to a power of two (at
+    least 16, at most the cache's length); t itself above PREFILL_GRAPH_MAX."""
+    if t > PREFILL_GRAPH_MAX:
+        return t
+    return max(t, min(max(16, 1 << (t - 1).bit_length()), cache.max_len))
+
+
+def prefill(model, tokens: list[int], cache: KVCache, hidden_layers: tuple[int, ...] = (),
+            runner: "StepRunner | None" = None, device: torch.device | str = "cpu"):
+    """The prompt `tokens` at positions 0 … t - 1 into `cache`. Returns the logits of its last
+    token [1, 1, vocab] and the requested layers' outputs [1, t, hidden]. On a GPU the prompt
+    runs padded to `prefill_length` (the module docstring says why that is exact), replayed as
+    a graph by `runner` when it is given and enabled, else eagerly at the same shape."""
+    device = torch.device(device)
+    t = len(tokens)
+    if device.type != "cuda":
+        ids = torch.tensor([list(tokens)], device=device)
+        return eager_step(model, ids, 0, cache, hidden_layers, last_only=True)
+    n = prefill_length(t, cache)
+    ids = torch.tensor([list(tokens) + [0] * (n - t)], device=device)
+    if runner is not None and runner.enabled and n <= PREFILL_GRAPH_MAX:
+        return runner.prefill(ids, t, cache, hidden_layers)
+    last = torch.full((1,), t - 1, dtype=torch.long, device=device)
+    logits, hidden = eager_step(model, ids, 0, cache, hidden_layers, logits_at=last)
+    return logits, [h[:, :t] for h in hidden]
 
 
 @dataclass
@@ -58,6 +103,7 @@ class _Graph:
     logits: torch.Tensor  # [1, T or 1, vocab] float32, written by each replay
     hidden: list  # of [1, T, hidden], written by each replay
     post: torch.Tensor | None  # post(tokens, logits), written by each replay
+    logits_at: torch.Tensor | None = None  # [1] int64: a prefill's last real token, an input
 
 
 @dataclass
@@ -119,32 +165,60 @@ class StepRunner:
         if not self.enabled or t > self.max_graph_tokens or start + t > cache.max_len:
             self.stats.eager_calls += 1
             return eager_step(self.model, tokens, start, cache, hidden_layers, last_only, post)
-        # Graphs hold the cache's addresses: they stay valid exactly while those do.
-        cache_id = (cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape))
-        if self._cache_id != cache_id:
-            self.reset()
-            self._cache_id = cache_id
-        key = (t, self.kv_len_for(start + t, cache), cache.split_len, tuple(hidden_layers),
-               bool(last_only), post)
+        self._follow(cache)
+        kv_len = self.kv_len_for(start + t, cache)
+        key = (t, kv_len, cache.split_len, tuple(hidden_layers), bool(last_only), post)
         g = self._graphs.get(key)
         if g is None:
-            g = self._capture(key, tokens, start, cache)
-            self._graphs[key] = g
+            g = self._graphs[key] = self._capture(tokens, start, cache, kv_len, hidden_layers,
+                                                  last_only=last_only, post=post)
         g.tokens.copy_(tokens, non_blocking=True)
         torch.arange(start, start + t, out=g.positions[0])
         g.graph.replay()
         self.stats.replays += 1
         return (g.logits, g.hidden) if post is None else (g.logits, g.hidden, g.post)
 
-    def _capture(self, key, tokens, start, cache) -> _Graph:
-        t, kv_len, _, hidden_layers, last_only, post = key
+    def prefill(self, tokens: torch.Tensor, valid: int, cache: KVCache,
+                hidden_layers: tuple[int, ...] = ()):
+        """A prefill of tokens [1, n] (padded: the first `valid` are the prompt) at positions
+        0 … n - 1, one graph per n: returns the logits of token valid - 1 [1, 1, vocab] and the
+        requested layers' outputs for the prompt [1, valid, hidden] (views of the graph's
+        buffers, like every replay's outputs)."""
+        n = tokens.shape[1]
+        if not self.enabled or n > cache.max_len:
+            raise ValueError(f"a prefill graph of {n} tokens needs an enabled runner and a cache "
+                             f"of >= {n} positions (this one has {cache.max_len})")
+        self._follow(cache)
+        key = ("prefill", n, cache.split_len, tuple(hidden_layers))
+        g = self._graphs.get(key)
+        if g is None:
+            at = torch.full((1,), valid - 1, dtype=torch.long, device=self.device)
+            g = self._graphs[key] = self._capture(tokens, 0, cache, n, hidden_layers,
+                                                  logits_at=at)
+        g.tokens.copy_(tokens, non_blocking=True)
+        g.logits_at.fill_(valid - 1)
+        g.graph.replay()
+        self.stats.replays += 1
+        return g.logits, [h[:, :valid] for h in g.hidden]
+
+    def _follow(self, cache: KVCache) -> None:
+        # Graphs hold the cache's addresses: they stay valid exactly while those do.
+        cache_id = (cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape))
+        if self._cache_id != cache_id:
+            self.reset()
+            self._cache_id = cache_id
+
+    def _capture(self, tokens, start, cache, kv_len, hidden_layers, last_only=False, post=None,
+                 logits_at=None) -> _Graph:
+        t = tokens.shape[1]
         began = time.perf_counter()
         static_tokens = tokens.detach().clone()
         positions = torch.arange(start, start + t, device=self.device).unsqueeze(0)
 
         def run():
             logits, hidden = self._forward(static_tokens, positions, cache, kv_len=kv_len,
-                                           hidden_layers=hidden_layers, last_only=last_only)
+                                           hidden_layers=hidden_layers, last_only=last_only,
+                                           logits_at=logits_at)
             return logits, hidden, (post(static_tokens, logits) if post is not None else None)
         # Warm up on a side stream (compilation, cuBLAS workspaces, the allocator) before
         # capturing. The warm-up writes the same keys and values at the same positions as the
@@ -163,4 +237,4 @@ class StepRunner:
         torch.cuda.synchronize(self.device)
         self.stats.captures += 1
         self.stats.capture_s += time.perf_counter() - began
-        return _Graph(graph, static_tokens, positions, logits, list(hidden), post_out)
+        return _Graph(graph, static_tokens, positions, logits, list(hidden), post_out, logits_at)

@@ -18,7 +18,7 @@ import torch
 
 from . import kernels
 from .config import SamplingParams
-from .cuda_graphs import StepRunner, eager_step
+from .cuda_graphs import StepRunner, eager_step, prefill
 from .drafters.base import Draft, DraftContext, Drafter
 from .kv_cache import KVCache
 from .model import Transformer
@@ -120,13 +120,12 @@ class Engine:
         if drafter is not None and hasattr(drafter, "ensure_capacity"):
             drafter.ensure_capacity(length)
 
-    def _forward(self, tokens: list[int] | torch.Tensor, start: int, hidden_layers, last_only=False,
-                 post=None):
+    def _forward(self, tokens: list[int] | torch.Tensor, start: int, hidden_layers, post=None):
         """The target's step; with `post`, also post(tokens, logits) (inside the step's graph)."""
         ids = torch.as_tensor(tokens, device=self.device).view(1, -1)
-        if self.runner is not None and not last_only:  # prefill runs eagerly: one shape each
-            return self.runner(ids, start, self.cache, hidden_layers, last_only, post)
-        return eager_step(self.model, ids, start, self.cache, hidden_layers, last_only, post)
+        if self.runner is not None:
+            return self.runner(ids, start, self.cache, hidden_layers, post=post)
+        return eager_step(self.model, ids, start, self.cache, hidden_layers, post=post)
 
     @torch.inference_mode()
     def run(self, prompt: list[int], params: SamplingParams, drafter: Drafter | None = None,
@@ -153,7 +152,8 @@ class Engine:
         hidden_layers = drafter.hidden_layers if drafter is not None else ()
 
         start = time.perf_counter()
-        logits, hidden = self._forward(prompt, 0, hidden_layers, last_only=True)
+        logits, hidden = prefill(self.model, prompt, self.cache, hidden_layers, self.runner,
+                                 self.device)
         first = self._pick(logits[:, -1], params, generator)
         if drafter is not None:  # its prefill, if it has one, is queued behind the target's
             drafter.begin(prompt)

@@ -195,7 +195,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 kv_len: int | None = None, hidden_layers: tuple[int, ...] = (),
-                last_only: bool = False):
+                last_only: bool = False, logits_at: torch.Tensor | None = None):
         """Run `tokens` at `positions` through the model, writing their keys/values to `cache`.
 
         tokens, positions: [batch, seq] (int64), each sequence's positions consecutive (start,
@@ -203,9 +203,12 @@ class Transformer(nn.Module):
         read (an upper bound on positions + 1; a static value keeps shapes fixed for CUDA graphs).
         hidden_layers: indices of layers whose outputs are returned as well (0 = the
         embeddings, i = the output of layer i). last_only: compute logits for the last position
-        only (prefill).
-        Returns logits [batch, seq or 1, vocab] (float32) and a list of hidden states
-        [batch, seq, hidden], one per requested layer (empty when none are requested).
+        only (prefill). logits_at: int64 [r], compute logits for those indices along seq only (a
+        prefill padded to a fixed length: the last real token's; a tensor, so that a CUDA graph
+        of that length serves every prompt shorter).
+        Returns logits [batch, seq (1 with last_only, r with logits_at), vocab] (float32) and a
+        list of hidden states [batch, seq, hidden], one per requested layer (empty when none are
+        requested).
         """
         if kv_len is None:
             kv_len = int(positions.max()) + 1
@@ -228,7 +231,9 @@ class Transformer(nn.Module):
             delta, residual = block(delta, residual, cos, sin, positions, mask, cache, i, kv_len)
             if i + 1 in hidden_layers:
                 hidden.append(residual + delta)
-        if last_only:
+        if logits_at is not None:
+            delta, residual = delta.index_select(1, logits_at), residual.index_select(1, logits_at)
+        elif last_only:
             delta, residual = delta[:, -1:], residual[:, -1:]
         logits, _ = kernels.norm_linear(delta, residual, self.norm, self.lm_head)
         return logits.float(), hidden

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashdraft.config import ModelConfig
-from flashdraft.cuda_graphs import StepRunner
+from flashdraft.cuda_graphs import PREFILL_GRAPH_MAX, StepRunner, eager_step, prefill, prefill_length
 from flashdraft.kv_cache import KVCache
 from flashdraft.shapes import build_random_model
 
@@ -68,6 +68,82 @@ def test_engine_and_drafter_stay_eager_on_cpu(tmp_path):
     assert llm.engine.runner is None and llm.drafter.runner is None
     out = llm.generate("def add(a, b):", SamplingParams(temperature=0, max_tokens=8))[0]
     assert len(out.token_ids) == 8
+
+
+def test_prefill_length_rounds_up_to_a_power_of_two_within_the_cache():
+    cache = KVCache.for_model(TINY, 1, 768, torch.float32, "cpu")
+    assert [prefill_length(t, cache) for t in (1, 16, 17, 33, 200, 256, 257, 600, 768)] == \
+        [16, 16, 32, 64, 256, 256, 512, 768, 768]
+    big = KVCache.for_model(TINY, 1, PREFILL_GRAPH_MAX + 512, torch.float32, "cpu")
+    assert prefill_length(PREFILL_GRAPH_MAX, big) == PREFILL_GRAPH_MAX
+    assert prefill_length(PREFILL_GRAPH_MAX + 1, big) == PREFILL_GRAPH_MAX + 1  # eager, unpadded
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("t", [5, 20, 45])  # the small-step path (<= 32 tokens) and SDPA's
+def test_a_padded_prefill_computes_the_prompts_results(t):
+    """Padding a prompt (as a GPU prefill does) changes neither the last real token's logits,
+    nor the cache at the prompt's positions, nor the decode steps that follow: the padding's
+    keys and values lie past the prompt, masked until a step overwrites them."""
+    model = _model()
+    n = 64
+    tokens = torch.randint(1, TINY.vocab_size, (1, t))
+    plain, padded = (KVCache.for_model(TINY, 1, 256, torch.float32, "cpu") for _ in range(2))
+    a, ha = eager_step(model, tokens, 0, plain, hidden_layers=(0, 1), last_only=True)
+    ids = torch.cat([tokens, torch.zeros(1, n - t, dtype=torch.long)], dim=1)
+    b, hb = eager_step(model, ids, 0, padded, hidden_layers=(0, 1),
+                       logits_at=torch.tensor([t - 1]))
+    assert b.shape == a.shape
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    for x, y in zip(ha, hb):
+        torch.testing.assert_close(y[:, :t], x, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(padded.kv[:, :, :, :, :t], plain.kv[:, :, :, :, :t],
+                               rtol=1e-5, atol=1e-5)
+    assert not torch.equal(padded.kv[:, :, :, :, t:n], plain.kv[:, :, :, :, t:n])  # the padding's
+    for start in (t, t + 1):  # a decode step, then a verification of 3, over the padding
+        step = torch.randint(0, TINY.vocab_size, (1, 1 if start == t else 3))
+        a, _ = eager_step(model, step, start, plain)
+        b, _ = eager_step(model, step, start, padded)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_prefill_on_a_cpu_runs_the_prompt_unpadded():
+    model = _model()
+    c1, c2 = (KVCache.for_model(TINY, 1, 256, torch.float32, "cpu") for _ in range(2))
+    prompt = torch.randint(0, TINY.vocab_size, (7,)).tolist()
+    a, ha = prefill(model, prompt, c1, (1,), StepRunner(model, "cpu"), "cpu")
+    b, hb = model(torch.tensor([prompt]), torch.arange(7)[None], c2, kv_len=7, hidden_layers=(1,),
+                  last_only=True)
+    assert torch.equal(a, b) and torch.equal(ha[0], hb[0]) and torch.equal(c1.kv, c2.kv)
+
+
+@gpu
+@needs_cuda
+@torch.inference_mode()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_graphs_match_the_eager_padded_prefill_bit_for_bit(dtype):
+    """One graph per padded length serves every prompt that rounds to it; its logits, hidden
+    states and cache equal the eager prefill's at the same padded shape exactly (graphs on and
+    off give the same tokens), and the real tokens' results match an unpadded prefill."""
+    model = _model("cuda", dtype)
+    runner = StepRunner(model, "cuda")
+    graph_cache, eager_cache, plain_cache = (
+        KVCache.for_model(TINY, 1, 512, dtype, "cuda") for _ in range(3))
+    for t in (3, 12, 40, 50, 200, 129, 250, 300):
+        prompt = torch.randint(0, TINY.vocab_size, (t,)).tolist()
+        a, ha = prefill(model, prompt, graph_cache, (1,), runner, "cuda")
+        b, hb = prefill(model, prompt, eager_cache, (1,), None, "cuda")
+        assert a.shape == b.shape == (1, 1, TINY.vocab_size) and ha[0].shape == hb[0].shape
+        assert torch.equal(a, b) and torch.equal(ha[0], hb[0]), t
+        n = prefill_length(t, graph_cache)
+        assert torch.equal(graph_cache.kv[..., :n, :], eager_cache.kv[..., :n, :]), t
+        c, _ = model(torch.tensor([prompt], device="cuda"), torch.arange(t, device="cuda")[None],
+                     plain_cache, kv_len=t, last_only=True)
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(a, c, rtol=tol, atol=tol)
+    # lengths 3, 12 -> 16; 40, 50 -> 64; 200, 129, 250 -> 256; 300 -> 512
+    assert runner.stats.captures == 4 and runner.stats.replays == 8
 
 
 @gpu

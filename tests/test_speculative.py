@@ -161,8 +161,10 @@ def test_draft_model_reads_the_prompt_once_at_the_start(target, plain, tiny_mode
     from flashdraft.drafters import draft_model
 
     drafter = target.get_drafter(tiny_models["qwen2"])
-    fed = []  # tokens of each eager forward of the draft model (every forward on a CPU)
-    eager = draft_model.eager_step
+    prefilled, fed = [], []  # prompt lengths prefilled; tokens of each eager proposal forward
+    prefill, eager = draft_model.prefill, draft_model.eager_step
+    monkeypatch.setattr(draft_model, "prefill", lambda model, tokens, *a, **kw:
+                        prefilled.append(len(tokens)) or prefill(model, tokens, *a, **kw))
     monkeypatch.setattr(draft_model, "eager_step", lambda model, tokens, *a, **kw:
                         fed.append(tokens.shape[1]) or eager(model, tokens, *a, **kw))
     graphed = drafter.runner.stats.replays if drafter.runner else 0
@@ -170,9 +172,9 @@ def test_draft_model_reads_the_prompt_once_at_the_start(target, plain, tiny_mode
     out = target.generate(PROMPTS[0], params, draft=tiny_models["qwen2"],
                           num_speculative_tokens=4)[0]
     assert out.token_ids == plain[0]
-    assert fed[0] == out.metrics.prompt_tokens
+    assert prefilled == [out.metrics.prompt_tokens]
     if drafter.runner is None:
-        assert fed[1:] and set(fed[1:]) <= {1, 2}
-    else:  # on a GPU every proposal step is a graph replay
-        assert fed == [out.metrics.prompt_tokens]
-        assert drafter.runner.stats.replays - graphed == out.metrics.drafted_tokens
+        assert fed and set(fed) <= {1, 2}
+    else:  # on a GPU the prefill and every proposal step are graph replays
+        assert fed == []
+        assert drafter.runner.stats.replays - graphed == out.metrics.drafted_tokens + 1

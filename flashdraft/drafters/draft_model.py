@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cuda_graphs import StepRunner, eager_step
+from ..cuda_graphs import StepRunner, eager_step, prefill
 from ..kv_cache import KVCache
 from ..model import Transformer
 from ..sampling import probs_from_logits, sample
@@ -41,9 +41,8 @@ class DraftModelDrafter:
 
     @torch.inference_mode()
     def begin(self, prompt: list[int]) -> None:
-        # The prompt's keys and values, eagerly (one shape per prompt); no logits are needed.
-        ids = torch.tensor([prompt], device=self.device)
-        eager_step(self.model, ids, 0, self.cache, last_only=True)
+        # The prompt's keys and values (a graph per padded length on a GPU); no logits needed.
+        prefill(self.model, prompt, self.cache, (), self.runner, self.device)
         self.n_cached = len(prompt)
 
     @torch.inference_mode()
