@@ -35,7 +35,9 @@ for phase in "$@"; do
     [ -f /root/models/MANIFEST ] || { echo "no example pair staged: random-weight phases only"; continue; }
     while read -r name n sha; do
       f=$FLASHDRAFT_CACHE/models/$name.gguf
-      [ -f "$f" ] || cat /root/models/$name.?? > "$f"
+      # joined again unless a complete join is there (an earlier setup may have run while
+      # pieces were still arriving)
+      echo "$sha  $f" | sha256sum -c --status 2>/dev/null || cat /root/models/$name.?? > "$f"
       echo "$sha  $f" | sha256sum -c || exit 1
     done < /root/models/MANIFEST
     ;;
@@ -85,8 +87,8 @@ for phase in "$@"; do
     ;;
   breakdown)
     # The default decode path against switches toggled (BREAKDOWN: gated, early, rope, split,
-    # l2pre, nonorm, nopdl), in turn in one process, with kernel tables (profile_step.breakdown);
-    # BREAKDOWN_ARGS e.g. "--context 200".
+    # nonorm, nopdl; several joined by "+" together), in turn in one process, with kernel
+    # tables (profile_step.breakdown); BREAKDOWN_ARGS e.g. "--context 200".
     python3 benchmarks/profile_step.py --out "$OUT/breakdown${BREAKDOWN_TAG:-}" --no-official --no-compare ${BREAKDOWN_ARGS:-} \
       --breakdown "${BREAKDOWN:-gated}" ${BREAKDOWN_SHAPES:-qwen3-32b:int4 dense-27b:int4 \
       qwen2.5-1.5b:int4 qwen3-8b qwen2.5-1.5b} 2>&1 | grep -v Warn | tee "$OUT/breakdown${BREAKDOWN_TAG:-}.log"

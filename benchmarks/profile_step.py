@@ -27,7 +27,6 @@ import argparse
 import dataclasses
 import itertools
 import json
-import os
 import sys
 import time
 from collections import defaultdict
@@ -454,9 +453,6 @@ def mma_products(shape: str, sweep: bool) -> dict:
     return result
 
 
-L2PRE_MB = float(os.environ.get("L2PRE_MB", "24"))  # the l2pre switch's budget a product
-
-
 @torch.inference_mode()
 def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
               switches: list[str], repeats: int = 2) -> dict:
@@ -470,17 +466,14 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
       rope   rope and the cache write inside attention (kernels.ROPE_ATTENTION) toggled
       split  attention splits twice as long (the cache's split_len: half as many programs,
              each reading twice the positions; none to merge where one split covers kv_len)
-      l2pre  the products ask the L2 for their next weight tiles before their PDL wait, up to
-             L2PRE_MB a product (kernels.L2_PREFETCH_MB) toggled
       nonorm the RMSNorm kernels skipped (their input passed on, the residual add dropped):
              wrong output, speed only, the most that removing them could give
       nopdl  no programmatic dependent launch
-    Switches joined by "+" (e.g. "early+l2pre") are toggled together in one run."""
+    Switches joined by "+" (e.g. "early+nopdl") are toggled together in one run."""
     from flashdraft import mma
     set_path(DEFAULT)
     saved = {"GATED": kernels.GATED, "EARLY_LAUNCH": kernels.EARLY_LAUNCH, "PDL": kernels.PDL,
-             "ROPE_ATTENTION": kernels.ROPE_ATTENTION, "rms_norm": kernels.rms_norm,
-             "L2_PREFETCH_MB": kernels.L2_PREFETCH_MB}
+             "ROPE_ATTENTION": kernels.ROPE_ATTENTION, "rms_norm": kernels.rms_norm}
     default = target(shape, quant, context)
     split_len = default[2].split_len
     runs = {"default": (default, {})}
@@ -495,16 +488,13 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
                     {"ROPE_ATTENTION": not saved["ROPE_ATTENTION"]})
         if switch == "split":
             return f"split x2 ({2 * split_len})", {"split_len": 2 * split_len}
-        if switch == "l2pre":
-            mb = 0.0 if saved["L2_PREFETCH_MB"] else L2PRE_MB
-            return f"l2 prefetch {mb:g} MB", {"L2_PREFETCH_MB": mb}
         if switch == "nonorm":
             return ("no norm kernels (wrong output)",
                     {"rms_norm": lambda x, weight, eps, residual=None: x})
         if switch == "nopdl":
             return "nopdl", {"PDL": False}
-        raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, l2pre, "
-                         f"nonorm or nopdl, or several joined by '+'")
+        raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, nonorm, "
+                         f"nopdl, or several joined by '+'")
 
     for switch in switches:
         if switch == "gated" and (quant or "").startswith("int4"):
@@ -529,7 +519,7 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
                    "roofline_fraction": tps * need / bandwidth}
             print(f"  {shape}:{quant} {label}: t1 {t1 * 1e3:.3f} ms  t16 {t16 * 1e3:.3f} ms  "
                   f"decode {tps:.1f} tok/s = {100 * row['roofline_fraction']:.1f}%", flush=True)
-            if rep == 0 and (label in ("default", "nopdl") or "l2" in label):
+            if rep == 0 and label in ("default", "nopdl"):
                 row["profile"] = p = kernel_table(runner, cache, context, cfg.vocab_size)
                 print(f"    {p['kernels_per_step']:.0f} kernels/step, busy "
                       f"{p['busy_us_per_step']:.0f} us/step:")
@@ -599,7 +589,7 @@ def main() -> None:
                          "(sweep: also under each launch shape of MMA_SWEEP)")
     ap.add_argument("--breakdown", default=None, metavar="SWITCHES",
                     help="the default decode path against each comma-separated switch "
-                         "toggled (gated, early, rope, split, l2pre, nonorm, nopdl, or several joined by '+': see "
+                         "toggled (gated, early, rope, split, nonorm, nopdl, or several joined by '+': see "
                          "breakdown), in turn, with kernel tables")
     ap.add_argument("--sweep", type=float, default=0.0,
                     help="seconds per shape for a launch-parameter sweep of the skinny kernel")

@@ -412,26 +412,13 @@ if triton is not None:
                  mask=n_ok[:, None] & m_ok[None, :])
 
     @triton.jit
-    def _prefetch_l2(w_ptr, offs_n, n, k, k_from, stride_wn, TILES: tl.constexpr,
-                     BLOCK_K: tl.constexpr, LINE: tl.constexpr):
-        # Asks the L2 for TILES weight tiles [rows offs_n, columns k_from ...] (one
-        # `prefetch.global.L2` per LINE elements, 128 bytes): nothing is held in registers and
-        # nothing waits. Rows and columns outside the weight are pointed at its first element.
-        cols = k_from + tl.arange(0, TILES * BLOCK_K // LINE) * LINE
-        ok = (offs_n < n)[:, None] & (cols < k)[None, :]
-        offs = tl.where(ok, offs_n[:, None] * stride_wn + cols[None, :], 0)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
-                                  [w_ptr + offs], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, m, n, k, stride_xm,
                        stride_wn, stride_om, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                        SPLIT: tl.constexpr, K_STEPS: tl.constexpr,
                        PRE_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
                        LAST_REDUCE: tl.constexpr, USE_PDL: tl.constexpr,
-                       EARLY_LAUNCH: tl.constexpr = False, L2_TILES: tl.constexpr = 0,
-                       LINE: tl.constexpr = 64):
+                       EARLY_LAUNCH: tl.constexpr = False):
         # out [m, n] = x [m, k] @ w [n, k]^T, as (w @ x^T)^T so that the few rows of x are the
         # narrow side of the tensor-core product. With GATED, w is [2 n, k] (gate rows, then up
         # rows) and out = SiLU(x @ gate^T) * (x @ up^T): the MLP's first product and its
@@ -459,14 +446,6 @@ if triton is not None:
         if GATED:
             u_pre = tl.load(w_rows + n * stride_wn + offs_p[None, :],
                             mask=n_ok[:, None] & p_ok[None, :], other=0.0)
-        if PREFETCH and L2_TILES > 0:
-            # and the next L2_TILES tiles into the L2 (L2_PREFETCH_MB): the DRAM otherwise idles
-            # while the kernel before this one (attention, a norm) runs
-            k_next = k0 + PRE_STEPS * BLOCK_K
-            _prefetch_l2(w_ptr, offs_n, n, k, k_next, stride_wn, L2_TILES, BLOCK_K, LINE)
-            if GATED:
-                _prefetch_l2(w_ptr + n * stride_wn, offs_n, n, k, k_next, stride_wn, L2_TILES,
-                             BLOCK_K, LINE)
         if PREFETCH:
             _pdl_wait(USE_PDL, EARLY_LAUNCH)
         x_pre = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_p[None, :],
@@ -896,24 +875,6 @@ def _split_buffers(out: torch.Tensor, grid: tuple, split: int, width: int):
     return parts, _counters(out.device, grid[0] * grid[2])
 
 
-# Products may also ask the L2 for their next weight tiles before their PDL wait, up to this
-# many MB a product in all (FLASHDRAFT_L2_PREFETCH_MB; 0, the default: off). Not yet measured
-# in the model (benchmarks/profile_step.py --breakdown l2pre).
-L2_PREFETCH_MB = float(os.environ.get("FLASHDRAFT_L2_PREFETCH_MB", "0"))
-
-
-def _l2_tiles(cfg: SkinnyConfig, grid: tuple, element_size: int, gated: bool) -> int:
-    """Weight tiles each program of a product asks the L2 for before its wait: a power of two
-    within its K slice and within L2_PREFETCH_MB for all programs of one row block (the same
-    for every row count). 0 without PDL's prefetch, under the interpreter, or when off."""
-    if L2_PREFETCH_MB <= 0 or not PREFETCH or INTERPRET:
-        return 0
-    tile = cfg.block_n * cfg.block_k * element_size * (2 if gated else 1)
-    tiles = min(cfg.k_steps - cfg.pre_steps,
-                int(L2_PREFETCH_MB * 2**20) // (grid[0] * grid[1] * tile))
-    return 1 << (tiles.bit_length() - 1) if tiles > 0 else 0
-
-
 def _skinny(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated: bool,
             cfg: SkinnyConfig) -> torch.Tensor:
     """x2 [rows, k] @ w^T through `_skinny_kernel` with launch parameters cfg (see there for
@@ -930,8 +891,7 @@ def _skinny(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated:
         GATED=gated, SPLIT=cfg.split, K_STEPS=cfg.k_steps, PRE_STEPS=cfg.pre_steps, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, BLOCK_M=16, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         PREFETCH=PREFETCH, LAST_REDUCE=last, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, L2_TILES=_l2_tiles(cfg, grid, w.element_size(), gated),
-        LINE=128 // w.element_size(), **_pdl(x2))
+        num_stages=cfg.num_stages, **_pdl(x2))
     if cfg.split > 1 and not last:
         total = rows * n
         _sum_slices_kernel[(triton.cdiv(total, 1024),)](

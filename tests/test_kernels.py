@@ -277,32 +277,6 @@ def test_gated_linear_is_silu_mul_of_the_product_and_batch_invariant(monkeypatch
     counters_are_back_to_zero()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("n,k,gated", [(6144, 4096, False), (1536, 8960, False), (896, 4864, True)])
-def test_l2_prefetch_changes_no_bit(monkeypatch, n, k, gated):
-    """Asking the L2 for the next weight tiles before the PDL wait (L2_PREFETCH_MB) is a hint:
-    the products are bit for bit those without it, for plain and gated products, one row and
-    sixteen."""
-    monkeypatch.setattr(kernels, "GATED", True)
-    g = torch.Generator().manual_seed(11)
-    layer = torch.nn.Linear(k, (2 if gated else 1) * n, bias=False).to(DEVICE, torch.bfloat16)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(layer.weight.shape, generator=g) * 0.05)
-    x = torch.randn(1, 16, k, generator=g).to(DEVICE, torch.bfloat16)
-    run = kernels.gated_linear if gated else kernels.linear
-    with torch.inference_mode():
-        monkeypatch.setattr(kernels, "L2_PREFETCH_MB", 0.0)
-        plain = [run(x[:, :t], layer) for t in (1, 16)]
-        monkeypatch.setattr(kernels, "L2_PREFETCH_MB", 64.0)
-        cfg = kernels.skinny_config(n, k, gated, kernels.SKINNY_RULE)
-        assert kernels._l2_tiles(cfg, (-(-n // cfg.block_n), cfg.split, 1), 2, gated) > 0
-        hinted = [run(x[:, :t], layer) for t in (1, 16)]
-    for a, b in zip(plain, hinted):
-        assert torch.equal(a, b)
-    counters_are_back_to_zero()
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k,gated,with_delta", [(96, 2048, False, True), (550, 256, True, True),
                                                   (40, 900, False, False), (200, 384, True, False)])
