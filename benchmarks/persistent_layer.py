@@ -50,17 +50,19 @@ MAX_SPINS = tl.constexpr(1 << 18)
 
 
 @triton.jit
-def _barrier(bar_ptr, target):
+def _barrier(bar_ptr, target, ON: tl.constexpr):
+    # ON False: no waiting at all (wrong results; the streaming alone, for --no-barriers).
     # Every program adds one, then polls until all NP programs of this phase have: stores
     # before the release are visible to loads after the acquire (loads of other programs'
     # results also bypass L1: cache_modifier ".cg").
     tl.debug_barrier()
     tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
-    seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
-    spins = 0
-    while (seen < target) & (spins < MAX_SPINS):
+    if ON:
         seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
-        spins += 1
+        spins = 0
+        while (seen < target) & (spins < MAX_SPINS):
+            seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+            spins += 1
     tl.debug_barrier()
 
 
@@ -184,7 +186,8 @@ def _layers_kernel(r_ptr, dpart, qpart, opart, act, bar_ptr, w_qkv, w_o, w_gu, w
                    KS_O: tl.constexpr, TPI_O: tl.constexpr, KC_O: tl.constexpr,
                    TPI_G: tl.constexpr, KC_G: tl.constexpr, BN_G: tl.constexpr,
                    KS_D: tl.constexpr, TPI_D: tl.constexpr, KC_D: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NP: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NP: tl.constexpr,
+                   BARRIERS: tl.constexpr = True):
     # r [2, H] bf16 (the residual stream, double-buffered by layer parity); dpart [KS_D, H],
     # qpart [KS_Q, QN], opart [KS_O, H] float32; act [INTER] bf16; bar: one int32 counter
     # (zero at launch); weights stacked by layer.
@@ -205,12 +208,12 @@ def _layers_kernel(r_ptr, dpart, qpart, opart, act, bar_ptr, w_qkv, w_o, w_gu, w
         _phase(wq, w, u, pid, QN, H, KS_Q, TPI_Q, KC_Q, BLOCK_N, BLOCK_K, NP, False,
                r_in, True, dpart, KS_D, H, dpart, 0, H, nw1 + lay * H, True, inv1, qpart)
         w, u = _first_tiles(wo, pid, H, QD, KS_O, TPI_O, KC_O, BLOCK_N, BLOCK_K, NP, False)
-        _barrier(bar_ptr, base + NP)
+        _barrier(bar_ptr, base + NP, BARRIERS)
         # 2. o of q (Σ qkv partials, the first QD columns)
         _phase(wo, w, u, pid, H, QD, KS_O, TPI_O, KC_O, BLOCK_N, BLOCK_K, NP, False,
                qpart, False, qpart, KS_Q, QN, qpart, 0, QN, nw1, False, 1.0, opart)
         w, u = _first_tiles(wg, pid, INTER, H, 1, TPI_G, KC_G, BN_G, BLOCK_K, NP, True)
-        _barrier(bar_ptr, base + 2 * NP)
+        _barrier(bar_ptr, base + 2 * NP, BARRIERS)
         # 3. SiLU(gate) · up of RMSNorm(x2), x2 = r + Σ down partials + Σ o partials
         inv2 = _inv_rms(H, r_in, dpart, KS_D, opart, KS_O, eps, BLOCK_K)
         if pid == 0:
@@ -221,14 +224,14 @@ def _layers_kernel(r_ptr, dpart, qpart, opart, act, bar_ptr, w_qkv, w_o, w_gu, w
         _phase(wg, w, u, pid, INTER, H, 1, TPI_G, KC_G, BN_G, BLOCK_K, NP, True,
                r_in, True, dpart, KS_D, H, opart, KS_O, H, nw2 + lay * H, True, inv2, act)
         w, u = _first_tiles(wd, pid, H, INTER, KS_D, TPI_D, KC_D, BLOCK_N, BLOCK_K, NP, False)
-        _barrier(bar_ptr, base + 3 * NP)
+        _barrier(bar_ptr, base + 3 * NP, BARRIERS)
         # 4. down of act
         _phase(wd, w, u, pid, H, INTER, KS_D, TPI_D, KC_D, BLOCK_N, BLOCK_K, NP, False,
                act, True, act, 0, H, act, 0, H, nw1, False, 1.0, dpart)
         nq = tl.full([], tl.minimum(layer + 1, n_layers - 1), tl.int64)
         w, u = _first_tiles(w_qkv + nq * QN * H, pid, QN, H, KS_Q, TPI_Q, KC_Q, BLOCK_N,
                             BLOCK_K, NP, False)
-        _barrier(bar_ptr, base + 4 * NP)
+        _barrier(bar_ptr, base + 4 * NP, BARRIERS)
 
 
 def _balance(items: int, programs: int) -> float:
@@ -267,6 +270,7 @@ class PersistentLayers:
         self.nw2 = 1 + rand(layers, h, scale=0.1)
         self.eps = 1e-6
         self.device, self.programs = device, programs
+        self.barriers = True  # False: no phase waits for the last (wrong results, speed only)
         self.r = torch.zeros(2, h, dtype=torch.bfloat16, device=device)
         self.act = torch.zeros(inter, dtype=torch.bfloat16, device=device)
         self.bar = torch.zeros(1, dtype=torch.int32, device=device)
@@ -305,7 +309,7 @@ class PersistentLayers:
             TPI_G=self.g[1], KC_G=self.g[2], BN_G=self.g[3],
             KS_D=self.d[0], TPI_D=self.d[1], KC_D=self.d[2],
             BLOCK_N=self.block_n, BLOCK_K=self.block_k, NP=self.programs,
-            num_warps=self.num_warps)
+            BARRIERS=self.barriers, num_warps=self.num_warps)
         return self.r[self.layers % 2].float() + self.dpart.sum(0)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
@@ -415,9 +419,13 @@ def main() -> None:
             run = {"block_n": block_n, "block_k": block_k, "num_warps": warps,
                    "us_per_layer": us, "rel_error": err, "barrier_gave_up": stuck,
                    "splits": {"qkv": p.q, "o": p.o, "gate_up": p.g, "down": p.d}}
+            p.barriers = False
+            run["us_per_layer_without_barriers"] = time_ms(functools.partial(p.run, x)) * 1e3 / cfg.num_layers
+            p.barriers = True
             row["persistent"].append(run)
             print(f"  persistent, tiles {block_n}x{block_k}, {warps} warps: {us:.1f} us/layer "
-                  f"({100 * ideal_us / us:.0f}%), rel. error {err:.1e}"
+                  f"({100 * ideal_us / us:.0f}%; without the barriers' waits, wrong results: "
+                  f"{run['us_per_layer_without_barriers']:.1f}), rel. error {err:.1e}"
                   f"{', A BARRIER GAVE UP' if stuck else ''}; splits {run['splits']}", flush=True)
         results["shapes"][name] = row
         del p, lib
