@@ -144,8 +144,11 @@ def test_quantized_speculative_decoding_equals_quantized_plain(tmp_path, mode):
                               tokenizer_from=target)
     llm = LLM(str(target), device="cuda", dtype="bfloat16", quantization=mode)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    prompts = ["def add(a, b):", "The quick brown fox jumps"]
+    # the last prompt is longer than the int4 kernel's 32 rows: its prefill (a CUDA graph of a
+    # padded length) takes the dequantizing path
+    prompts = ["def add(a, b):", "The quick brown fox jumps", " ".join(["jumps over"] * 40)]
     plain = [o.token_ids for o in llm.generate(prompts, params, draft=None)]
+    assert len(llm.encode(prompts[-1])[1]) > 32
     for draft in ("ngram", str(draft_model), str(target)):
         outs = llm.generate(prompts, params, draft=draft, num_speculative_tokens=4)
         assert [o.token_ids for o in outs] == plain, draft
