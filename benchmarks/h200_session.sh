@@ -85,6 +85,14 @@ for phase in "$@"; do
       --out "$OUT/mma-shapes$tag" --no-compare $MMA_MODEL_SHAPES 2>&1 | grep -v Warn \
       | tee "$OUT/mma-shapes$tag.log"
     ;;
+  sweep)
+    # The skinny kernel's launch parameters per matrix (one row, weights from DRAM, an equal
+    # share of SWEEP_S seconds each), then decoding in the model with every matrix at its best
+    # against the rule's configs, in turn in one process (profile_step --sweep --sweep-apply).
+    python3 benchmarks/profile_step.py --out "$OUT/sweep" --no-official --no-compare \
+      --sweep "${SWEEP_S:-150}" --sweep-apply ${SWEEP_SHAPES:-qwen2.5-1.5b} 2>&1 | grep -v Warn \
+      | tee "$OUT/sweep.log"
+    ;;
   breakdown)
     # The default decode path against switches toggled (BREAKDOWN: gated, early, rope, split,
     # nonorm, nopdl; several joined by "+" together), in turn in one process, with kernel

@@ -15,7 +15,8 @@ StepRunner each (graphs captured under the setting):
 a kernel table of one replayed decode step (torch.profiler) for some of them, and cuBLAS
 against the skinny kernel for every matrix shape of the model (µs, each in a graph of 20
 back-to-back calls). --sweep S: a launch-parameter sweep of the skinny kernel per matrix, S
-seconds a shape.
+seconds a shape, weights from DRAM; with --sweep-apply, then decoding in the model with each
+matrix at its sweep's best against the rule's configs, in turn in one process.
 
 Random weights measure speed only; acceptance is not measured.
 
@@ -207,12 +208,13 @@ def compare(shape: str, quant: str | None, context: int, bandwidth: float) -> di
 
 
 def matrices(model) -> dict:
-    """Distinct plain-Linear weights of the model by (n, k, gated): gated for the MLP's gate and
-    up product (n = its output width, half the weight's rows)."""
+    """Distinct plain-Linear weights of the model by (n, k, gated), as the model runs them:
+    gated for the MLP's gate and up product when kernels.GATED (n = its output width, half the
+    weight's rows)."""
     mats = {}
     for name, mod in model.named_modules():
         if type(mod) is torch.nn.Linear:
-            gated = name.endswith("w_gate_up")
+            gated = name.endswith("w_gate_up") and kernels.GATED
             rows, k = mod.weight.shape
             mats.setdefault((rows // 2 if gated else rows, k, gated), mod.weight)
     return mats
@@ -221,10 +223,13 @@ def matrices(model) -> dict:
 def candidates(n: int, k: int, gated: bool):
     cdiv = lambda a, b: -(-a // b)
     seen = set()
-    for block_n, block_k in ((16, 256), (16, 512), (32, 256), (32, 512), (64, 128), (64, 256)):
+    for block_n, block_k, warps in ((64, 128, 4), (64, 128, 8), (128, 64, 4), (128, 64, 8),
+                                    (128, 128, 8), (64, 256, 8), (16, 256, 4), (16, 512, 4),
+                                    (32, 256, 4), (32, 512, 4), (64, 256, 4)):
         if block_k > max(16, 1 << (k - 1).bit_length()):
             continue
-        n_blocks, k_tiles = cdiv(n, block_n), cdiv(k, block_k)
+        n_blocks = cdiv(n, block_n) * (2 if gated else 1)
+        k_tiles = cdiv(k, block_k)
         for target in (132, 264, 528):
             split = max(1, min(k_tiles, round(target / n_blocks)))
             k_steps = cdiv(k_tiles, split)
@@ -232,7 +237,7 @@ def candidates(n: int, k: int, gated: bool):
             for pre in (1, 2):
                 if pre > k_steps:
                     continue
-                c = kernels.SkinnyConfig(block_n, block_k, k_steps, split, pre)
+                c = kernels.SkinnyConfig(block_n, block_k, k_steps, split, pre, warps)
                 if c not in seen:
                     seen.add(c)
                     yield c
@@ -241,14 +246,16 @@ def candidates(n: int, k: int, gated: bool):
 @torch.inference_mode()
 def sweep(shape: str, budget_s: float) -> dict:
     """Launch parameters of the skinny kernel for each matrix of the shape: one row, µs per call
-    (graph of 20 back-to-back calls, weights read from DRAM, default setting), best first; the three best then with 2
-    and 4 pipeline stages, and the best and the rule's config at 16 rows."""
+    (graph of 20 back-to-back calls, weights read from DRAM, default setting), best first; the
+    three best then with 2 and 4 pipeline stages, and the best and the rule's config at 16 rows.
+    Each matrix gets an equal share of budget_s (new configs compile, ~1 s each)."""
     cfg = dataclasses.replace(get_shape(shape), num_layers=1)
     model = build_random_model(cfg, torch.bfloat16, "cuda")
     set_path(DEFAULT)
-    began = time.perf_counter()
     result = {}
-    for (n, k, gated), w in matrices(model).items():
+    mats = matrices(model)
+    for (n, k, gated), w in mats.items():
+        began, budget = time.perf_counter(), budget_s / len(mats)
         x1 = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
         x16 = torch.randn(16, k, dtype=torch.bfloat16, device="cuda")
         ring = dram_ring(w)
@@ -256,7 +263,7 @@ def sweep(shape: str, budget_s: float) -> dict:
         timed = []
         default = kernels.skinny_config(n, k, gated, kernels.SKINNY_RULE)
         for c in [default, *candidates(n, k, gated)]:
-            if time.perf_counter() - began > budget_s:
+            if time.perf_counter() - began > budget:
                 break
             try:
                 timed.append((graph_us(lambda: run(x1, c)), c))
@@ -265,7 +272,7 @@ def sweep(shape: str, budget_s: float) -> dict:
         timed.sort(key=lambda r: r[0])
         for us, c in timed[:3]:
             for stages in (2, 4):
-                if time.perf_counter() - began > budget_s:
+                if time.perf_counter() - began > 1.5 * budget:
                     break
                 c2 = c._replace(num_stages=stages)
                 try:
@@ -274,11 +281,12 @@ def sweep(shape: str, budget_s: float) -> dict:
                     pass
         timed.sort(key=lambda r: r[0])
         if not timed:
-            break
+            continue
         best = timed[0][1]
         nbytes = w.numel() * 2
         key = f"{n}x{k}{' gated' if gated else ''}"
-        entry = {"best": best, "best_us": timed[0][0], "best_TBps": nbytes / timed[0][0] / 1e6,
+        entry = {"matrix": (n, k, gated), "best": best, "best_us": timed[0][0],
+                 "best_TBps": nbytes / timed[0][0] / 1e6,
                  "default": default, "top": [(us, c) for us, c in timed[:8]]}
         entry["default_us"] = next((us for us, c in timed if c == default), None)
         entry["best_us_16rows"] = graph_us(lambda: run(x16, best))
@@ -289,6 +297,34 @@ def sweep(shape: str, budget_s: float) -> dict:
               f"{tuple(default)}; 16 rows {entry['best_us_16rows']:.1f} / "
               f"{entry['default_us_16rows']:.1f} us", flush=True)
     return result
+
+
+@torch.inference_mode()
+def sweep_apply(shape: str, swept: dict, context: int, bandwidth: float, repeats: int = 2) -> dict:
+    """Decoding in the model with every swept matrix at its sweep's best config against the
+    rule's, in turn `repeats` times in one process (fresh graphs each): micro-benchmarks of
+    small products have misled before (NOTES-gpu.md, session 3), the model decides."""
+    best = {tuple(e["matrix"]): kernels.SkinnyConfig(*e["best"]) for e in swept.values()}
+    rule = kernels.skinny_config
+
+    def patched(n, k, gated=False, rule_name="v2"):
+        return best.get((n, k, gated)) or rule(n, k, gated, rule_name)
+    set_path(DEFAULT)
+    cfg, model, cache, need = target(shape, None, context)
+    out = {"rule": [], "sweep best": []}
+    try:
+        for _ in range(repeats):
+            for label in out:
+                kernels.skinny_config = patched if label == "sweep best" else rule
+                _, t1, t16, tps = time_decode(model, cache, cfg, context)
+                out[label].append({"t1_ms": t1 * 1e3, "t16_ms": t16 * 1e3,
+                                   "decode_tokens_per_s": tps,
+                                   "roofline_fraction": tps * need / bandwidth})
+                print(f"  {shape} {label}: t1 {t1 * 1e3:.3f} ms  t16 {t16 * 1e3:.3f} ms  decode "
+                      f"{tps:.1f} tok/s = {100 * tps * need / bandwidth:.1f}%", flush=True)
+    finally:
+        kernels.skinny_config = rule
+    return out
 
 
 def _one_layer_linears(shape: str):
@@ -593,6 +629,9 @@ def main() -> None:
                          "breakdown), in turn, with kernel tables")
     ap.add_argument("--sweep", type=float, default=0.0,
                     help="seconds per shape for a launch-parameter sweep of the skinny kernel")
+    ap.add_argument("--sweep-apply", action="store_true",
+                    help="after --sweep, decode in the model with each matrix at its best "
+                         "against the rule's configs")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -625,6 +664,8 @@ def main() -> None:
                                        [w for w in args.breakdown.split(",") if w])
         if args.sweep and not quant:
             r["sweep"] = sweep(shape, args.sweep)
+            if args.sweep_apply:
+                r["sweep_apply"] = sweep_apply(shape, r["sweep"], args.context, bandwidth)
         if args.convert_probe:
             r["convert_probe"] = convert_probe(shape, args.convert_probe.split(","))
         if args.mma_products:
