@@ -24,8 +24,8 @@ combination is asked for; steps longer than `max_graph_tokens` and every call on
 eagerly, through exactly the same model code.
 
 Prefill (`prefill`) is a graph too. Launched from Python, a prefill's few hundred kernels cost
-about ten times their GPU time (the 1.5B, 200 tokens on the H200: ~20-30 ms of launches for
-~2.4 ms of work), and that is the request's TTFT. On a GPU a prompt of t tokens runs padded to
+five to ten times their GPU time (the 1.5B, 200 tokens on the H200: 12-30 ms of launches,
+depending on the host, for ~2.4 ms of work), and that is the request's TTFT. On a GPU a prompt of t tokens runs padded to
 `prefill_length(t)` (a power of two), so that a few graphs serve every prompt: causal attention
 keeps the padding out of the real tokens' results, the keys and values it writes past the
 prompt sit at positions that every later step overwrites before it reads them (the same
@@ -83,6 +83,8 @@ def prefill(model, tokens: list[int], cache: KVCache, hidden_layers: tuple[int, 
     a graph by `runner` when it is given and enabled, else eagerly at the same shape."""
     device = torch.device(device)
     t = len(tokens)
+    if t == 0:
+        raise ValueError("prefill needs at least one token")
     if device.type != "cuda":
         ids = torch.tensor([list(tokens)], device=device)
         return eager_step(model, ids, 0, cache, hidden_layers, last_only=True)

@@ -108,6 +108,13 @@ def test_a_padded_prefill_computes_the_prompts_results(t):
 
 
 @torch.inference_mode()
+def test_prefill_refuses_an_empty_prompt():
+    cache = KVCache.for_model(TINY, 1, 64, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="at least one token"):
+        prefill(_model(), [], cache)
+
+
+@torch.inference_mode()
 def test_prefill_on_a_cpu_runs_the_prompt_unpadded():
     model = _model()
     c1, c2 = (KVCache.for_model(TINY, 1, 256, torch.float32, "cpu") for _ in range(2))
