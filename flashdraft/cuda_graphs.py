@@ -26,7 +26,9 @@ eagerly, through exactly the same model code.
 Prefill (`prefill`) is a graph too. Launched from Python, a prefill's few hundred kernels cost
 five to ten times their GPU time (the 1.5B, 200 tokens on the H200: 12-30 ms of launches,
 depending on the host, for ~2.4 ms of work), and that is the request's TTFT. On a GPU a prompt of t tokens runs padded to
-`prefill_length(t)` (a power of two), so that a few graphs serve every prompt: causal attention
+`prefill_length(t)` (a power of two up to 256, then a multiple of 256: at most 12 lengths, and
+no more than a third wasted past 768 tokens, where prefill starts to be compute-bound), so that
+a few graphs serve every prompt: causal attention
 keeps the padding out of the real tokens' results, the keys and values it writes past the
 prompt sit at positions that every later step overwrites before it reads them (the same
 argument as for the kv_len bucket), and the logits are taken at the last real token
@@ -49,7 +51,7 @@ import torch
 from .kv_cache import KVCache
 
 
-# Prompts up to this many tokens are prefilled padded to a power of two, as CUDA graphs on a
+# Prompts up to this many tokens are prefilled padded (`prefill_length`), as CUDA graphs on a
 # GPU; longer ones run eagerly at their own length (the launches are small against the work).
 PREFILL_GRAPH_MAX = int(os.environ.get("FLASHDRAFT_PREFILL_GRAPH_MAX", "2048"))
 
@@ -69,10 +71,12 @@ def eager_step(model, tokens: torch.Tensor, start: int, cache: KVCache,
 
 def prefill_length(t: int, cache: KVCache) -> int:
     """The length a prefill of t tokens runs at on a GPU: t rounded up to a power of two (at
-    least 16, at most the cache's length); t itself above PREFILL_GRAPH_MAX."""
+    least 16) up to 256, to a multiple of 256 above, at most the cache's length; t itself
+    above PREFILL_GRAPH_MAX."""
     if t > PREFILL_GRAPH_MAX:
         return t
-    return max(t, min(max(16, 1 << (t - 1).bit_length()), cache.max_len))
+    n = max(16, 1 << (t - 1).bit_length()) if t <= 256 else -(-t // 256) * 256
+    return max(t, min(n, cache.max_len))
 
 
 def prefill(model, tokens: list[int], cache: KVCache, hidden_layers: tuple[int, ...] = (),

@@ -70,10 +70,13 @@ def test_engine_and_drafter_stay_eager_on_cpu(tmp_path):
     assert len(out.token_ids) == 8
 
 
-def test_prefill_length_rounds_up_to_a_power_of_two_within_the_cache():
+def test_prefill_length_rounds_up_to_a_few_lengths_within_the_cache():
     cache = KVCache.for_model(TINY, 1, 768, torch.float32, "cpu")
     assert [prefill_length(t, cache) for t in (1, 16, 17, 33, 200, 256, 257, 600, 768)] == \
-        [16, 16, 32, 64, 256, 256, 512, 768, 768]
+        [16, 16, 32, 64, 256, 256, 512, 768, 768]  # powers of two, then multiples of 256
+    big = KVCache.for_model(TINY, 1, 2100, torch.float32, "cpu")
+    assert [prefill_length(t, big) for t in (769, 1025, 1900, 2048)] == [1024, 1280, 2048, 2048]
+    assert len({prefill_length(t, big) for t in range(1, 2049)}) == 12
     big = KVCache.for_model(TINY, 1, PREFILL_GRAPH_MAX + 512, torch.float32, "cpu")
     assert prefill_length(PREFILL_GRAPH_MAX, big) == PREFILL_GRAPH_MAX
     assert prefill_length(PREFILL_GRAPH_MAX + 1, big) == PREFILL_GRAPH_MAX + 1  # eager, unpadded
