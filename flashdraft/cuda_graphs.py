@@ -25,10 +25,10 @@ eagerly, through exactly the same model code.
 
 Prefill (`prefill`) is a graph too. Launched from Python, a prefill's few hundred kernels cost
 five to ten times their GPU time (the 1.5B, 200 tokens on the H200: 12-30 ms of launches,
-depending on the host, for ~2.4 ms of work), and that is the request's TTFT. On a GPU a prompt of t tokens runs padded to
-`prefill_length(t)` (a power of two up to 256, then a multiple of 256: at most 12 lengths, and
-no more than a third wasted past 768 tokens, where prefill starts to be compute-bound), so that
-a few graphs serve every prompt: causal attention
+depending on the host, for ~2.4 ms of work), and that is the request's TTFT. On a GPU a prompt
+of t tokens runs padded to `prefill_length(t)` (a power of two up to 256, then a multiple of
+256: at most 12 lengths, and no more than a third of the work wasted past 768 tokens, where
+prefill starts to be compute-bound), so that a few graphs serve every prompt. Causal attention
 keeps the padding out of the real tokens' results, the keys and values it writes past the
 prompt sit at positions that every later step overwrites before it reads them (the same
 argument as for the kv_len bucket), and the logits are taken at the last real token
