@@ -15,6 +15,7 @@ in PyTorch ops only and as one replayed CUDA graph).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -55,9 +56,7 @@ def where_time_goes(model, cache, tokens: torch.Tensor) -> dict:
     GPU's busy time and kernel count (what launching costs), and the host ops that take the
     most time of their own."""
     from torch.profiler import ProfilerActivity, profile
-    for _ in range(2):
-        prefill_ms(model, cache, tokens)
-    wall = statistics.median(prefill_ms(model, cache, tokens) for _ in range(5))
+    wall = _median_wall(model, cache, tokens, contextlib.nullcontext)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         prefill_ms(model, cache, tokens)
     gpu = [e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 0]
@@ -85,32 +84,26 @@ def _median_wall(model, cache, tokens: torch.Tensor, context) -> float:
 
 
 def _graph_replay(model, cache, tokens: torch.Tensor) -> float:
-    """The same prefill captured as one CUDA graph and replayed: the time without the host's
-    launches, i.e. what a prefill graph per length bucket could reach."""
+    """The same prefill captured as one CUDA graph (StepRunner's, at the prompt's own length,
+    unpadded) and replayed: the time without the host's launches."""
+    from flashdraft.cuda_graphs import StepRunner
+
     n = tokens.shape[1]
-    positions = torch.arange(n, device="cuda")[None]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            model(tokens, positions, cache, kv_len=n, last_only=True)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        model(tokens, positions, cache, kv_len=n, last_only=True)
+    runner = StepRunner(model, "cuda")
+    runner.prefill(tokens, n, cache)  # captures
     times = []
     for _ in range(7):
         torch.cuda.synchronize()
         began = time.perf_counter()
-        graph.replay()
+        runner.prefill(tokens, n, cache)
         torch.cuda.synchronize()
         times.append((time.perf_counter() - began) * 1e3)
     return statistics.median(times)
 
 
 def graph_prefills(model, cache, vocab: int, lengths: int) -> dict:
-    """The engine's prefill (`cuda_graphs.prefill`: padded to a power of two, one CUDA graph per
-    padded length): new lengths of 150-217 tokens (one padded length, 256), the first (which
+    """The engine's prefill (`cuda_graphs.prefill`: padded to `prefill_length`, one CUDA graph
+    per padded length): new lengths of 150-217 tokens (one padded length, 256), the first (which
     captures that length's graph the first time) and again; and 200 tokens, again."""
     from flashdraft.cuda_graphs import StepRunner, prefill
 
