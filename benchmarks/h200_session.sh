@@ -88,10 +88,15 @@ for phase in "$@"; do
   sweep)
     # The skinny kernel's launch parameters per matrix (one row, weights from DRAM, an equal
     # share of SWEEP_S seconds each), then decoding in the model with every matrix at its best
-    # against the rule's configs, in turn in one process (profile_step --sweep --sweep-apply).
-    python3 benchmarks/profile_step.py --out "$OUT/sweep" --no-official --no-compare \
-      --sweep "${SWEEP_S:-150}" --sweep-apply ${SWEEP_SHAPES:-qwen2.5-1.5b} 2>&1 | grep -v Warn \
-      | tee "$OUT/sweep.log"
+    # against the default configs, in turn in one process (profile_step --sweep --sweep-apply).
+    # The winners are merged into a copy of the shipped tuned table, $OUT/skinny_tuned.json
+    # (copy it to flashdraft/data/ to ship it); SWEEP_MATCH sweeps only the matrices whose key
+    # holds it (e.g. "gated" with FLASHDRAFT_GATED=1), SWEEP_TAG names the run.
+    [ -f "$OUT/skinny_tuned.json" ] || cp flashdraft/data/skinny_tuned.json "$OUT/" 2>/dev/null
+    python3 benchmarks/profile_step.py --out "$OUT/sweep${SWEEP_TAG:-}" --no-official --no-compare \
+      --sweep "${SWEEP_S:-150}" --sweep-apply --sweep-write "$OUT/skinny_tuned.json" \
+      --sweep-match "${SWEEP_MATCH:-}" ${SWEEP_SHAPES:-qwen2.5-1.5b} 2>&1 | grep -v Warn \
+      | tee "$OUT/sweep${SWEEP_TAG:-}.log"
     ;;
   breakdown)
     # The default decode path against switches toggled (BREAKDOWN: gated, early, rope, split,

@@ -16,7 +16,8 @@ a kernel table of one replayed decode step (torch.profiler) for some of them, an
 against the skinny kernel for every matrix shape of the model (µs, each in a graph of 20
 back-to-back calls). --sweep S: a launch-parameter sweep of the skinny kernel per matrix, S
 seconds a shape, weights from DRAM; with --sweep-apply, then decoding in the model with each
-matrix at its sweep's best against the rule's configs, in turn in one process.
+matrix at its sweep's best against the default configs, in turn in one process; with
+--sweep-write JSON, the winners merged into a tuned table (kernels.SKINNY_TABLE).
 
 Random weights measure speed only; acceptance is not measured.
 
@@ -223,9 +224,10 @@ def matrices(model) -> dict:
 def candidates(n: int, k: int, gated: bool):
     cdiv = lambda a, b: -(-a // b)
     seen = set()
-    for block_n, block_k, warps in ((64, 128, 4), (64, 128, 8), (128, 64, 4), (128, 64, 8),
-                                    (128, 128, 8), (64, 256, 8), (16, 256, 4), (16, 512, 4),
-                                    (32, 256, 4), (32, 512, 4), (64, 256, 4)):
+    for block_n, block_k, warps in ((64, 128, 4), (64, 128, 8), (64, 256, 4), (64, 256, 8),
+                                    (32, 256, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8),
+                                    (32, 128, 4), (64, 64, 4), (16, 256, 4), (16, 512, 4),
+                                    (32, 512, 4)):
         if block_k > max(16, 1 << (k - 1).bit_length()):
             continue
         n_blocks = cdiv(n, block_n) * (2 if gated else 1)
@@ -234,8 +236,8 @@ def candidates(n: int, k: int, gated: bool):
             split = max(1, min(k_tiles, round(target / n_blocks)))
             k_steps = cdiv(k_tiles, split)
             split = cdiv(k_tiles, k_steps)
-            for pre in (1, 2):
-                if pre > k_steps:
+            for pre in (1, 2, 4):
+                if pre > k_steps or pre * block_n * block_k > 4 * 8192:  # registers
                     continue
                 c = kernels.SkinnyConfig(block_n, block_k, k_steps, split, pre, warps)
                 if c not in seen:
@@ -244,16 +246,18 @@ def candidates(n: int, k: int, gated: bool):
 
 
 @torch.inference_mode()
-def sweep(shape: str, budget_s: float) -> dict:
+def sweep(shape: str, budget_s: float, match: str = "") -> dict:
     """Launch parameters of the skinny kernel for each matrix of the shape: one row, µs per call
     (graph of 20 back-to-back calls, weights read from DRAM, default setting), best first; the
-    three best then with 2 and 4 pipeline stages, and the best and the rule's config at 16 rows.
-    Each matrix gets an equal share of budget_s (new configs compile, ~1 s each)."""
+    five best then with 2 to 5 pipeline stages and the other warp count, and the best and the
+    default config (SKINNY_RULE: the tuned table's where it has one) at 16 rows. Each matrix
+    gets an equal share of budget_s (new configs compile, ~1 s each), and up to 0.6 of it more
+    for the second round."""
     cfg = dataclasses.replace(get_shape(shape), num_layers=1)
     model = build_random_model(cfg, torch.bfloat16, "cuda")
     set_path(DEFAULT)
     result = {}
-    mats = matrices(model)
+    mats = {m: w for m, w in matrices(model).items() if match in kernels.table_key(*m)}
     for (n, k, gated), w in mats.items():
         began, budget = time.perf_counter(), budget_s / len(mats)
         x1 = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
@@ -270,11 +274,13 @@ def sweep(shape: str, budget_s: float) -> dict:
             except Exception as e:  # a config the compiler refuses (resources)
                 print(f"    {c}: {type(e).__name__}", flush=True)
         timed.sort(key=lambda r: r[0])
-        for us, c in timed[:3]:
-            for stages in (2, 4):
-                if time.perf_counter() - began > 1.5 * budget:
-                    break
-                c2 = c._replace(num_stages=stages)
+        tried = {c for _, c in timed}
+        for us, c in timed[:5]:
+            for c2 in [c._replace(num_stages=stages) for stages in (2, 3, 4, 5)] + \
+                    [c._replace(num_warps=12 - c.num_warps)]:
+                if c2 in tried or time.perf_counter() - began > 1.6 * budget:
+                    continue
+                tried.add(c2)
                 try:
                     timed.append((graph_us(lambda: run(x1, c2)), c2))
                 except Exception:
@@ -284,7 +290,7 @@ def sweep(shape: str, budget_s: float) -> dict:
             continue
         best = timed[0][1]
         nbytes = w.numel() * 2
-        key = f"{n}x{k}{' gated' if gated else ''}"
+        key = kernels.table_key(n, k, gated)
         entry = {"matrix": (n, k, gated), "best": best, "best_us": timed[0][0],
                  "best_TBps": nbytes / timed[0][0] / 1e6,
                  "default": default, "top": [(us, c) for us, c in timed[:8]]}
@@ -293,16 +299,41 @@ def sweep(shape: str, budget_s: float) -> dict:
         entry["default_us_16rows"] = graph_us(lambda: run(x16, default))
         result[key] = entry
         print(f"  sweep {shape} {key:>18s}: best {entry['best_us']:6.1f} us "
-              f"({entry['best_TBps']:.2f} TB/s) {tuple(best)}; rule {entry['default_us']} us "
+              f"({entry['best_TBps']:.2f} TB/s) {tuple(best)}; default {entry['default_us']} us "
               f"{tuple(default)}; 16 rows {entry['best_us_16rows']:.1f} / "
               f"{entry['default_us_16rows']:.1f} us", flush=True)
     return result
 
 
+def format_table(table: dict) -> str:
+    """The tuned table as JSON, one matrix a line."""
+    gpus = ",\n".join(f" {json.dumps(gpu)}: {{\n" + ",\n".join(
+        f"  {json.dumps(key)}: {json.dumps(list(c))}" for key, c in entries.items()) + "\n }"
+        for gpu, entries in table.items())
+    return "{\n" + gpus + "\n}\n"
+
+
+def sweep_write(path: Path, swept: dict, margin: float = 0.01) -> dict:
+    """Merge the sweep's winners into the tuned table at path (kernels.SKINNY_TABLE's format,
+    under this GPU's name): a matrix's best config goes in where it beat the default by more
+    than `margin` (the same config timed twice differs by ~0.1 %); other entries stay. Returns
+    what was written."""
+    table = json.loads(path.read_text()) if path.exists() else {}
+    mine = table.setdefault(kernels.device_name(), {})
+    written = {}
+    for key, e in swept.items():
+        if e["default_us"] is None or e["best_us"] < (1 - margin) * e["default_us"]:
+            mine[key] = written[key] = list(e["best"])
+    table[kernels.device_name()] = dict(sorted(mine.items()))
+    path.write_text(format_table(table))
+    print(f"  sweep wrote {len(written)} entries to {path}: {written}", flush=True)
+    return written
+
+
 @torch.inference_mode()
 def sweep_apply(shape: str, swept: dict, context: int, bandwidth: float, repeats: int = 2) -> dict:
     """Decoding in the model with every swept matrix at its sweep's best config against the
-    rule's, in turn `repeats` times in one process (fresh graphs each): micro-benchmarks of
+    default's, in turn `repeats` times in one process (fresh graphs each): micro-benchmarks of
     small products have misled before (NOTES-gpu.md, session 3), the model decides."""
     best = {tuple(e["matrix"]): kernels.SkinnyConfig(*e["best"]) for e in swept.values()}
     rule = kernels.skinny_config
@@ -311,7 +342,7 @@ def sweep_apply(shape: str, swept: dict, context: int, bandwidth: float, repeats
         return best.get((n, k, gated)) or rule(n, k, gated, rule_name)
     set_path(DEFAULT)
     cfg, model, cache, need = target(shape, None, context)
-    out = {"rule": [], "sweep best": []}
+    out = {"default": [], "sweep best": []}
     try:
         for _ in range(repeats):
             for label in out:
@@ -631,7 +662,13 @@ def main() -> None:
                     help="seconds per shape for a launch-parameter sweep of the skinny kernel")
     ap.add_argument("--sweep-apply", action="store_true",
                     help="after --sweep, decode in the model with each matrix at its best "
-                         "against the rule's configs")
+                         "against the default configs")
+    ap.add_argument("--sweep-match", default="", metavar="TEXT",
+                    help="sweep only the matrices whose table key (e.g. '1536x8960', "
+                         "'8960x1536 gated') holds TEXT")
+    ap.add_argument("--sweep-write", type=Path, default=None, metavar="JSON",
+                    help="after --sweep, merge each matrix's best config into this tuned table "
+                         "(kernels.SKINNY_TABLE) where it beat the default by over 1 %%")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -663,9 +700,11 @@ def main() -> None:
             r["breakdown"] = breakdown(shape, quant, args.context, bandwidth,
                                        [w for w in args.breakdown.split(",") if w])
         if args.sweep and not quant:
-            r["sweep"] = sweep(shape, args.sweep)
+            r["sweep"] = sweep(shape, args.sweep, args.sweep_match)
             if args.sweep_apply:
                 r["sweep_apply"] = sweep_apply(shape, r["sweep"], args.context, bandwidth)
+            if args.sweep_write:
+                r["sweep_written"] = sweep_write(args.sweep_write, r["sweep"])
         if args.convert_probe:
             r["convert_probe"] = convert_probe(shape, args.convert_probe.split(","))
         if args.mma_products:

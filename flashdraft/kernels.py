@@ -54,7 +54,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -825,23 +827,77 @@ class SkinnyConfig(NamedTuple):
 # How the skinny kernel is launched and what it absorbs. Each choice was measured against the
 # others in the model (benchmarks/profile_step.py --variants, H200, benchmarks/NOTES-gpu.md);
 # the defaults are the fastest there:
-# FLASHDRAFT_SKINNY_RULE   v2 (default): 64 × 128 tiles, K split to ~256 programs;
+# FLASHDRAFT_SKINNY_RULE   tuned (default): the launch parameters measured fastest for this
+#                          weight shape on this GPU model (SKINNY_TABLE), else v2;
+#                          v2: 64 × 128 tiles, K split to ~256 programs;
 #                          v1: narrow tiles (16-64 × 512-128), K split to ~528 programs
+# FLASHDRAFT_SKINNY_TABLE  the table of measured parameters: a JSON file (default:
+#                          flashdraft/data/skinny_tuned.json, written by
+#                          benchmarks/profile_step.py --sweep-write), or "off"
 # FLASHDRAFT_SPLIT_REDUCE  last (default): the last program of a tile adds the K slices;
 #                          kernel: a second kernel does (plain products only)
 # FLASHDRAFT_GATED=1       SiLU · up inside the gate/up product (default: its own kernel after it)
 # (Residual add + RMSNorm inside the next product was measured too, 2x slower: every program
 # re-normalised its input rows; removed after session 4, see NOTES-gpu.md.)
-SKINNY_RULE = os.environ.get("FLASHDRAFT_SKINNY_RULE", "v2")
+SKINNY_RULE = os.environ.get("FLASHDRAFT_SKINNY_RULE", "tuned")
+_SHIPPED_TABLE = str(Path(__file__).with_name("data") / "skinny_tuned.json")
+SKINNY_TABLE = os.environ.get("FLASHDRAFT_SKINNY_TABLE", _SHIPPED_TABLE)
 SPLIT_REDUCE = os.environ.get("FLASHDRAFT_SPLIT_REDUCE", "last")
 GATED = os.environ.get("FLASHDRAFT_GATED", "0") == "1"
+
+
+def table_key(n: int, k: int, gated: bool) -> str:
+    return f"{n}x{k}{' gated' if gated else ''}"
+
+
+def _check_entry(key: str, c: SkinnyConfig) -> SkinnyConfig:
+    """c, if it is a launch that covers the weight of `key` exactly; else ValueError."""
+    n, k = (int(v) for v in key.split()[0].split("x"))
+    k_tiles = triton.cdiv(k, c.block_k)
+    powers = all(v > 0 and v & (v - 1) == 0 for v in (c.block_n, c.block_k, c.num_warps))
+    if not (powers and c.block_k >= 16 and c.split == triton.cdiv(k_tiles, c.k_steps)
+            and 1 <= c.pre_steps <= c.k_steps and c.num_stages >= 1):
+        raise ValueError(f"{key}: {tuple(c)} is not a launch of the skinny kernel over [{n}, {k}]")
+    return c
+
+
+def device_name() -> str:
+    """The GPU model the tuned table is looked up under ("cpu" without CUDA: Triton's
+    interpreter)."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+@functools.cache
+def tuned_table(gpu: str) -> dict[str, SkinnyConfig]:
+    """The measured launch parameters of SKINNY_TABLE for one GPU model, by table_key; empty
+    when the file has none for it (the rule applies), or SKINNY_TABLE is "off"."""
+    if SKINNY_TABLE == "off":
+        return {}
+    path = Path(SKINNY_TABLE)
+    try:
+        table = json.loads(path.read_text()).get(gpu, {})
+        return {key: _check_entry(key, SkinnyConfig(*v)) for key, v in table.items()}
+    except FileNotFoundError:
+        if SKINNY_TABLE != _SHIPPED_TABLE:
+            raise ValueError(f"FLASHDRAFT_SKINNY_TABLE={SKINNY_TABLE!r}: no such file; name a "
+                             "table written by profile_step.py --sweep-write, or set it to off")
+        return {}
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: not a table of skinny-kernel launches ({e}); write it again "
+                         "with benchmarks/profile_step.py --sweep-write, or set "
+                         "FLASHDRAFT_SKINNY_TABLE=off") from None
 
 
 @functools.cache
 def skinny_config(n: int, k: int, gated: bool = False, rule: str = "v2") -> SkinnyConfig:
     """Launch parameters for an [n, k] weight ([2 n, k] gate and up with `gated`): a function
-    of the weight's shape only, never of the number of rows, so every row count runs the same
-    arithmetic. Rules: see SKINNY_RULE."""
+    of the weight's shape (and the GPU model) only, never of the number of rows, so every row
+    count runs the same arithmetic. Rules: see SKINNY_RULE."""
+    if rule == "tuned":
+        found = tuned_table(device_name()).get(table_key(n, k, gated))
+        if found is not None:
+            return found
+        rule = "v2"
     if rule == "v1":  # the widest tile that still gives ~264 programs, else split K to ~528
         for block_n in (64, 32, 16):
             if triton.cdiv(n, block_n) >= 264:
@@ -855,7 +911,7 @@ def skinny_config(n: int, k: int, gated: bool = False, rule: str = "v2") -> Skin
         tiles_n = triton.cdiv(n, block_n) * (2 if gated else 1)  # weight tiles across n
         split = max(1, min(k_tiles, _SKINNY_PROGRAMS // tiles_n))
     else:
-        raise ValueError(f"unknown FLASHDRAFT_SKINNY_RULE {rule!r}: use v1 or v2")
+        raise ValueError(f"unknown FLASHDRAFT_SKINNY_RULE {rule!r}: use tuned, v1 or v2")
     k_steps = triton.cdiv(k_tiles, split)
     split = triton.cdiv(k_tiles, k_steps)
     pre = 1

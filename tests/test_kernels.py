@@ -4,6 +4,8 @@ On a GPU they run compiled, in float32, float16 and bfloat16; without one they r
 Triton's interpreter (conftest sets TRITON_INTERPRET=1), in float32 and float16 (the
 interpreter's bfloat16 rounding is not the GPU's, so bfloat16 is checked on the GPU only).
 """
+import json
+
 import pytest
 import torch
 
@@ -248,6 +250,62 @@ def test_skinny_launch_rules_and_split_reductions(monkeypatch, rule, reduce):
     close(full, kernels.linear_reference(x, layer.weight, layer.bias), torch.float32)
     assert torch.equal(one[:, 0], full[:, 17])
     counters_are_back_to_zero()
+
+
+@pytest.fixture
+def tuned(monkeypatch, tmp_path):
+    """kernels.SKINNY_TABLE pointed at a file of this test's (returned), caches cleared."""
+    path = tmp_path / "skinny.json"
+    monkeypatch.setattr(kernels, "SKINNY_TABLE", str(path))
+    monkeypatch.setattr(kernels, "SKINNY_RULE", "tuned")
+    kernels.tuned_table.cache_clear(), kernels.skinny_config.cache_clear()
+    yield path
+    kernels.tuned_table.cache_clear(), kernels.skinny_config.cache_clear()
+
+
+def test_skinny_tuned_table(tuned):
+    """A measured launch in the table is the one used for its shape on this GPU model (tests
+    on the CPU: "cpu"), the product is right and batch-invariant under it; shapes and GPU
+    models the table lacks follow the v2 rule."""
+    mine = kernels.SkinnyConfig(32, 256, 4, 2, 2, 4, 2)
+    tuned.write_text(json.dumps({kernels.device_name(): {"96x2048": list(mine)},
+                                 "Some Other GPU": {"1100x256": [16, 256, 1, 1, 1, 4, 3]}}))
+    assert kernels.skinny_config(96, 2048, False, "tuned") == mine
+    assert kernels.skinny_config(96, 2048, True, "tuned") == kernels.skinny_config(96, 2048, True)
+    assert kernels.skinny_config(1100, 256, False, "tuned") == kernels.skinny_config(1100, 256)
+    g = torch.Generator().manual_seed(4)
+    layer = torch.nn.Linear(2048, 96, bias=True).to(DEVICE, torch.float32)
+    x = torch.randn(1, 18, 2048, generator=g).to(DEVICE)
+    with run_kernels(), torch.inference_mode():
+        full = kernels.linear(x, layer)
+        one = kernels.linear(x[:, 11:12], layer)
+    close(full, kernels.linear_reference(x, layer.weight, layer.bias), torch.float32)
+    assert torch.equal(one[:, 0], full[:, 11])
+    counters_are_back_to_zero()
+
+
+@pytest.mark.parametrize("content,complaint", [
+    ({"cpu": {"96x2048": [32, 256, 4, 3, 2, 4, 2]}}, "not a launch of the skinny kernel"),
+    ({"cpu": {"96x2048": [32, 256, 4, 2, 8, 4, 2]}}, "not a launch of the skinny kernel"),
+    ({"cpu": {"96x2048": [32]}}, "not a table of skinny-kernel launches"),
+    ([1, 2], "not a table of skinny-kernel launches"),
+    (None, "no such file")])
+def test_skinny_tuned_table_refuses_what_it_cannot_run(tuned, content, complaint):
+    """A table that does not cover its weights (K tiles not split as stated, more prefetched
+    tiles than a program has), or is not a table, or a named file that is missing: a message
+    that names the file and the fix, not a wrong product."""
+    if content is not None:
+        tuned.write_text(json.dumps({kernels.device_name(): content["cpu"]}
+                                    if isinstance(content, dict) else content))
+    with pytest.raises(ValueError, match=complaint):
+        kernels.skinny_config(96, 2048, False, "tuned")
+
+
+def test_skinny_tuned_table_off(monkeypatch):
+    monkeypatch.setattr(kernels, "SKINNY_TABLE", "off")
+    kernels.tuned_table.cache_clear()
+    assert kernels.tuned_table(kernels.device_name()) == {}
+    kernels.tuned_table.cache_clear()
 
 
 def counters_are_back_to_zero():
