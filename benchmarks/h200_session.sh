@@ -34,6 +34,7 @@ for phase in "$@"; do
     mkdir -p $FLASHDRAFT_CACHE/models
     [ -f /root/models/MANIFEST ] || { echo "no example pair staged: random-weight phases only"; continue; }
     while read -r name n sha; do
+      ls /root/models/$name.?? >/dev/null 2>&1 || { echo "$name: not staged, skipped"; continue; }
       f=$FLASHDRAFT_CACHE/models/$name.gguf
       # joined again unless a complete join is there (an earlier setup may have run while
       # pieces were still arriving)
@@ -125,6 +126,18 @@ for phase in "$@"; do
       --draft ngram --num-speculative-tokens 1,3,5,8,16 --prompts humaneval --raw-prompts \
       --num-prompts 8 --max-tokens 128 --peer transformers --output "$OUT/bench" \
       --note "$(note)" --no-progress 2>&1 | tee "$OUT/bench.log" | tail -60
+    ;;
+  ngrambench)
+    # n-gram drafting with engine.AdaptiveSpeculation against drafting at every step
+    # (--adaptive-speculation both), raw text then chat, first 8 HumanEval prompts, 128 new
+    # tokens, greedy; the target alone need be staged.
+    for fmt in raw chat; do
+      fd bench --model example:qwen2.5-coder-1.5b --draft ngram --num-speculative-tokens \
+        "${NGRAM_KS:-5,16}" --adaptive-speculation both --prompts humaneval \
+        $([ $fmt = raw ] && echo --raw-prompts) --num-prompts 8 --max-tokens 128 \
+        --output "$OUT/ngram-$fmt" --note "$(note); $fmt" --no-progress 2>&1 \
+        | tee "$OUT/ngram-$fmt.log" | tail -12
+    done
     ;;
   chatbench)
     # HumanEval as BENCHMARKS.md defines the prompt set (through the chat template), first 8

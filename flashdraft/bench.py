@@ -87,6 +87,9 @@ class BenchSettings:
     max_model_len: int | None = None
     cuda_graphs: bool = True
     compile: bool = False
+    # engine.AdaptiveSpeculation on, off, or each drafter × k both ways: (True,), (False,),
+    # (True, False)
+    adaptive_speculation: tuple[bool, ...] = (True,)
     quantization: str | None = None  # of the target: None | "int8" | "int4"
     draft_quantization: str | None = "auto"  # of draft models; "auto": as the target's
     note: str | None = None  # printed with the results, e.g. "random weights: speed only"
@@ -120,6 +123,11 @@ class BenchSettings:
             raise ValueError(f"--max-tokens must be >= 1, got {self.max_tokens}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0 requests, got {self.warmup}")
+        adaptive = tuple(dict.fromkeys(self.adaptive_speculation))
+        if not adaptive or any(not isinstance(a, bool) for a in adaptive):
+            raise ValueError(f"adaptive_speculation takes True and/or False (--adaptive-"
+                             f"speculation on|off|both), got {self.adaptive_speculation!r}")
+        object.__setattr__(self, "adaptive_speculation", adaptive)
         if self.peer is not None and self.peer not in PEERS:
             raise ValueError(f"--peer {self.peer!r} is not known; peers: {', '.join(PEERS)}")
         if self.peer and 0.0 not in temps:
@@ -142,10 +150,13 @@ class Configuration:
     k: int  # 0 for plain decoding
     temperature: float
     label: str  # the drafter's short name, "plain" for plain decoding
+    adaptive: bool = True  # engine.AdaptiveSpeculation on (False: a draft at every step)
 
     @property
     def name(self) -> str:
-        return self.label if self.drafter is None else f"{self.label} k={self.k}"
+        if self.drafter is None:
+            return self.label
+        return f"{self.label} k={self.k}" + ("" if self.adaptive else " every step")
 
 
 # -- prompts ---------------------------------------------------------------------------------
@@ -286,6 +297,8 @@ def summarize(requests: list[dict], plain: dict | None, planned: int, k: int) ->
         "target_passes": passes,
         "drafted_tokens": sum(m["drafted_tokens"] for m in metrics),
         "accepted_tokens": sum(m["accepted_tokens"] for m in metrics),
+        # of the generated tokens, those from plain steps run ahead (AdaptiveSpeculation's)
+        "plain_tokens": sum(m.get("plain_tokens", 0) for m in metrics),
         "tau": generated / passes if passes else None,
         "acceptance_rate": sum(accepted) / sum(drafted) if drafted else None,
         "per_position_acceptance": [  # None where no step drafted that far
@@ -466,8 +479,9 @@ def configurations(s: BenchSettings) -> list[Configuration]:
     out = []
     for t in s.temperatures:
         out.append(Configuration(None, 0, t, "plain"))
-        out += [Configuration(d, k, t, draft_label(d))
-                for d in s.drafts for k in s.num_speculative_tokens]
+        out += [Configuration(d, k, t, draft_label(d), adaptive)
+                for d in s.drafts for k in s.num_speculative_tokens
+                for adaptive in s.adaptive_speculation]
     return out
 
 
@@ -505,7 +519,8 @@ def run_configuration(s: BenchSettings, llm, cfg: Configuration, prompts, ids, p
     """Warm up, then time `cfg` over every prompt; the entry is in `entries` from the start,
     so that an interruption leaves the requests that finished."""
     entry = {"name": cfg.name, "drafter": cfg.drafter, "label": cfg.label, "k": cfg.k,
-             "temperature": cfg.temperature, "requests": [], "summary": None}
+             "adaptive": cfg.adaptive, "temperature": cfg.temperature, "requests": [],
+             "summary": None}
     entries.append(entry)
     draft = dict(draft=cfg.drafter, num_speculative_tokens=cfg.k or None)
     # CUDA-graph runners of the target and the draft model: graphs they capture while timing
@@ -514,6 +529,7 @@ def run_configuration(s: BenchSettings, llm, cfg: Configuration, prompts, ids, p
     runners = [r for r in (llm.engine.runner, getattr(drafter, "runner", None)) if r]
     captured = [(r.stats.captures, r.stats.capture_s) for r in runners]
     start = time.perf_counter()
+    llm.engine.adaptive = cfg.adaptive
     try:
         bar.set_description(f"{cfg.name} T={cfg.temperature:g} warm-up")
         for j in warmup_indices(ids, s, cfg.k or 0):
@@ -848,7 +864,7 @@ def format_markdown(results: dict, full: bool = False) -> str:
                  for c in configs)
     util = any(c["summary"]["gpu_utilisation_percent"] for c in configs)
     head = ["configuration", "T", "tokens/s median (p10–p90)", "e2e tokens/s", "TTFT ms",
-            "TPOT ms", "τ", "acceptance", "speedup", "same as plain"]
+            "TPOT ms", "τ", "acceptance", "plain steps", "speedup", "same as plain"]
     head += ["peak memory"] * memory + ["GPU util"] * util
     rows = []
     for c in configs:
@@ -861,6 +877,9 @@ def format_markdown(results: dict, full: bool = False) -> str:
                _f(m["ttft_s"] and m["ttft_s"]["median"], ".1f", 1000),
                _f(m["tpot_s"] and m["tpot_s"]["median"], ".2f", 1000), _f(m["tau"], ".2f"),
                _f(m["acceptance_rate"], ".1%"),
+               # tokens from plain steps run ahead while drafting did not pay
+               "—" if c["drafter"] is None else _f(ratio(m.get("plain_tokens", 0),
+                                                          m["generated_tokens"]), ".0%"),
                "1.00×" if c["drafter"] is None else _f(m["speedup"], ".2f") + "×", same]
         if memory:
             mem = m["peak_memory_bytes"]

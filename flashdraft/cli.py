@@ -22,6 +22,10 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True,
                        help="tokens drafted per step (default 5)")
         p.add_argument("--ngram-sizes", default="4,3,2",
                        help="n-gram sizes for --draft ngram, tried longest first (default 4,3,2)")
+        p.add_argument("--no-adaptive-speculation", dest="adaptive_speculation",
+                       action="store_false",
+                       help="draft at every step, even while drafts keep failing (default: "
+                            "decode plainly for a while when they do; same output either way)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when present)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on CUDA, float32 on CPU")
@@ -64,7 +68,8 @@ def build_llm(args):
                ngram_sizes=parse_ints(getattr(args, "ngram_sizes", "4,3,2"), "--ngram-sizes"),
                dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                cuda_graphs=args.cuda_graphs, compile=args.compile,
-               quantization=args.quantization, draft_quantization=args.draft_quantization)
+               quantization=args.quantization, draft_quantization=args.draft_quantization,
+               adaptive_speculation=getattr(args, "adaptive_speculation", True))
 
 
 def sampling_from(args):
@@ -167,6 +172,8 @@ def cmd_bench(args) -> None:
         ngram_sizes=parse_ints(args.ngram_sizes, "--ngram-sizes"), device=args.device,
         dtype=args.dtype, max_model_len=args.max_model_len, note=args.note,
         cuda_graphs=args.cuda_graphs, compile=args.compile, quantization=args.quantization,
+        adaptive_speculation={"on": (True,), "off": (False,), "both": (True, False)}[
+            args.adaptive_speculation],
         draft_quantization=args.draft_quantization, command=shlex.join(sys.argv),
         progress=not args.no_progress))
 
@@ -232,6 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="values of k to sweep, e.g. 1,3,5,7,10,16 (default 5)")
     b.add_argument("--ngram-sizes", default="4,3,2",
                    help="n-gram sizes for --draft ngram, tried longest first (default 4,3,2)")
+    b.add_argument("--adaptive-speculation", default="on", choices=["on", "off", "both"],
+                   help="decode plainly while drafts keep failing (on, the default, as "
+                        "generate and serve do), draft at every step (off), or run each "
+                        "drafter × k both ways (both; the second is named '... every step')")
     b.add_argument("--prompts", default="humaneval", metavar="humaneval|seed|FILE.jsonl",
                    help="HumanEval through the chat template (default), the shipped seed "
                         "prompts, or a JSONL file of {\"prompt\": ...} or {\"messages\": [...]}")

@@ -143,6 +143,9 @@ class EngineConfig:
     quantization: str | None = None  # None | "int8" | "int4": weight-only, applied at load
     # the draft model's: None or "none" (full precision), "int8", "int4"; "auto": the target's
     draft_quantization: str | None = "auto"
+    # decode plainly while drafting does not pay (engine.AdaptiveSpeculation); False: every
+    # step drafts up to num_speculative_tokens
+    adaptive_speculation: bool = True
 
     def __post_init__(self):
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 64:

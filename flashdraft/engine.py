@@ -1,6 +1,8 @@
 """The speculative loop: prefill -> propose -> verify -> commit -> stop.
 
-Plain decoding is the same loop with nothing proposed (k = 0): one target pass per token.
+Plain decoding is one target pass per token (`_decode_plainly`); a speculative request falls
+back to it in stretches where drafting does not pay (`AdaptiveSpeculation`).
+
 The sequence invariant: `tokens` is prompt + generated, and the target's cache holds the
 keys and values of all of `tokens` but the last, so every verification pass runs over
 `[tokens[-1], d_1 … d_k]` at positions len - 1 … len - 1 + k.
@@ -36,6 +38,7 @@ class RequestMetrics:
     accepted_tokens: int = 0
     accepted_per_step: list[int] = field(default_factory=list)  # n of each speculative step
     drafted_per_step: list[int] = field(default_factory=list)  # k of each speculative step
+    plain_tokens: int = 0  # tokens from plain steps run ahead (all of plain decoding's but the first)
     ttft_s: float = 0.0
     decode_time_s: float = 0.0  # from the first generated token to the last
     total_time_s: float = 0.0
@@ -91,6 +94,53 @@ class StepOutput:
     stop_string: str | None = None  # the stop string that ended the request, if any
 
 
+class AdaptiveSpeculation:
+    """When drafting stops paying, decode plainly for a while.
+
+    Plain decoding runs one step ahead and never waits for the host. A speculative step that
+    drafts nothing, or only tokens the target rejects, costs a plain step plus a host
+    synchronisation (and the drafter's and the wider verification's work). So: after a step
+    that drafted nothing (the n-gram drafter found no match), or after MISSES steps in a row
+    that kept no draft, the engine decodes plainly; at least `stretch` tokens (1 after an empty
+    draft; after misses FIRST, doubling up to LONGEST while drafting keeps failing, back to
+    FIRST once a draft is kept), then on until the drafter's `can_propose(tokens)` says it has
+    something (drafters without one: at once). An empty draft is not verified: its token is
+    the first of the plain stretch. The output does not change: a plain step computes exactly
+    what a speculative step would for its token.
+
+    policy.after_step(drafted, accepted)   after each speculative step
+    policy.plain                           whether the next tokens are decoded plainly
+    policy.resume(tokens)                  after each plain token: draft again from the next?
+    """
+    MISSES, FIRST, LONGEST = 2, 4, 64
+
+    def __init__(self, drafter: Drafter):
+        self.probe = getattr(drafter, "can_propose", None)
+        self.misses, self.backoff = 0, self.FIRST
+        self.stretch = 0  # plain tokens still to decode before drafting again
+
+    @property
+    def plain(self) -> bool:
+        return self.stretch > 0
+
+    def after_step(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            self.stretch = 1
+        elif accepted == 0:
+            self.misses += 1
+            if self.misses >= self.MISSES:
+                self.stretch, self.misses = self.backoff, 0
+                self.backoff = min(2 * self.backoff, self.LONGEST)
+        else:
+            self.misses, self.backoff = 0, self.FIRST
+
+    def resume(self, tokens: list[int]) -> bool:
+        self.stretch = max(0, self.stretch - 1)
+        if self.stretch == 0 and self.probe is not None and not self.probe(tokens):
+            self.stretch = 1  # nothing to draft yet: one more plain token, then ask again
+        return self.stretch == 0
+
+
 def _sync(device: torch.device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -101,8 +151,9 @@ class Engine:
 
     def __init__(self, model: Transformer, device: torch.device, dtype: torch.dtype,
                  max_model_len: int, eos_token_ids: tuple[int, ...], *,
-                 cuda_graphs: bool = True, compile: bool = False):
+                 cuda_graphs: bool = True, compile: bool = False, adaptive: bool = True):
         self.model, self.device, self.dtype = model, device, dtype
+        self.adaptive = adaptive  # AdaptiveSpeculation for drafters that allow it
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
         self.cache: KVCache | None = None
@@ -174,35 +225,25 @@ class Engine:
 
         step = finish([tokens[-1]])
         ended = None  # when plain decoding read its last token
+        # Drafters that read the target's hidden states need every step to be theirs.
+        policy = (AdaptiveSpeculation(drafter) if drafter is not None and self.adaptive
+                  and not drafter.hidden_layers else None)
         try:
             yield step
-            if drafter is None:
-                # Plain decoding runs one step ahead: the step after token n is launched on
-                # token n while it is still on the device, before the host reads it, so the
-                # host's work per token (the read, stop checks, the caller's detokenizing)
-                # overlaps the GPU's next step. At the end the step ahead is dropped (its
-                # cache entry lies past the last token; the capacity has room for it).
-                reader = _TokenReader(self.device)
-                if step.finish_reason is None:
-                    cur = self._plain_step(last, len(tokens) - 1, params, generator, reader)
-                while step.finish_reason is None:
-                    ahead = None
-                    if len(tokens) + 1 - len(prompt) < max_new:  # a token may follow cur's
-                        ahead = self._plain_step(cur[0], len(tokens), params, generator, reader)
-                    new = [reader.read(cur[1])]
-                    metrics.target_passes += 1
-                    tokens.extend(new)
-                    metrics.generated_tokens += 1
-                    step = finish(new)
-                    if step.finish_reason is not None:  # the step ahead is not the request's
-                        ended = time.perf_counter()
-                    yield step
-                    cur = ahead
             while step.finish_reason is None:
+                if drafter is None or policy is not None and policy.plain:
+                    plain = self._decode_plainly(tokens, last, len(prompt), max_new, params,
+                                                 generator, metrics, finish,
+                                                 policy.resume if policy is not None else None)
+                    step, last, ended = yield from plain
+                    continue
                 # Leave room for the bonus token within the budget and the context.
-                budget = min(k, max_new - (len(tokens) - len(prompt)) - 1) if drafter else 0
+                budget = min(k, max_new - (len(tokens) - len(prompt)) - 1)
                 draft = self._propose(drafter, tokens, params, generator, hidden, budget)
                 n_draft = draft.tokens.shape[1]
+                if n_draft == 0 and policy is not None:
+                    policy.after_step(0, 0)  # the plain decoding above decodes this token
+                    continue
                 verify_in = torch.cat([last, draft.tokens], dim=1) if n_draft else last
                 position = len(tokens) - 1
                 if n_draft == 0:  # nothing to verify: a plain decoding step
@@ -240,12 +281,53 @@ class Engine:
                 tokens.extend(new)
                 metrics.generated_tokens += len(new)
                 step = finish(new)
+                if policy is not None:
+                    policy.after_step(n_draft, n)
                 yield step
         finally:
             _sync(self.device)
             ended = ended or time.perf_counter()
             metrics.decode_time_s = ended - decode_start
             metrics.total_time_s = ended - start
+
+    def _decode_plainly(self, tokens: list[int], last: torch.Tensor, n_prompt: int,
+                        max_new: int, params: SamplingParams, generator,
+                        metrics: RequestMetrics, finish, resume=None):
+        """Plain decoding from `last` (the last of `tokens`, on the device), one step ahead:
+        the step after token n is launched on token n while it is still on the device, before
+        the host reads it, so the host's work per token (the read, stop checks, the caller's
+        detokenizing) overlaps the GPU's next step. Yields each token's StepOutput until the
+        request finishes, where the step ahead is dropped (its cache entry lies past the last
+        token; the capacity has room for it); or until resume(tokens) says to draft again
+        after a token, where the step ahead's token is read as the next one. Returns (the last
+        StepOutput, the last token on the device, the time the last token was read if the
+        request finished there, else None)."""
+        reader = _TokenReader(self.device)
+        cur = self._plain_step(last, len(tokens) - 1, params, generator, reader)
+        while True:
+            ahead = None
+            if len(tokens) + 1 - n_prompt < max_new:  # a token may follow cur's
+                ahead = self._plain_step(cur[0], len(tokens), params, generator, reader)
+            step = self._commit_plain(reader.read(cur[1]), tokens, metrics, finish)
+            if step.finish_reason is not None:  # the step ahead is not the request's
+                ended = time.perf_counter()
+                yield step
+                return step, cur[0], ended
+            yield step
+            if resume is not None and resume(tokens):
+                step = self._commit_plain(reader.read(ahead[1]), tokens, metrics, finish)
+                ended = time.perf_counter() if step.finish_reason is not None else None
+                yield step
+                return step, ahead[0], ended
+            cur = ahead
+
+    @staticmethod
+    def _commit_plain(token: int, tokens: list[int], metrics: RequestMetrics, finish):
+        tokens.append(token)
+        metrics.target_passes += 1
+        metrics.generated_tokens += 1
+        metrics.plain_tokens += 1
+        return finish([token])
 
     def _plain_step(self, last: torch.Tensor, position: int, params: SamplingParams, generator,
                     reader: "_TokenReader"):

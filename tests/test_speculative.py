@@ -2,6 +2,7 @@
 import pytest
 
 from flashdraft import LLM, SamplingParams
+from flashdraft.engine import AdaptiveSpeculation
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps", "for i in range(10):\n    print(i)\nfor"]
 
@@ -42,6 +43,80 @@ def test_greedy_speculative_equals_plain(target, plain, tiny_models, drafter, k)
         assert m.target_passes == 1 + -(-(40 - 1) // (k + 1))
     if drafter == "poor":
         assert sum(o.metrics.acceptance_rate for o in outs) / len(outs) < 0.5
+
+
+@pytest.mark.parametrize("drafter", ["poor", "ngram"])
+def test_adaptive_speculation_changes_no_token(target, plain, tiny_models, drafter):
+    """Where drafts keep failing (a poor draft model, n-gram on a random model), the engine
+    decodes stretches plainly; the tokens are plain decoding's either way, also where
+    max_tokens or a stop token ends the request inside a plain stretch."""
+    name = tiny_models["qwen2-draft"] if drafter == "poor" else "ngram"
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    try:
+        for adaptive in (True, False):
+            target.engine.adaptive = adaptive
+            outs = target.generate(PROMPTS, params, draft=name, num_speculative_tokens=4)
+            assert [o.token_ids for o in outs] == plain
+            for o in outs:
+                check_counts(o.metrics)
+            plain_tokens = sum(o.metrics.plain_tokens for o in outs)
+            assert plain_tokens > 0 if adaptive else plain_tokens == 0
+        target.engine.adaptive = True
+        want = plain[2]
+        for max_tokens in (2, 9, 23):
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            out = target.generate(PROMPTS[2], params, draft=name, num_speculative_tokens=4)[0]
+            assert out.token_ids == want[:max_tokens] and out.finish_reason == "length"
+        for i in (3, 17, 31):
+            if want[i] in want[:i]:
+                continue
+            params = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[want[i]])
+            out = target.generate(PROMPTS[2], params, draft=name, num_speculative_tokens=4)[0]
+            assert out.token_ids == want[:i + 1] and out.finish_reason == "stop"
+    finally:
+        target.engine.adaptive = True
+
+
+def test_adaptive_speculation_policy():
+    """Two steps in a row that keep no draft: 4 plain tokens, then 8, 16 … 64 while drafting
+    keeps failing, 4 again after a kept draft; an empty draft: plain until the drafter's probe
+    finds something; a drafter without a probe resumes when the stretch ends."""
+    class Drafter:
+        hidden_layers = ()
+        answer = True
+
+        def can_propose(self, tokens):
+            return self.answer
+
+    def drain(p):
+        n = 1
+        while not p.resume([]):
+            n += 1
+        return n
+    d = Drafter()
+    p = AdaptiveSpeculation(d)
+    p.after_step(3, 1)
+    p.after_step(3, 0)
+    assert not p.plain
+    lengths = []
+    for _ in range(6):
+        p.after_step(3, 0)
+        p.after_step(3, 0)
+        lengths.append(drain(p))
+    assert lengths == [4, 8, 16, 32, 64, 64]
+    p.after_step(5, 2)  # a kept draft
+    p.after_step(5, 0)
+    p.after_step(5, 0)
+    assert drain(p) == 4
+    p.after_step(0, 0)  # nothing drafted
+    d.answer = False
+    assert [p.resume([]) for _ in range(3)] == [False] * 3 and p.plain
+    d.answer = True
+    assert p.resume([]) and not p.plain
+    del Drafter.can_propose
+    p = AdaptiveSpeculation(Drafter())
+    p.after_step(0, 0)
+    assert p.resume([])
 
 
 @pytest.mark.parametrize("k", [3, 8])

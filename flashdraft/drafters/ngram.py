@@ -42,5 +42,9 @@ class NgramDrafter:
         found = lookup(np.asarray(ctx.tokens, dtype=np.int64), self.sizes, k)
         return Draft(torch.as_tensor(found, device=self.device).view(1, -1))
 
+    def can_propose(self, tokens: list[int]) -> bool:
+        """Whether a proposal from this context would draft anything (a match exists)."""
+        return len(lookup(np.asarray(tokens, dtype=np.int64), self.sizes, 1)) > 0
+
     def commit(self, num_accepted: int) -> None:
         pass
