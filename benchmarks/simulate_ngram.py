@@ -1,6 +1,6 @@
 """Replay greedy n-gram speculative decoding offline from `flashdraft bench` results.
 
-    python benchmarks/simulate_ngram.py RESULTS.json [RESULTS.json ...] --gguf TARGET.gguf \
+    python benchmarks/simulate_ngram.py RESULTS.json[.gz] [...] --gguf TARGET.gguf \
         [--fit file|pooled] [--json OUT]
 
 Greedy decoding makes the output of every configuration the same known sequence, and the
@@ -27,6 +27,7 @@ output, commit it and the target's bonus token.
 from __future__ import annotations
 
 import argparse
+import gzip
 import itertools
 import json
 import statistics
@@ -103,6 +104,11 @@ class Trace:
     @property
     def accepted_per_step(self) -> list[int]:
         return [n for d, n in self.steps if d]
+
+
+def label(path: str) -> str:
+    """A results file's name with its folder (bench/results.json.gz, chatbench/...)."""
+    return "/".join(Path(path).parts[-2:])
 
 
 def common_prefix(draft, ref) -> int:
@@ -320,7 +326,8 @@ def main() -> None:
     tokenizer, context, stop = load_tokenizer(args.gguf)
     files = {}
     for path in args.results:
-        results = json.loads(Path(path).read_text("utf-8"))
+        raw = Path(path).read_bytes()
+        results = json.loads(gzip.decompress(raw) if path.endswith(".gz") else raw)
         prompts = rebuild_prompts(results, tokenizer)
         files[path] = (results, requests_of(results, prompts, context, stop))
 
@@ -328,9 +335,9 @@ def main() -> None:
     rows, mismatches = [], []
     for path, (results, by_k) in files.items():
         sizes = tuple(sorted(results["settings"]["ngram_sizes"], reverse=True))
-        bad, checked, open_ends = validate(Path(path).name, by_k, sizes)
+        bad, checked, open_ends = validate(label(path), by_k, sizes)
         mismatches += bad
-        rows.append([Path(path).name, checked, checked - len(bad) - open_ends, open_ends,
+        rows.append([label(path), checked, checked - len(bad) - open_ends, open_ends,
                      len(bad)])
     print(table(["file", "requests", "exact", "agree up to a draft past the stop token",
                  "mismatches"], rows))
@@ -351,7 +358,7 @@ def main() -> None:
     print("decode time = A·(steps that drafted nothing) + Σ over drafting steps (B + C·d); "
           "P = plain decoding's median TPOT (a run-ahead plain token)\n")
     print(table(["fit", "A ms", "B ms", "C ms/token", "P ms (plain TPOT)"],
-                [[Path(f).name if f != "pooled" else "pooled", *[f"{v * 1e3:.3f}" for v in abc],
+                [[label(f) if f != "pooled" else "pooled", *[f"{v * 1e3:.3f}" for v in abc],
                   f"{plain[f][0] * 1e3:.3f}" if f in plain else "—"]
                  for f, abc in fits.items()]))
     print("\nresiduals: Σ modeled / Σ measured decode time − 1, per configuration\n")
@@ -360,7 +367,7 @@ def main() -> None:
         for k, reqs in sorted(by_k.items()):
             x = np.array([measured_features(r) for r in reqs])
             t = sum(r.metrics["decode_time_s"] for r in reqs)
-            rows.append([Path(path).name, k, f"{t * 1e3:.1f}",
+            rows.append([label(path), k, f"{t * 1e3:.1f}",
                          *[f"{x.dot(fits[f]).sum() / t - 1:+.1%}" for f in (path, "pooled")]])
     print(table(["file", "k", "measured ms", "file fit", "pooled fit"], rows))
 
