@@ -228,12 +228,13 @@ class Engine:
         # Drafters that read the target's hidden states need every step to be theirs.
         policy = (AdaptiveSpeculation(drafter) if drafter is not None and self.adaptive
                   and not drafter.hidden_layers else None)
+        reader = _TokenReader(self.device)  # plain decoding's, kept for every plain stretch
         try:
             yield step
             while step.finish_reason is None:
                 if drafter is None or policy is not None and policy.plain:
                     plain = self._decode_plainly(tokens, last, len(prompt), max_new, params,
-                                                 generator, metrics, finish,
+                                                 generator, metrics, finish, reader,
                                                  policy.resume if policy is not None else None)
                     step, last, ended = yield from plain
                     continue
@@ -292,7 +293,8 @@ class Engine:
 
     def _decode_plainly(self, tokens: list[int], last: torch.Tensor, n_prompt: int,
                         max_new: int, params: SamplingParams, generator,
-                        metrics: RequestMetrics, finish, resume=None):
+                        metrics: RequestMetrics, finish, reader: "_TokenReader",
+                        resume=None):
         """Plain decoding from `last` (the last of `tokens`, on the device), one step ahead:
         the step after token n is launched on token n while it is still on the device, before
         the host reads it, so the host's work per token (the read, stop checks, the caller's
@@ -302,7 +304,6 @@ class Engine:
         after a token, where the step ahead's token is read as the next one. Returns (the last
         StepOutput, the last token on the device, the time the last token was read if the
         request finished there, else None)."""
-        reader = _TokenReader(self.device)
         cur = self._plain_step(last, len(tokens) - 1, params, generator, reader)
         while True:
             ahead = None
