@@ -121,9 +121,11 @@ for phase in "$@"; do
     ;;
   bench)
     # As BENCHMARKS.md's reference table: first 8 HumanEval prompts as raw text, 128 new
-    # tokens, greedy, with transformers on the same weights in the same process.
+    # tokens, greedy, with transformers on the same weights in the same process. ADAPTIVE
+    # (here and in chatbench): on (default), off, or both (--adaptive-speculation).
     fd bench --model example:qwen2.5-coder-1.5b --draft example:qwen2.5-coder-0.5b \
       --draft ngram --num-speculative-tokens 1,3,5,8,16 --prompts humaneval --raw-prompts \
+      --adaptive-speculation "${ADAPTIVE:-on}" \
       --num-prompts 8 --max-tokens 128 --peer transformers --output "$OUT/bench" \
       --note "$(note)" --no-progress 2>&1 | tee "$OUT/bench.log" | tail -60
     ;;
@@ -144,6 +146,7 @@ for phase in "$@"; do
     # prompts, 128 new tokens, greedy: speculation against our own plain decoding.
     fd bench --model example:qwen2.5-coder-1.5b --draft example:qwen2.5-coder-0.5b \
       --draft ngram --num-speculative-tokens ${CHAT_KS:-1,3,5,8,16} --prompts humaneval \
+      --adaptive-speculation "${ADAPTIVE:-on}" \
       --num-prompts 8 --max-tokens 128 --output "$OUT/chatbench" --note "$(note); chat template" \
       --no-progress 2>&1 | tee "$OUT/chatbench.log" | tail -30
     ;;
