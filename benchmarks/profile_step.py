@@ -38,12 +38,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flashdraft import kernels  # noqa: E402
+from flashdraft import kernels, tune  # noqa: E402
+from flashdraft.tune import dram_ring, graph_us, matrices  # noqa: E402
 from flashdraft.cuda_graphs import StepRunner  # noqa: E402
 from flashdraft.kv_cache import KVCache  # noqa: E402
 from flashdraft.shapes import (_decode_loop, _time_steps, build_random_model,  # noqa: E402
-                               format_shape_bench, get_shape, graph_replay_us,
-                               measure_copy_bandwidth, run_shape_bench, step_bytes)
+                               format_shape_bench, get_shape, measure_copy_bandwidth,
+                               run_shape_bench, step_bytes)
 
 # (fused kernels, skinny products, PDL, PDL early launch, weight prefetch before the PDL wait)
 SETTINGS = {"torch": (False, False, False, False, False),
@@ -91,17 +92,6 @@ def time_decode(model, cache, cfg, context: int) -> tuple[StepRunner, float, flo
     return runner, t1, t16, _decode_loop(runner, cache, context, cfg.vocab_size, 128)
 
 
-def dram_ring(*tensors: torch.Tensor):
-    """An endless cycle over the tuple of tensors (a weight, or a quantized weight's parts) and
-    enough copies of it (>= 256 MB in all) that each call of a timed product reads its weight
-    from DRAM, not from the 50 MB L2 (where a single small weight stays between calls and times
-    up to 2x faster than in the model)."""
-    size = sum(t.numel() * t.element_size() for t in tensors)
-    copies = [tensors] + [tuple(t.clone() for t in tensors)
-                          for _ in range(min(63, -(-(256 << 20) // size) - 1))]
-    return itertools.cycle(copies)
-
-
 @torch.inference_mode()
 def variants(shape: str, context: int, bandwidth: float) -> dict:
     """Decode (t1, t16, tokens/s over 128 steps) of the model under each variant, default
@@ -135,11 +125,6 @@ def _set(key: str, value) -> None:
 def set_path(name: str) -> None:
     (kernels._enabled, kernels.SKINNY, kernels.PDL, kernels.EARLY_LAUNCH,
      kernels.PREFETCH) = SETTINGS[name]
-
-
-def graph_us(fn) -> float:
-    """µs per call of fn: 20 back-to-back calls in one graph, median of 20 replays."""
-    return graph_replay_us(fn, calls=20, repeats=20, warmup=1)
 
 
 def kernel_table(runner, cache, context, vocab, steps: int = 10) -> dict:
@@ -208,124 +193,16 @@ def compare(shape: str, quant: str | None, context: int, bandwidth: float) -> di
     return out
 
 
-def matrices(model) -> dict:
-    """Distinct plain-Linear weights of the model by (n, k, gated), as the model runs them:
-    gated for the MLP's gate and up product when kernels.GATED (n = its output width, half the
-    weight's rows)."""
-    mats = {}
-    for name, mod in model.named_modules():
-        if type(mod) is torch.nn.Linear:
-            gated = name.endswith("w_gate_up") and kernels.GATED
-            rows, k = mod.weight.shape
-            mats.setdefault((rows // 2 if gated else rows, k, gated), mod.weight)
-    return mats
-
-
-def candidates(n: int, k: int, gated: bool):
-    cdiv = lambda a, b: -(-a // b)
-    seen = set()
-    for block_n, block_k, warps in ((64, 128, 4), (64, 128, 8), (64, 256, 4), (64, 256, 8),
-                                    (32, 256, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8),
-                                    (32, 128, 4), (64, 64, 4), (16, 256, 4), (16, 512, 4),
-                                    (32, 512, 4)):
-        if block_k > max(16, 1 << (k - 1).bit_length()):
-            continue
-        n_blocks = cdiv(n, block_n) * (2 if gated else 1)
-        k_tiles = cdiv(k, block_k)
-        for target in (132, 264, 528):
-            split = max(1, min(k_tiles, round(target / n_blocks)))
-            k_steps = cdiv(k_tiles, split)
-            split = cdiv(k_tiles, k_steps)
-            for pre in (1, 2, 4):
-                if pre > k_steps or pre * block_n * block_k > 4 * 8192:  # registers
-                    continue
-                c = kernels.SkinnyConfig(block_n, block_k, k_steps, split, pre, warps)
-                if c not in seen:
-                    seen.add(c)
-                    yield c
-
-
-@torch.inference_mode()
 def sweep(shape: str, budget_s: float, match: str = "") -> dict:
-    """Launch parameters of the skinny kernel for each matrix of the shape: one row, µs per call
-    (graph of 20 back-to-back calls, weights read from DRAM, default setting), best first; the
-    five best then with 2 to 5 pipeline stages and the other warp count, and the best and the
-    default config (SKINNY_RULE: the tuned table's where it has one) at 16 rows. Each matrix
-    gets an equal share of budget_s (new configs compile, ~1 s each), and up to 0.6 of it more
-    for the second round."""
-    cfg = dataclasses.replace(get_shape(shape), num_layers=1)
-    model = build_random_model(cfg, torch.bfloat16, "cuda")
+    """flashdraft.tune.sweep over the shape's matrices, default path (PDL, prefetch)."""
     set_path(DEFAULT)
-    result = {}
-    mats = {m: w for m, w in matrices(model).items() if match in kernels.table_key(*m)}
-    for (n, k, gated), w in mats.items():
-        began, budget = time.perf_counter(), budget_s / len(mats)
-        x1 = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
-        x16 = torch.randn(16, k, dtype=torch.bfloat16, device="cuda")
-        ring = dram_ring(w)
-        run = lambda x, c: kernels._skinny(x, next(ring)[0], None, gated, c)
-        timed = []
-        default = kernels.skinny_config(n, k, gated, kernels.SKINNY_RULE)
-        for c in [default, *candidates(n, k, gated)]:
-            if time.perf_counter() - began > budget:
-                break
-            try:
-                timed.append((graph_us(lambda: run(x1, c)), c))
-            except Exception as e:  # a config the compiler refuses (resources)
-                print(f"    {c}: {type(e).__name__}", flush=True)
-        timed.sort(key=lambda r: r[0])
-        tried = {c for _, c in timed}
-        for us, c in timed[:5]:
-            for c2 in [c._replace(num_stages=stages) for stages in (2, 3, 4, 5)] + \
-                    [c._replace(num_warps=12 - c.num_warps)]:
-                if c2 in tried or time.perf_counter() - began > 1.6 * budget:
-                    continue
-                tried.add(c2)
-                try:
-                    timed.append((graph_us(lambda: run(x1, c2)), c2))
-                except Exception:
-                    pass
-        timed.sort(key=lambda r: r[0])
-        if not timed:
-            continue
-        best = timed[0][1]
-        nbytes = w.numel() * 2
-        key = kernels.table_key(n, k, gated)
-        entry = {"matrix": (n, k, gated), "best": best, "best_us": timed[0][0],
-                 "best_TBps": nbytes / timed[0][0] / 1e6,
-                 "default": default, "top": [(us, c) for us, c in timed[:8]]}
-        entry["default_us"] = next((us for us, c in timed if c == default), None)
-        entry["best_us_16rows"] = graph_us(lambda: run(x16, best))
-        entry["default_us_16rows"] = graph_us(lambda: run(x16, default))
-        result[key] = entry
-        print(f"  sweep {shape} {key:>18s}: best {entry['best_us']:6.1f} us "
-              f"({entry['best_TBps']:.2f} TB/s) {tuple(best)}; default {entry['default_us']} us "
-              f"{tuple(default)}; 16 rows {entry['best_us_16rows']:.1f} / "
-              f"{entry['default_us_16rows']:.1f} us", flush=True)
-    return result
+    return tune.sweep(get_shape(shape), budget_s, match, label=shape,
+                      log=lambda s: print(s, flush=True))
 
 
-def format_table(table: dict) -> str:
-    """The tuned table as JSON, one matrix a line."""
-    gpus = ",\n".join(f" {json.dumps(gpu)}: {{\n" + ",\n".join(
-        f"  {json.dumps(key)}: {json.dumps(list(c))}" for key, c in entries.items()) + "\n }"
-        for gpu, entries in table.items())
-    return "{\n" + gpus + "\n}\n"
-
-
-def sweep_write(path: Path, swept: dict, margin: float = 0.01) -> dict:
-    """Merge the sweep's winners into the tuned table at path (kernels.SKINNY_TABLE's format,
-    under this GPU's name): a matrix's best config goes in where it beat the default by more
-    than `margin` (the same config timed twice differs by ~0.1 %); other entries stay. Returns
-    what was written."""
-    table = json.loads(path.read_text()) if path.exists() else {}
-    mine = table.setdefault(kernels.device_name(), {})
-    written = {}
-    for key, e in swept.items():
-        if e["default_us"] is None or e["best_us"] < (1 - margin) * e["default_us"]:
-            mine[key] = written[key] = list(e["best"])
-    table[kernels.device_name()] = dict(sorted(mine.items()))
-    path.write_text(format_table(table))
+def sweep_write(path: Path, swept: dict) -> dict:
+    """tune.merge into the table at path under this GPU's name, reported."""
+    written = tune.merge(path, swept, kernels.device_name())
     print(f"  sweep wrote {len(written)} entries to {path}: {written}", flush=True)
     return written
 

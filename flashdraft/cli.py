@@ -1,4 +1,4 @@
-"""`flashdraft generate | chat | models | serve | bench`: the command line.
+"""`flashdraft generate | chat | models | serve | bench | tune`: the command line.
 
 argparse lives here and nowhere else; each flag maps onto one field of EngineConfig or
 SamplingParams (or of the subcommand's own settings).
@@ -189,6 +189,12 @@ def cmd_serve(args) -> None:
     serve(build_llm(args), settings, host=args.host, port=args.port)
 
 
+def cmd_tune(args) -> None:
+    from .tune import run_tune
+
+    run_tune(args.model, args.shape, args.seconds, args.output)
+
+
 def cmd_demo(args) -> None:
     from .demo import DemoSettings, run_demo
 
@@ -283,6 +289,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait behind the running one; more get 503 "
                         "(default 64)")
     s.set_defaults(func=cmd_serve)
+
+    t = sub.add_parser("tune", help="measure the product kernel's launch parameters for a "
+                                    "model's matrices on this GPU (CUDA); later runs use them")
+    t.add_argument("--model", default=None,
+                   help="the model whose matrix shapes to tune (path, hub id, .gguf or alias; "
+                        "only its config is read)")
+    t.add_argument("--shape", default=None, help="or a synthetic shape: qwen2.5-1.5b, qwen3-8b, ...")
+    t.add_argument("--seconds", type=float, default=120.0,
+                   help="time to spend, split evenly over the matrices (default 120)")
+    t.add_argument("--output", default=None, metavar="JSON",
+                   help="the table to merge into (default: skinny_tuned.json in the model "
+                        "cache, which flashdraft reads at start)")
+    t.set_defaults(func=cmd_tune)
 
     d = sub.add_parser("demo", help="plain vs speculative decoding on the real example pair")
     d.add_argument("--num-speculative-tokens", default="5", metavar="K[,K...]",

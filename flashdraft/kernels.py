@@ -831,9 +831,9 @@ class SkinnyConfig(NamedTuple):
 #                          weight shape on this GPU model (SKINNY_TABLE), else v2;
 #                          v2: 64 × 128 tiles, K split to ~256 programs;
 #                          v1: narrow tiles (16-64 × 512-128), K split to ~528 programs
-# FLASHDRAFT_SKINNY_TABLE  the table of measured parameters: a JSON file (default:
-#                          flashdraft/data/skinny_tuned.json, written by
-#                          benchmarks/profile_step.py --sweep-write), or "off"
+# FLASHDRAFT_SKINNY_TABLE  the table of measured parameters (default: the shipped
+#                          flashdraft/data/skinny_tuned.json with the user's, written by
+#                          `flashdraft tune`, over it), another JSON file instead, or "off"
 # FLASHDRAFT_SPLIT_REDUCE  last (default): the last program of a tile adds the K slices;
 #                          kernel: a second kernel does (plain products only)
 # FLASHDRAFT_GATED=1       SiLU · up inside the gate/up product (default: its own kernel after it)
@@ -867,25 +867,38 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
-@functools.cache
-def tuned_table(gpu: str) -> dict[str, SkinnyConfig]:
-    """The measured launch parameters of SKINNY_TABLE for one GPU model, by table_key; empty
-    when the file has none for it (the rule applies), or SKINNY_TABLE is "off"."""
-    if SKINNY_TABLE == "off":
-        return {}
-    path = Path(SKINNY_TABLE)
+def user_table() -> Path:
+    """The table `flashdraft tune` writes, read over the shipped one: in the model cache."""
+    from .models import cache_dir
+
+    return cache_dir() / "skinny_tuned.json"
+
+
+def _read_table(path: Path, gpu: str, required: bool) -> dict[str, SkinnyConfig]:
     try:
         table = json.loads(path.read_text()).get(gpu, {})
         return {key: _check_entry(key, SkinnyConfig(*v)) for key, v in table.items()}
     except FileNotFoundError:
-        if SKINNY_TABLE != _SHIPPED_TABLE:
-            raise ValueError(f"FLASHDRAFT_SKINNY_TABLE={SKINNY_TABLE!r}: no such file; name a "
-                             "table written by profile_step.py --sweep-write, or set it to off")
+        if required:
+            raise ValueError(f"FLASHDRAFT_SKINNY_TABLE={str(path)!r}: no such file; name a "
+                             "table written by flashdraft tune, or set it to off")
         return {}
     except (ValueError, TypeError, AttributeError) as e:
         raise ValueError(f"{path}: not a table of skinny-kernel launches ({e}); write it again "
-                         "with benchmarks/profile_step.py --sweep-write, or set "
-                         "FLASHDRAFT_SKINNY_TABLE=off") from None
+                         "with flashdraft tune, or set FLASHDRAFT_SKINNY_TABLE=off") from None
+
+
+@functools.cache
+def tuned_table(gpu: str) -> dict[str, SkinnyConfig]:
+    """The measured launch parameters for one GPU model, by table_key: the shipped table's with
+    the user's (`flashdraft tune`) over them, or only SKINNY_TABLE's where it names another
+    file; empty where none has this GPU (the rule applies) or SKINNY_TABLE is "off"."""
+    if SKINNY_TABLE == "off":
+        return {}
+    if SKINNY_TABLE != _SHIPPED_TABLE:
+        return _read_table(Path(SKINNY_TABLE), gpu, required=True)
+    return {**_read_table(Path(_SHIPPED_TABLE), gpu, False),
+            **_read_table(user_table(), gpu, False)}
 
 
 @functools.cache

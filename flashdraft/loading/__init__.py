@@ -72,6 +72,21 @@ def load_model(ref: str, dtype: torch.dtype, device: torch.device,
     return Loaded(config, model, tokenizer, source)
 
 
+def load_config(ref: str) -> ModelConfig:
+    """The configuration of the model `ref` names (a path, hub id in the cache, .gguf file or
+    alias), without reading its weights."""
+    from ..models import resolve
+
+    ref = resolve(ref)
+    if str(ref).endswith(".gguf"):
+        from .gguf import load_gguf
+
+        hf_config = load_gguf(ref, lazy=True)[0]
+    else:
+        hf_config = read_hf(resolve_hf(ref), torch.float32, lazy=True)[0]
+    return ModelConfig.from_hf(hf_config)
+
+
 def _load_quantized(model: Transformer, config: ModelConfig, state: dict, device,
                     mode: str) -> None:
     """Fill the meta-device `model` from `state` ({name: function reading the tensor}) one
