@@ -13,7 +13,8 @@ splits, prefetched tiles and warps; the five best then under other pipeline dept
 counts. A launch enters the table where it beats the current one by more than 1 %. The choice
 stays a function of the weight's shape only, so decoding and verification keep computing the
 same bits for a token (the engine's losslessness does not depend on it). The time is split
-evenly between the matrices; new launches compile first (~0.3-1 s each).
+evenly between the matrices; new launches compile first (~0.3-1 s each). Weight-only int8 /
+int4 products run other kernels and are not tuned here.
 """
 from __future__ import annotations
 
