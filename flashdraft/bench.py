@@ -972,8 +972,9 @@ def write_plots(results: dict, outdir: Path) -> list[str]:
     env, s = results["environment"], results["settings"]
     where = f"{Path(s['model'].rstrip('/')).name}, {env['device_name']}, {env['dtype']}"
     series: dict[tuple[str, float], list[dict]] = {}
-    for c in spec:
-        series.setdefault((c["label"], c["temperature"]), []).append(c)
+    for c in spec:  # a line per drafter (and way of drafting: --adaptive-speculation both)
+        name = c["label"] + ("" if c.get("adaptive", True) else " every step")
+        series.setdefault((name, c["temperature"]), []).append(c)
     plains = [c for c in configs if c["drafter"] is None]
     ks = sorted({c["k"] for c in spec})
     written = []

@@ -25,7 +25,8 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True,
         p.add_argument("--no-adaptive-speculation", dest="adaptive_speculation",
                        action="store_false",
                        help="draft at every step, even while drafts keep failing (default: "
-                            "decode plainly for a while when they do; same output either way)")
+                            "decode plainly for a while when they do; greedy output is the "
+                            "same either way)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when present)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on CUDA, float32 on CPU")
@@ -295,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", default=None,
                    help="the model whose matrix shapes to tune (path, hub id, .gguf or alias; "
                         "only its config is read)")
-    t.add_argument("--shape", default=None, help="or a synthetic shape: qwen2.5-1.5b, qwen3-8b, ...")
+    t.add_argument("--shape", default=None,
+                   help="or a synthetic shape: qwen2.5-1.5b, qwen3-8b, ...")
     t.add_argument("--seconds", type=float, default=120.0,
                    help="time to spend, split evenly over the matrices (default 120)")
     t.add_argument("--output", default=None, metavar="JSON",

@@ -38,7 +38,7 @@ class RequestMetrics:
     accepted_tokens: int = 0
     accepted_per_step: list[int] = field(default_factory=list)  # n of each speculative step
     drafted_per_step: list[int] = field(default_factory=list)  # k of each speculative step
-    plain_tokens: int = 0  # tokens from plain steps run ahead (all of plain decoding's but the first)
+    plain_tokens: int = 0  # from plain steps run ahead (plain decoding: all but the first)
     ttft_s: float = 0.0
     decode_time_s: float = 0.0  # from the first generated token to the last
     total_time_s: float = 0.0
@@ -105,8 +105,13 @@ class AdaptiveSpeculation:
     draft; after misses FIRST, doubling up to LONGEST while drafting keeps failing, back to
     FIRST once a draft is kept), then on until the drafter's `can_propose(tokens)` says it has
     something (drafters without one: at once). An empty draft is not verified: its token is
-    the first of the plain stretch. The output does not change: a plain step computes exactly
-    what a speculative step would for its token.
+    the first of the plain stretch. A plain step computes exactly what a speculative step
+    would for its token, so greedy output does not change; sampled output keeps its
+    distribution (the random draws differ, so a seed gives other tokens than without it).
+
+    Known cost: the probe reads the context up to the token before the step ahead's, and the
+    draft starts after it; where the step ahead's token breaks the match, the draft is empty
+    and plain decoding restarts, with a gap of the host's lookup and one launch.
 
     policy.after_step(drafted, accepted)   after each speculative step
     policy.plain                           whether the next tokens are decoded plainly
@@ -237,6 +242,7 @@ class Engine:
                                                  generator, metrics, finish, reader,
                                                  policy.resume if policy is not None else None)
                     step, last, ended = yield from plain
+                    yield step  # after `ended`: the caller's work on it is not decode time
                     continue
                 # Leave room for the bonus token within the budget and the context.
                 budget = min(k, max_new - (len(tokens) - len(prompt)) - 1)
@@ -298,12 +304,12 @@ class Engine:
         """Plain decoding from `last` (the last of `tokens`, on the device), one step ahead:
         the step after token n is launched on token n while it is still on the device, before
         the host reads it, so the host's work per token (the read, stop checks, the caller's
-        detokenizing) overlaps the GPU's next step. Yields each token's StepOutput until the
-        request finishes, where the step ahead is dropped (its cache entry lies past the last
-        token; the capacity has room for it); or until resume(tokens) says to draft again
-        after a token, where the step ahead's token is read as the next one. Returns (the last
-        StepOutput, the last token on the device, the time the last token was read if the
-        request finished there, else None)."""
+        detokenizing) overlaps the GPU's next step. Yields each token's StepOutput but the
+        last, which it returns for the caller to yield: (that StepOutput, its token on the
+        device, the time it was read if the request finished there, else None). The last is
+        where the request finishes (the step ahead is dropped: its cache entry lies past the
+        last token, and the capacity has room for it), or the one after resume(tokens) said to
+        draft again: the step ahead's, read as the next token."""
         cur = self._plain_step(last, len(tokens) - 1, params, generator, reader)
         while True:
             ahead = None
@@ -311,15 +317,11 @@ class Engine:
                 ahead = self._plain_step(cur[0], len(tokens), params, generator, reader)
             step = self._commit_plain(reader.read(cur[1]), tokens, metrics, finish)
             if step.finish_reason is not None:  # the step ahead is not the request's
-                ended = time.perf_counter()
-                yield step
-                return step, cur[0], ended
+                return step, cur[0], time.perf_counter()
             yield step
             if resume is not None and resume(tokens):
                 step = self._commit_plain(reader.read(ahead[1]), tokens, metrics, finish)
-                ended = time.perf_counter() if step.finish_reason is not None else None
-                yield step
-                return step, ahead[0], ended
+                return step, ahead[0], (time.perf_counter() if step.finish_reason else None)
             cur = ahead
 
     @staticmethod

@@ -851,12 +851,17 @@ def table_key(n: int, k: int, gated: bool) -> str:
 
 
 def _check_entry(key: str, c: SkinnyConfig) -> SkinnyConfig:
-    """c, if it is a launch that covers the weight of `key` exactly; else ValueError."""
+    """c, if it is a launch that covers the weight of `key` exactly and that the kernel can
+    compile (tiles of at least 16 for the tensor cores, powers of two where it takes ranges);
+    else ValueError."""
     n, k = (int(v) for v in key.split()[0].split("x"))
-    k_tiles = triton.cdiv(k, c.block_k)
-    powers = all(v > 0 and v & (v - 1) == 0 for v in (c.block_n, c.block_k, c.num_warps))
-    if not (powers and c.block_k >= 16 and c.split == triton.cdiv(k_tiles, c.k_steps)
-            and 1 <= c.pre_steps <= c.k_steps and c.num_stages >= 1):
+    power = lambda v: isinstance(v, int) and v > 0 and v & (v - 1) == 0
+    ok = (all(power(v) for v in (c.block_n, c.block_k, c.num_warps, c.pre_steps))
+          and c.block_n >= 16 and c.block_k >= 16 and c.num_warps <= 32
+          and isinstance(c.k_steps, int) and 1 <= c.pre_steps <= c.k_steps
+          and isinstance(c.num_stages, int) and c.num_stages >= 1
+          and c.split == triton.cdiv(triton.cdiv(k, c.block_k), c.k_steps))
+    if not ok:
         raise ValueError(f"{key}: {tuple(c)} is not a launch of the skinny kernel over [{n}, {k}]")
     return c
 
@@ -883,7 +888,7 @@ def _read_table(path: Path, gpu: str, required: bool) -> dict[str, SkinnyConfig]
             raise ValueError(f"FLASHDRAFT_SKINNY_TABLE={str(path)!r}: no such file; name a "
                              "table written by flashdraft tune, or set it to off")
         return {}
-    except (ValueError, TypeError, AttributeError) as e:
+    except (ValueError, TypeError, AttributeError, OSError) as e:
         raise ValueError(f"{path}: not a table of skinny-kernel launches ({e}); write it again "
                          "with flashdraft tune, or set FLASHDRAFT_SKINNY_TABLE=off") from None
 
@@ -1058,6 +1063,12 @@ def quant_linear(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     return out
 
 
+def _rule(dtype: torch.dtype) -> str:
+    """SKINNY_RULE for weights of dtype: the tuned table holds 16-bit launches (measured in
+    bfloat16; float32 tiles need twice the shared memory), so float32 takes the v2 rule."""
+    return "v2" if SKINNY_RULE == "tuned" and dtype == torch.float32 else SKINNY_RULE
+
+
 def _skinny_serves(x: torch.Tensor, module: torch.nn.Module) -> bool:
     rows = x.numel() // x.shape[-1]
     return (SKINNY and type(module) is torch.nn.Linear and use_triton(x)
@@ -1074,7 +1085,7 @@ def linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     if not _skinny_serves(x, module):
         return module(x)
     w = module.weight
-    out = _skinny(_rows(x), w, module.bias, False, skinny_config(*w.shape, False, SKINNY_RULE))
+    out = _skinny(_rows(x), w, module.bias, False, skinny_config(*w.shape, False, _rule(w.dtype)))
     return out.view(*x.shape[:-1], w.shape[0])
 
 
@@ -1089,7 +1100,8 @@ def gated_linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
         return silu_mul(linear(x, module))
     w = module.weight
     n = w.shape[0] // 2
-    out = _skinny(_rows(x), w, module.bias, True, skinny_config(n, w.shape[1], True, SKINNY_RULE))
+    out = _skinny(_rows(x), w, module.bias, True,
+                  skinny_config(n, w.shape[1], True, _rule(w.dtype)))
     return out.view(*x.shape[:-1], n)
 
 

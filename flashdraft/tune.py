@@ -136,12 +136,13 @@ def sweep(cfg, budget_s: float, match: str = "", label: str = "", log=print) -> 
                  "default": default, "top": [(us, c) for us, c in timed[:8]]}
         entry["default_us"] = next((us for us, c in timed if c == default), None)
         entry["best_us_16rows"] = graph_us(lambda: run(x16, best))
-        entry["default_us_16rows"] = graph_us(lambda: run(x16, default))
+        entry["default_us_16rows"] = (None if entry["default_us"] is None
+                                      else graph_us(lambda: run(x16, default)))
         result[key] = entry
         log(f"  sweep {label} {key:>18s}: best {entry['best_us']:6.1f} us "
             f"({entry['best_TBps']:.2f} TB/s) {tuple(best)}; current {entry['default_us']} us "
             f"{tuple(default)}; 16 rows {entry['best_us_16rows']:.1f} / "
-            f"{entry['default_us_16rows']:.1f} us")
+            f"{entry['default_us_16rows']} us")
     return result
 
 
@@ -158,7 +159,14 @@ def merge(path: Path, swept: dict, gpu: str, margin: float = MARGIN) -> dict:
     matrix's best launch goes in where it beat the current one by more than `margin`; other
     entries stay. Returns what was written."""
     path = Path(path)
-    table = json.loads(path.read_text()) if path.exists() else {}
+    table = {}
+    if path.exists():
+        try:
+            table = json.loads(path.read_text())
+            assert isinstance(table, dict) and all(isinstance(v, dict) for v in table.values())
+        except (ValueError, AssertionError, OSError):
+            raise SystemExit(f"error: {path} is not a table of launches; move it away (or "
+                             f"give --output another file) and tune again") from None
     mine = table.setdefault(gpu, {})
     written = {}
     for key, e in swept.items():
@@ -166,7 +174,12 @@ def merge(path: Path, swept: dict, gpu: str, margin: float = MARGIN) -> dict:
             mine[key] = written[key] = list(e["best"])
     table[gpu] = dict(sorted(mine.items()))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(format_table(table))
+    # every flashdraft process reads this file: replace it whole, never half-written
+    part = path.with_name(path.name + ".part")
+    part.write_text(format_table(table))
+    part.replace(path)
+    kernels.tuned_table.cache_clear()  # this process uses the new launches from here on
+    kernels.skinny_config.cache_clear()
     return written
 
 

@@ -246,6 +246,30 @@ def test_ctrl_c_writes_what_has_finished(target, tmp_path, monkeypatch):
     assert "ngram k=2 (1 of 2)" in stdout.getvalue() and "interrupted" in stdout.getvalue()
 
 
+def test_adaptive_speculation_both_ways_in_one_run(target, tmp_path):
+    """--adaptive-speculation both: each drafter × k with the policy and drafting at every
+    step, named apart, the same greedy tokens, plain steps only in the first; own plot lines."""
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    argv = ["bench", "--model", target, "--draft", "ngram", "--num-speculative-tokens", "3",
+            "--adaptive-speculation", "both", "--prompts", str(prompts), "--max-tokens", "16",
+            "--output", str(tmp_path / "out"), "--device", "cpu", "--dtype", "float32",
+            "--no-progress"]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        cli.main(argv)
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    got = configs(results, "ngram")
+    assert set(got) == {"ngram k=3", "ngram k=3 every step"}
+    on, off = got["ngram k=3"], got["ngram k=3 every step"]
+    assert on["adaptive"] is True and off["adaptive"] is False
+    assert off["summary"]["plain_tokens"] == 0 < on["summary"]["plain_tokens"]
+    for c in (on, off):
+        assert c["summary"]["identical_to_plain"] == c["summary"]["compared_with_plain"] > 0
+        assert c["summary"]["token_accounting_ok"]
+    table = stdout.getvalue()
+    assert "| plain steps |" in table and "| ngram k=3 every step | 0 |" in table
+
+
 def test_prompt_file_with_a_bad_line_is_refused_with_its_line_number(tmp_path):
     good = json.dumps(PROMPTS[0])
     cases = {'{"promt": "typo"}': "either \"prompt\"", "{not json": "not valid JSON",
@@ -307,6 +331,9 @@ def test_settings_refuse_bad_values():
         BenchSettings(model="m", num_speculative_tokens=(0, 3))
     with pytest.raises(ValueError, match=">= 0"):
         BenchSettings(model="m", temperatures=(-1.0,))
+    with pytest.raises(ValueError,
+                       match=r"takes True and/or False \(--adaptive-speculation on\|off\|both\)"):
+        BenchSettings(model="m", adaptive_speculation=())
     s = BenchSettings(model="m", drafts=("ngram", "ngram"), num_speculative_tokens=(5, 1, 5))
     assert s.drafts == ("ngram",) and s.num_speculative_tokens == (1, 5)
     assert spread([1, 2, 3, 4, 5]) == {"median": 3, "p10": 1.4, "p90": 4.6, "mean": 3,

@@ -273,13 +273,16 @@ def test_skinny_tuned_table(tuned):
     assert kernels.skinny_config(96, 2048, False, "tuned") == mine
     assert kernels.skinny_config(96, 2048, True, "tuned") == kernels.skinny_config(96, 2048, True)
     assert kernels.skinny_config(1100, 256, False, "tuned") == kernels.skinny_config(1100, 256)
+    # the table holds 16-bit launches: float32 weights take the rule
+    assert kernels._rule(torch.float16) == "tuned" and kernels._rule(torch.float32) == "v2"
     g = torch.Generator().manual_seed(4)
-    layer = torch.nn.Linear(2048, 96, bias=True).to(DEVICE, torch.float32)
-    x = torch.randn(1, 18, 2048, generator=g).to(DEVICE)
+    layer = torch.nn.Linear(2048, 96, bias=True).to(DEVICE, torch.float16)
+    x = torch.randn(1, 18, 2048, generator=g).to(DEVICE, torch.float16)
     with run_kernels(), torch.inference_mode():
         full = kernels.linear(x, layer)
         one = kernels.linear(x[:, 11:12], layer)
-    close(full, kernels.linear_reference(x, layer.weight, layer.bias), torch.float32)
+    ref = kernels.linear_reference(x.float(), layer.weight.float(), layer.bias.float())
+    close(full, ref, torch.float16)
     assert torch.equal(one[:, 0], full[:, 11])
     counters_are_back_to_zero()
 
@@ -287,17 +290,28 @@ def test_skinny_tuned_table(tuned):
 @pytest.mark.parametrize("content,complaint", [
     ({"cpu": {"96x2048": [32, 256, 4, 3, 2, 4, 2]}}, "not a launch of the skinny kernel"),
     ({"cpu": {"96x2048": [32, 256, 4, 2, 8, 4, 2]}}, "not a launch of the skinny kernel"),
+    ({"cpu": {"96x2048": [64, 128, 6, 3, 3, 4, 3]}}, "not a launch"),  # 3 tiles prefetched
+    ({"cpu": {"96x2048": [8, 256, 4, 2, 1, 4, 2]}}, "not a launch"),  # too narrow for tl.dot
+    ({"cpu": {"96x2048": [64, 0, 4, 2, 1, 4, 2]}}, "not a launch"),
+    ({"cpu": {"96x2048": [64, 128, 16, 1, 1, 64, 3]}}, "not a launch"),  # 64 warps
     ({"cpu": {"96x2048": [32]}}, "not a table of skinny-kernel launches"),
     ([1, 2], "not a table of skinny-kernel launches"),
     (None, "no such file")])
 def test_skinny_tuned_table_refuses_what_it_cannot_run(tuned, content, complaint):
     """A table that does not cover its weights (K tiles not split as stated, more prefetched
-    tiles than a program has), or is not a table, or a named file that is missing: a message
-    that names the file and the fix, not a wrong product."""
+    tiles than a program has) or names launches the kernel cannot compile, or is not a table,
+    or a named file that is missing: a message that names the file and the fix, not a wrong
+    product or a compiler error in the middle of a step."""
     if content is not None:
         tuned.write_text(json.dumps({kernels.device_name(): content["cpu"]}
                                     if isinstance(content, dict) else content))
     with pytest.raises(ValueError, match=complaint):
+        kernels.skinny_config(96, 2048, False, "tuned")
+
+
+def test_skinny_tuned_table_that_is_a_folder(tuned):
+    tuned.mkdir()
+    with pytest.raises(ValueError, match="not a table of skinny-kernel launches"):
         kernels.skinny_config(96, 2048, False, "tuned")
 
 

@@ -77,6 +77,25 @@ def test_adaptive_speculation_changes_no_token(target, plain, tiny_models, draft
         target.engine.adaptive = True
 
 
+@pytest.mark.parametrize("drafter", [None, "ngram", "poor"])
+def test_decode_time_ends_with_the_last_token_not_with_its_reader(target, tiny_models, drafter):
+    """What the caller does with the final step (here: 1 s before closing the stream) is not
+    decode time, whichever path produced that step (plain decoding run ahead, a plain stretch
+    of adaptive speculation, a speculative step)."""
+    from flashdraft.engine import RequestMetrics
+    import time
+    name = tiny_models["qwen2-draft"] if drafter == "poor" else drafter
+    ids = target.encode(PROMPTS[0])[1]
+    m = RequestMetrics()
+    steps = target.engine.run(ids, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                              target.get_drafter(name) if name else None, 4 if name else 0, m)
+    for step in steps:
+        if step.finish_reason is not None:
+            time.sleep(1.0)
+            steps.close()
+    assert m.generated_tokens == 20 and m.decode_time_s < 0.9
+
+
 def test_adaptive_speculation_policy():
     """Two steps in a row that keep no draft: 4 plain tokens, then 8, 16 … 64 while drafting
     keeps failing, 4 again after a kept draft; an empty draft: plain until the drafter's probe

@@ -44,6 +44,7 @@ def test_merge_writes_winners_and_the_user_table_wins_over_the_shipped(tables):
     gpu = kernels.device_name()
     tables.write_text(json.dumps({gpu: {"96x2048": [64, 128, 16, 1, 1, 4, 3],
                                         "1100x256": [16, 256, 1, 1, 1, 4, 3]}}))
+    assert kernels.skinny_config(96, 2048, False, "tuned") == (64, 128, 16, 1, 1, 4, 3)
     written = tune.merge(kernels.user_table(), {
         "96x2048": _swept((32, 256, 4, 2, 2, 4, 2), 1.0, 2.0),  # twice as fast: in
         "1100x256": _swept((32, 256, 1, 1, 1, 4, 2), 0.995, 1.0),  # within 1 %: out
@@ -57,6 +58,11 @@ def test_merge_writes_winners_and_the_user_table_wins_over_the_shipped(tables):
     assert kernels.skinny_config(96, 2048, False, "tuned") == (32, 256, 4, 2, 2, 4, 2)
     assert kernels.skinny_config(1100, 256, False, "tuned") == (16, 256, 1, 1, 1, 4, 3)
     assert kernels.skinny_config(2048, 2048, False, "tuned") == kernels.skinny_config(2048, 2048)
+    # what the user's table held before a merge it cannot read: a message, no overwrite
+    kernels.user_table().write_text("[1, 2")
+    with pytest.raises(SystemExit, match="not a table of launches"):
+        tune.merge(kernels.user_table(), {}, gpu)
+    assert kernels.user_table().read_text() == "[1, 2"
 
 
 @pytest.mark.skipif(CUDA, reason="checks the message without CUDA")
