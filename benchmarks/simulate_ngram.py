@@ -10,8 +10,9 @@ GGUF; no weights are loaded), then mirror `Engine.run`'s loop: draft with
 `flashdraft.drafters.ngram.lookup`, accept the longest prefix that agrees with the recorded
 output, commit it and the target's bonus token.
 
-1. Validation: the replayed drafted / accepted lengths and target passes of every "ngram k=*"
-   request must equal the measured ones.
+1. Validation: the replayed drafted / accepted lengths and target passes of every n-gram
+   request must equal the measured ones (for runs with AdaptiveSpeculation, with its policy
+   replayed, the plain tokens too).
 2. `flashdraft.engine.AdaptiveSpeculation`: the same replay with the policy deciding when to
    decode plainly (run ahead) instead, as the engine drives it; with its defaults and a grid of
    its constants (MISSES, FIRST, LONGEST).
@@ -169,14 +170,16 @@ class Request:
     metrics: dict
 
 
-def requests_of(results: dict, prompts, context: int, stop: set[int]) -> dict[int, list[Request]]:
-    """{k: requests} of the "ngram k=*" configurations, with their recorded outputs checked
-    against how Engine.run ends a request."""
+def requests_of(results: dict, prompts, context: int, stop: set[int],
+                adaptive: bool = False) -> dict[int, list[Request]]:
+    """{k: requests} of the n-gram configurations that drafted at every step (results from
+    before AdaptiveSpeculation carry no flag: all of them), or with `adaptive` of those that
+    ran it, with their recorded outputs checked against how Engine.run ends a request."""
     s = results["settings"]
     max_model_len = s["max_model_len"] or context
     by_k = {}
     for c in results["configurations"]:
-        if c["drafter"] != "ngram":
+        if c["drafter"] != "ngram" or c.get("adaptive", False) != adaptive:
             continue
         reqs = []
         for r in c["requests"]:
@@ -193,16 +196,24 @@ def requests_of(results: dict, prompts, context: int, stop: set[int]) -> dict[in
     return by_k
 
 
-def validate(name: str, by_k: dict[int, list[Request]], sizes) -> tuple[list[str], int, int]:
-    """Replay every fixed-k request; returns (mismatches, requests, open-ended last steps that
-    agreed as far as the recorded output shows)."""
+def validate(name: str, by_k: dict[int, list[Request]], sizes,
+             adaptive: bool = False) -> tuple[list[str], int, int]:
+    """Replay every request (with `adaptive`, under AdaptiveSpeculation's defaults, its plain
+    tokens compared too); returns (mismatches, requests, open-ended last steps that agreed as
+    far as the recorded output shows)."""
     bad, checked, open_ends = [], 0, 0
     for k, reqs in by_k.items():
         for i, req in enumerate(reqs):
-            t = replay(req.prompt, req.out, k, sizes, req.max_new)
+            t = (replay_adaptive(req, k, sizes, DEFAULTS) if adaptive
+                 else replay(req.prompt, req.out, k, sizes, req.max_new))
             m = req.metrics
             got = (t.drafted_per_step, t.accepted_per_step, t.passes)
             want = (m["drafted_per_step"], m["accepted_per_step"], m["target_passes"])
+            if adaptive and t.plain != m["plain_tokens"]:
+                bad.append(f"{name} k={k} adaptive prompt {i}: plain tokens replayed "
+                           f"{t.plain}, measured {m['plain_tokens']}")
+                checked += 1
+                continue
             checked += 1
             if got == want:
                 continue
@@ -212,7 +223,8 @@ def validate(name: str, by_k: dict[int, list[Request]], sizes) -> tuple[list[str
                 continue
             steps_got, steps_want = list(zip(*got[:2])), list(zip(*want[:2]))
             j = common_prefix(steps_got, steps_want)
-            bad.append(f"{name} k={k} prompt {i}: target passes replayed {got[2]}, measured "
+            bad.append(f"{name} k={k}{' adaptive' if adaptive else ''} prompt {i}: target "
+                       f"passes replayed {got[2]}, measured "
                        f"{want[2]}; (drafted, accepted) from drafting step {j}: replayed "
                        f"{steps_got[j:j + 3]}, measured {steps_want[j:j + 3]}")
     return bad, checked, open_ends
@@ -324,23 +336,30 @@ def main() -> None:
     args = ap.parse_args()
 
     tokenizer, context, stop = load_tokenizer(args.gguf)
-    files = {}
+    files, adaptive_runs = {}, {}
     for path in args.results:
         raw = Path(path).read_bytes()
         results = json.loads(gzip.decompress(raw) if path.endswith(".gz") else raw)
         prompts = rebuild_prompts(results, tokenizer)
         files[path] = (results, requests_of(results, prompts, context, stop))
+        adaptive_runs[path] = requests_of(results, prompts, context, stop, adaptive=True)
+        if not files[path][1]:
+            sys.exit(f"{path}: no n-gram configuration that drafted at every step, which the "
+                     f"timing model is fitted on (bench --adaptive-speculation off or both)")
 
     print("## n-gram replay: validation against the measured steps\n")
     rows, mismatches = [], []
     for path, (results, by_k) in files.items():
         sizes = tuple(sorted(results["settings"]["ngram_sizes"], reverse=True))
-        bad, checked, open_ends = validate(label(path), by_k, sizes)
-        mismatches += bad
-        rows.append([label(path), checked, checked - len(bad) - open_ends, open_ends,
-                     len(bad)])
-    print(table(["file", "requests", "exact", "agree up to a draft past the stop token",
-                 "mismatches"], rows))
+        for adaptive, runs in ((False, by_k), (True, adaptive_runs[path])):
+            if not runs:
+                continue
+            bad, checked, open_ends = validate(label(path), runs, sizes, adaptive)
+            mismatches += bad
+            rows.append([label(path), "adaptive" if adaptive else "every step", checked,
+                         checked - len(bad) - open_ends, open_ends, len(bad)])
+    print(table(["file", "drafting", "requests", "exact",
+                 "agree up to a draft past the stop token", "mismatches"], rows))
     for line in mismatches:
         print(f"- MISMATCH {line}")
 
