@@ -32,13 +32,19 @@ from flashdraft.kv_cache import KVCache  # noqa: E402
 from flashdraft.shapes import build_random_model, get_shape  # noqa: E402
 
 
-def prefill_ms(model, cache, tokens: torch.Tensor) -> float:
-    n = tokens.shape[1]
+def wall_ms(fn) -> float:
+    """Wall time of fn() in ms, from an idle GPU until the GPU is done."""
     torch.cuda.synchronize()
     began = time.perf_counter()
-    model(tokens, torch.arange(n, device="cuda")[None], cache, kv_len=n, last_only=True)
+    fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - began) * 1e3
+
+
+def prefill_ms(model, cache, tokens: torch.Tensor) -> float:
+    n = tokens.shape[1]
+    return wall_ms(lambda: model(tokens, torch.arange(n, device="cuda")[None], cache, kv_len=n,
+                                 last_only=True))
 
 
 def attention_kernels(model, cache, tokens: torch.Tensor) -> list[str]:
@@ -91,14 +97,7 @@ def _graph_replay(model, cache, tokens: torch.Tensor) -> float:
     n = tokens.shape[1]
     runner = StepRunner(model, "cuda")
     runner.prefill(tokens, n, cache)  # captures
-    times = []
-    for _ in range(7):
-        torch.cuda.synchronize()
-        began = time.perf_counter()
-        runner.prefill(tokens, n, cache)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - began) * 1e3)
-    return statistics.median(times)
+    return statistics.median(wall_ms(lambda: runner.prefill(tokens, n, cache)) for _ in range(7))
 
 
 def graph_prefills(model, cache, vocab: int, lengths: int) -> dict:
@@ -111,11 +110,7 @@ def graph_prefills(model, cache, vocab: int, lengths: int) -> dict:
 
     def ms(n: int) -> float:
         prompt = torch.randint(0, vocab, (n,)).tolist()
-        torch.cuda.synchronize()
-        began = time.perf_counter()
-        prefill(model, prompt, cache, (), runner, "cuda")
-        torch.cuda.synchronize()
-        return (time.perf_counter() - began) * 1e3
+        return wall_ms(lambda: prefill(model, prompt, cache, (), runner, "cuda"))
     rows = [{"tokens": n, "first_ms": ms(n), "again_ms": ms(n)}
             for n in range(150, 150 + 9 * lengths, 9)]
     summary = {k: statistics.median(r[k] for r in rows[1:]) for k in ("first_ms", "again_ms")}

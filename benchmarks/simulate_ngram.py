@@ -39,11 +39,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flashdraft.bench import load_prompts
+from flashdraft.bench import load_prompts, table as table_lines
 from flashdraft.drafters.ngram import NgramDrafter, lookup
 from flashdraft.engine import AdaptiveSpeculation
-from flashdraft.loading import END_OF_GENERATION
-from flashdraft.loading.gguf import load_gguf
+from flashdraft.loading import read_model
 
 GRID = {"MISSES": (1, 2, 3), "FIRST": (2, 4, 8), "LONGEST": (16, 64)}
 DEFAULTS = (AdaptiveSpeculation.MISSES, AdaptiveSpeculation.FIRST, AdaptiveSpeculation.LONGEST)
@@ -52,15 +51,10 @@ DEFAULTS = (AdaptiveSpeculation.MISSES, AdaptiveSpeculation.FIRST, AdaptiveSpecu
 # -- prompts ---------------------------------------------------------------------------------
 
 def load_tokenizer(gguf: str):
-    """The target's tokenizer, its context length and stop ids, as `load_model` sets them up;
-    lazy=True leaves every weight undequantized."""
-    config, _, tokenizer = load_gguf(gguf, lazy=True)
-    vocab = tokenizer.get_vocab()
-    eos = config["eos_token_id"]
-    stop = {vocab[t] for t in END_OF_GENERATION if t in vocab}
-    stop |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    stop |= {tokenizer.eos_token_id} - {None}
-    return tokenizer, config["max_position_embeddings"], stop
+    """The target's tokenizer, its context length and stop ids, as the engine has them
+    (`loading.read_model`; lazy: no weight is dequantized)."""
+    config, _, tokenizer, _ = read_model(gguf, lazy=True)
+    return tokenizer, config.max_position_embeddings, set(config.eos_token_ids)
 
 
 def prompt_ids(tokenizer, prompt) -> list[int]:
@@ -262,8 +256,7 @@ def median_rate(pairs) -> float:
 # -- report ----------------------------------------------------------------------------------
 
 def table(head: list[str], rows: list[list]) -> str:
-    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-                     + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
+    return "\n".join(table_lines(head, [[str(v) for v in r] for r in rows]))
 
 
 def simulate_file(path: str, results: dict, by_k, abc, p: float, plain_rate: float) -> dict:

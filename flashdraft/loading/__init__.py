@@ -27,18 +27,13 @@ class Loaded:
     source: str  # the file or directory the weights came from
 
 
-def load_model(ref: str, dtype: torch.dtype, device: torch.device,
-               quantization: str | None = None) -> Loaded:
-    """The model `ref` names, in dtype on device; with quantization ("int8", "int4") its
-    matrices weight-only quantized as they load (see `_load_quantized`)."""
+def read_model(ref: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+               lazy: bool = False) -> tuple[ModelConfig, dict, object, str]:
+    """The model `ref` names, as read from its files: (its config, with every id that ends a
+    generation among eos_token_ids; its state dict in the checkpoint's names, each value a
+    function that reads the tensor if lazy; its tokenizer; the file or directory read)."""
     from ..models import resolve
 
-    if quantization is not None:
-        from ..quant import MODES
-
-        if quantization not in MODES:
-            raise ValueError(f"quantization {quantization!r} is not one of {', '.join(MODES)}")
-    lazy = quantization is not None
     ref = resolve(ref)
     if str(ref).endswith(".gguf"):
         from .gguf import load_gguf
@@ -59,6 +54,20 @@ def load_model(ref: str, dtype: torch.dtype, device: torch.device,
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     config = ModelConfig(**{**config.__dict__, "eos_token_ids": tuple(sorted(eos))})
+    return config, state, tokenizer, source
+
+
+def load_model(ref: str, dtype: torch.dtype, device: torch.device,
+               quantization: str | None = None) -> Loaded:
+    """The model `ref` names, in dtype on device; with quantization ("int8", "int4") its
+    matrices weight-only quantized as they load (see `_load_quantized`)."""
+    if quantization is not None:
+        from ..quant import MODES
+
+        if quantization not in MODES:
+            raise ValueError(f"quantization {quantization!r} is not one of {', '.join(MODES)}")
+    config, state, tokenizer, source = read_model(ref, dtype, device,
+                                                  lazy=quantization is not None)
     with torch.device("meta"):
         model = Transformer(config)
     if quantization is not None:
@@ -75,16 +84,7 @@ def load_model(ref: str, dtype: torch.dtype, device: torch.device,
 def load_config(ref: str) -> ModelConfig:
     """The configuration of the model `ref` names (a path, hub id in the cache, .gguf file or
     alias), without reading its weights."""
-    from ..models import resolve
-
-    ref = resolve(ref)
-    if str(ref).endswith(".gguf"):
-        from .gguf import load_gguf
-
-        hf_config = load_gguf(ref, lazy=True)[0]
-    else:
-        hf_config = read_hf(resolve_hf(ref), torch.float32, lazy=True)[0]
-    return ModelConfig.from_hf(hf_config)
+    return read_model(ref, lazy=True)[0]
 
 
 def _load_quantized(model: Transformer, config: ModelConfig, state: dict, device,
