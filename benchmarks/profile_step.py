@@ -410,6 +410,8 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
       rope   rope and the cache write inside attention (kernels.ROPE_ATTENTION) toggled
       split  attention splits twice as long (the cache's split_len: half as many programs,
              each reading twice the positions; none to merge where one split covers kv_len)
+      unfolded  the norms as kernels of their own (kernels.FOLD_NORMS off at run time: the same
+             folded weights, each residual add and norm in `rms_norm`, model.Residual)
       nonorm the RMSNorm kernels skipped (their input passed on, the residual add dropped):
              wrong output, speed only, the most that removing them could give
       nopdl  no programmatic dependent launch
@@ -417,7 +419,8 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
     from flashdraft import mma
     set_path(DEFAULT)
     saved = {"GATED": kernels.GATED, "EARLY_LAUNCH": kernels.EARLY_LAUNCH, "PDL": kernels.PDL,
-             "ROPE_ATTENTION": kernels.ROPE_ATTENTION, "rms_norm": kernels.rms_norm}
+             "ROPE_ATTENTION": kernels.ROPE_ATTENTION, "rms_norm": kernels.rms_norm,
+             "FOLD_NORMS": kernels.FOLD_NORMS}
     default = target(shape, quant, context)
     split_len = default[2].split_len
     runs = {"default": (default, {})}
@@ -432,12 +435,14 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
                     {"ROPE_ATTENTION": not saved["ROPE_ATTENTION"]})
         if switch == "split":
             return f"split x2 ({2 * split_len})", {"split_len": 2 * split_len}
+        if switch == "unfolded":
+            return f"fold-norms {not saved['FOLD_NORMS']}", {"FOLD_NORMS": not saved["FOLD_NORMS"]}
         if switch == "nonorm":
             return ("no norm kernels (wrong output)",
                     {"rms_norm": lambda x, weight, eps, residual=None: x})
         if switch == "nopdl":
             return "nopdl", {"PDL": False}
-        raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, nonorm, "
+        raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, unfolded, nonorm, "
                          f"nopdl, or several joined by '+'")
 
     for switch in switches:
@@ -533,8 +538,10 @@ def main() -> None:
                          "(sweep: also under each launch shape of MMA_SWEEP)")
     ap.add_argument("--breakdown", default=None, metavar="SWITCHES",
                     help="the default decode path against each comma-separated switch "
-                         "toggled (gated, early, rope, split, nonorm, nopdl, or several joined by '+': see "
+                         "toggled (gated, early, rope, split, unfolded, nonorm, nopdl, or several joined by '+': see "
                          "breakdown), in turn, with kernel tables")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="rounds of the breakdown's configurations, in turn")
     ap.add_argument("--sweep", type=float, default=0.0,
                     help="seconds per shape for a launch-parameter sweep of the skinny kernel")
     ap.add_argument("--sweep-apply", action="store_true",
@@ -575,7 +582,7 @@ def main() -> None:
             print(format_shape_bench(r["official"]), flush=True)
         if args.breakdown is not None:
             r["breakdown"] = breakdown(shape, quant, args.context, bandwidth,
-                                       [w for w in args.breakdown.split(",") if w])
+                                       [w for w in args.breakdown.split(",") if w], args.repeats)
         if args.sweep and not quant:
             r["sweep"] = sweep(shape, args.sweep, args.sweep_match)
             if args.sweep_apply:

@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from flashdraft import kernels  # noqa: E402
 from flashdraft.api import DTYPES  # noqa: E402
 from flashdraft.kv_cache import KVCache  # noqa: E402
 from flashdraft.loading import load_model  # noqa: E402
@@ -69,6 +70,9 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    # Quantized as load_model(quantization=...) quantizes: the checkpoint's own weights, the
+    # norms not folded into them (kernels.FOLD_NORMS folds unquantized models only).
+    kernels.FOLD_NORMS = False
     ref = load_model(args.model, dtype, device)
     ids = torch.tensor([ref.tokenizer.encode(TEXT)], device=device)
     ref_logits = score(ref.model, ref.config, ids)

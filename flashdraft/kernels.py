@@ -396,11 +396,34 @@ if triton is not None:
                 tl.atomic_xchg(counter, 0)  # ready for the next launch
 
     @triton.jit
-    def _skinny_epilogue(acc, acc_up, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, n, stride_om,
-                         HAS_BIAS: tl.constexpr, GATED: tl.constexpr):
+    def _row_scale(ss_ptr, offs_m, m_ok, k, eps, TILES: tl.constexpr, BLOCK_M: tl.constexpr):
+        # 1 / rms of each row [BLOCK_M] from its sums of squares over TILES column tiles
+        # (ss [m, TILES] float32, written by the product before: `_skinny_epilogue`'s
+        # ADD_RESIDUAL), added in tile order whatever the layout; ones when TILES is 0.
+        r = tl.full([BLOCK_M], 1.0, tl.float32)
+        if TILES > 0:
+            total = tl.zeros([BLOCK_M], tl.float32)
+            for j in tl.static_range(TILES):
+                total += tl.load(ss_ptr + offs_m * TILES + j, mask=m_ok, other=0.0)
+            r = tl.rsqrt(total / k + eps)
+        return r
+
+    @triton.jit
+    def _skinny_epilogue(acc, acc_up, r, b_ptr, out_ptr, ss_out_ptr, offs_n, offs_m, n_ok, m_ok,
+                         n, stride_om, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                         SCALED: tl.constexpr, ADD_RESIDUAL: tl.constexpr):
         # acc [BLOCK_N, BLOCK_M]: the finished sums of this tile; with GATED, acc holds the gate
-        # and acc_up the up projection of the same output columns.
+        # and acc_up the up projection of the same output columns. SCALED: the input rows were
+        # the residual stream and the RMSNorm before this product had its weight folded into
+        # w, so the norm is each row's 1 / rms, r [BLOCK_M], applied here. ADD_RESIDUAL: out is
+        # the residual stream, which takes this product added in place (rounded as the add in
+        # `_rms_norm_kernel`), and each row's sum of squares over this tile's columns goes to
+        # ss_out [m, column tiles], for the next product's norm.
         dt = out_ptr.dtype.element_ty
+        if SCALED:
+            acc = acc * r[None, :]
+            if GATED:
+                acc_up = acc_up * r[None, :]
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         if GATED:
@@ -410,21 +433,32 @@ if triton is not None:
             gate = acc.to(dt).to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
             acc = act * acc_up.to(dt).to(tl.float32)
-        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(dt),
-                 mask=n_ok[:, None] & m_ok[None, :])
+        ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        ok = n_ok[:, None] & m_ok[None, :]
+        y = acc.to(dt)
+        if ADD_RESIDUAL:
+            y = (y.to(tl.float32) + tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)).to(dt)
+            yf = y.to(tl.float32)
+            tl.store(ss_out_ptr + offs_m * tl.num_programs(0) + tl.program_id(0),
+                     tl.sum(yf * yf, axis=0), mask=m_ok)
+        tl.store(ptrs, y, mask=ok)
 
     @triton.jit
-    def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, m, n, k, stride_xm,
-                       stride_wn, stride_om, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                       SPLIT: tl.constexpr, K_STEPS: tl.constexpr,
+    def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, ss_ptr, ss_out_ptr, eps,
+                       m, n, k, stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr,
+                       GATED: tl.constexpr, SPLIT: tl.constexpr, K_STEPS: tl.constexpr,
                        PRE_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
                        LAST_REDUCE: tl.constexpr, USE_PDL: tl.constexpr,
+                       SCALE_TILES: tl.constexpr = 0, ADD_RESIDUAL: tl.constexpr = False,
                        EARLY_LAUNCH: tl.constexpr = False):
         # out [m, n] = x [m, k] @ w [n, k]^T, as (w @ x^T)^T so that the few rows of x are the
         # narrow side of the tensor-core product. With GATED, w is [2 n, k] (gate rows, then up
         # rows) and out = SiLU(x @ gate^T) * (x @ up^T): the MLP's first product and its
-        # activation in one kernel.
+        # activation in one kernel. SCALE_TILES > 0: each row of the product is scaled by the
+        # row's 1 / rms from ss [m, SCALE_TILES] (an RMSNorm folded into w, `_row_scale`);
+        # ADD_RESIDUAL: out is the residual stream, the product is added into it and ss_out
+        # gets the sums of squares of the result (`_skinny_epilogue`).
         # Program (n block, K slice, row block of BLOCK_M = 16). A row's result depends on that
         # row and the weights alone, never on m: the decode of one token and the verification
         # of k+1 tokens compute each row bit for bit alike.
@@ -452,6 +486,7 @@ if triton is not None:
             _pdl_wait(USE_PDL, EARLY_LAUNCH)
         x_pre = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_p[None, :],
                         mask=m_ok[:, None] & p_ok[None, :], other=0.0)
+        r = _row_scale(ss_ptr, offs_m, m_ok, k, eps, SCALE_TILES, BLOCK_M)
         acc = tl.dot(w_pre, tl.trans(x_pre), input_precision=PRECISION, out_dtype=tl.float32)
         acc_up = acc
         if GATED:
@@ -468,8 +503,9 @@ if triton is not None:
                 u = tl.load(w_rows + n * stride_wn + offs_k[None, :],
                             mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 acc_up = tl.dot(u, tl.trans(xk), acc_up, input_precision=PRECISION)
-        _skinny_finish(acc, acc_up, b_ptr, out_ptr, part_ptr, count_ptr, offs_n, offs_m, n_ok,
-                       m_ok, m, n, stride_om, HAS_BIAS, GATED, SPLIT, LAST_REDUCE)
+        _skinny_finish(acc, acc_up, r, b_ptr, out_ptr, ss_out_ptr, part_ptr, count_ptr, offs_n,
+                       offs_m, n_ok, m_ok, m, n, stride_om, HAS_BIAS, GATED, SPLIT, LAST_REDUCE,
+                       SCALE_TILES > 0, ADD_RESIDUAL)
 
     @triton.jit
     def _quant_tile(w_ptr, offs_n, n_ok, g, k, stride_wn, stride_wk, BITS: tl.constexpr):
@@ -581,17 +617,18 @@ if triton is not None:
                               stride_xm, BITS, MAGIC, SCALED, ASM_LO, ASM_HI, PRECISION)
         if BITS == 8:  # the per-column scale, once
             acc = acc * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        _skinny_finish(acc, acc, b_ptr, out_ptr, part_ptr, count_ptr, offs_n, offs_m, n_ok, m_ok,
-                       m, n, stride_om, HAS_BIAS, False, SPLIT, True)
+        _skinny_finish(acc, acc, acc, b_ptr, out_ptr, out_ptr, part_ptr, count_ptr, offs_n, offs_m,
+                       n_ok, m_ok, m, n, stride_om, HAS_BIAS, False, SPLIT, True, False, False)
 
     @triton.jit
-    def _skinny_finish(acc, acc_up, b_ptr, out_ptr, part_ptr, count_ptr, offs_n, offs_m, n_ok,
-                       m_ok, m, n, stride_om, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                       SPLIT: tl.constexpr, LAST_REDUCE: tl.constexpr):
+    def _skinny_finish(acc, acc_up, r, b_ptr, out_ptr, ss_out_ptr, part_ptr, count_ptr, offs_n,
+                       offs_m, n_ok, m_ok, m, n, stride_om, HAS_BIAS: tl.constexpr,
+                       GATED: tl.constexpr, SPLIT: tl.constexpr, LAST_REDUCE: tl.constexpr,
+                       SCALED: tl.constexpr, ADD_RESIDUAL: tl.constexpr):
         # A program's sums over its K slice -> the output (bf16 and quantized products alike).
         if SPLIT == 1:
-            _skinny_epilogue(acc, acc_up, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, n, stride_om,
-                             HAS_BIAS, GATED)
+            _skinny_epilogue(acc, acc_up, r, b_ptr, out_ptr, ss_out_ptr, offs_n, offs_m, n_ok,
+                             m_ok, n, stride_om, HAS_BIAS, GATED, SCALED, ADD_RESIDUAL)
         else:
             # K split across SPLIT programs: each stores its float32 slice; with LAST_REDUCE the
             # last of them to finish adds the slices in slice order (so the result does not
@@ -613,8 +650,8 @@ if triton is not None:
                     if GATED:
                         acc_up += tl.load(part + s * m * width + n, mask=ok, other=0.0,
                                           cache_modifier=".cg")
-                _skinny_epilogue(acc, acc_up, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, n,
-                                 stride_om, HAS_BIAS, GATED)
+                _skinny_epilogue(acc, acc_up, r, b_ptr, out_ptr, ss_out_ptr, offs_n, offs_m, n_ok,
+                                 m_ok, n, stride_om, HAS_BIAS, GATED, SCALED, ADD_RESIDUAL)
                 tl.atomic_xchg(tile, 0)  # ready for the next launch
 
     @triton.jit
@@ -950,28 +987,38 @@ def _split_buffers(out: torch.Tensor, grid: tuple, split: int, width: int):
 
 
 def _skinny(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated: bool,
-            cfg: SkinnyConfig) -> torch.Tensor:
+            cfg: SkinnyConfig, ss: torch.Tensor | None = None, eps: float = 0.0,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
     """x2 [rows, k] @ w^T through `_skinny_kernel` with launch parameters cfg (see there for
-    gated)."""
+    gated). ss [rows, tiles] (float32, from a product with a residual): each row of the product
+    scaled by the row's 1 / rms (eps inside the root), the RMSNorm whose weight is folded into w.
+    residual [rows, n] (contiguous rows): the product is added into it instead, and the result's
+    sums of squares over each column tile, [rows, tiles], are returned."""
     rows, k = x2.shape
     n = w.shape[0] // 2 if gated else w.shape[0]
-    out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
+    out = residual if residual is not None else torch.empty(rows, n, dtype=x2.dtype,
+                                                             device=x2.device)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split, triton.cdiv(rows, 16))
-    last = SPLIT_REDUCE != "kernel" or gated
+    fused = ss is not None or residual is not None
+    last = SPLIT_REDUCE != "kernel" or gated or fused
     parts, counters = _split_buffers(out, grid, cfg.split, 2 * n if gated else n)
+    ss_out = (torch.empty(rows, grid[0], dtype=torch.float32, device=x2.device)
+              if residual is not None else out)
     _skinny_kernel[grid](
-        x2, w, bias if bias is not None else w, out, parts, counters, rows, n, k, x2.stride(0),
+        x2, w, bias if bias is not None else w, out, parts, counters,
+        ss if ss is not None else out, ss_out, eps, rows, n, k, x2.stride(0),
         w.stride(0), out.stride(0), HAS_BIAS=bias is not None and (last or cfg.split == 1),
         GATED=gated, SPLIT=cfg.split, K_STEPS=cfg.k_steps, PRE_STEPS=cfg.pre_steps, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, BLOCK_M=16, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
-        PREFETCH=PREFETCH, LAST_REDUCE=last, num_warps=cfg.num_warps,
+        PREFETCH=PREFETCH, LAST_REDUCE=last, SCALE_TILES=0 if ss is None else ss.shape[1],
+        ADD_RESIDUAL=residual is not None, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **_pdl(x2))
     if cfg.split > 1 and not last:
         total = rows * n
         _sum_slices_kernel[(triton.cdiv(total, 1024),)](
             parts, bias if bias is not None else parts, out, total, n, SPLIT=cfg.split,
             HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4, **_pdl(x2))
-    return out
+    return ss_out if residual is not None else out
 
 
 # Weight-only int4 / int8 products of up to QUANT_MAX_ROWS rows (flashdraft.quant's formats):
@@ -1080,12 +1127,18 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+def _launch(w: torch.Tensor, gated: bool) -> SkinnyConfig:
+    """The skinny kernel's launch parameters for weight w (with gated: a [gate; up] weight)."""
+    return skinny_config(w.shape[0] // 2 if gated else w.shape[0], w.shape[1], gated,
+                         _rule(w.dtype))
+
+
 def linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     """module(x); for a plain nn.Linear and at most SKINNY_MAX_ROWS rows, `_skinny_kernel`."""
     if not _skinny_serves(x, module):
         return module(x)
     w = module.weight
-    out = _skinny(_rows(x), w, module.bias, False, skinny_config(*w.shape, False, _rule(w.dtype)))
+    out = _skinny(_rows(x), w, module.bias, False, _launch(w, False))
     return out.view(*x.shape[:-1], w.shape[0])
 
 
@@ -1099,10 +1152,8 @@ def gated_linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     if not (GATED and _skinny_serves(x, module)):
         return silu_mul(linear(x, module))
     w = module.weight
-    n = w.shape[0] // 2
-    out = _skinny(_rows(x), w, module.bias, True,
-                  skinny_config(n, w.shape[1], True, _rule(w.dtype)))
-    return out.view(*x.shape[:-1], n)
+    out = _skinny(_rows(x), w, module.bias, True, _launch(w, True))
+    return out.view(*x.shape[:-1], w.shape[0] // 2)
 
 
 def norm_linear(delta: torch.Tensor | None, residual: torch.Tensor, norm: torch.nn.Module,
@@ -1115,6 +1166,48 @@ def norm_linear(delta: torch.Tensor | None, residual: torch.Tensor, norm: torch.
     h = rms_norm(residual if delta is None else delta, norm.weight, norm.eps,
                  None if delta is None else residual)
     return (gated_linear(h, module) if gated else linear(h, module)), residual
+
+
+# Each RMSNorm of a decoder block folded into the product after it (its weight into the
+# product's, `model.Transformer.fold_norms`), and each residual add into the product before it:
+# the norms run no kernel of their own where the skinny kernel serves both products (decode,
+# verification, drafting). FLASHDRAFT_FOLD_NORMS=0: not folded at load, a norm kernel each.
+FOLD_NORMS = os.environ.get("FLASHDRAFT_FOLD_NORMS", "1") != "0"
+
+
+def folds_norm(x: torch.Tensor, module: torch.nn.Module) -> bool:
+    """Whether `scaled_linear` and `add_linear` run as one kernel for x and module (else the
+    caller takes `norm_linear`)."""
+    return FOLD_NORMS and _skinny_serves(x, module) and x.is_contiguous()
+
+
+def scaled_linear(x: torch.Tensor, ss: torch.Tensor, eps: float, module: torch.nn.Module,
+                  gated: bool = False) -> torch.Tensor:
+    """module(RMSNorm(x)), or with `gated` SiLU(gate) · up of it, for a module whose weight has
+    the norm's weight folded in (so the norm is a scale of each row by 1 / rms, applied to the
+    product). ss: the rows' sums of squares of x, [rows, tiles] float32 added along tiles
+    (`add_linear`). One `_skinny_kernel` where `folds_norm`."""
+    if not folds_norm(x, module):
+        rms = torch.rsqrt(ss.sum(-1) / x.shape[-1] + eps).view(*x.shape[:-1], 1)
+        h = (x.float() * rms).to(x.dtype)
+        return gated_linear(h, module) if gated else linear(h, module)
+    w = module.weight
+    fused = gated and GATED
+    out = _skinny(_rows(x), w, module.bias, fused, _launch(w, fused), ss=ss, eps=eps)
+    out = out.view(*x.shape[:-1], out.shape[-1])
+    return silu_mul(out) if gated and not fused else out
+
+
+def add_linear(x: torch.Tensor, module: torch.nn.Module, residual: torch.Tensor) -> torch.Tensor:
+    """residual += module(x), in place (rounded as the separate add would be); returns the
+    sums of squares of residual's rows, [rows, tiles] float32, for `scaled_linear`. One
+    `_skinny_kernel` where `folds_norm`."""
+    if not (folds_norm(x, module) and residual.is_contiguous()):
+        residual.add_(linear(x, module))
+        return residual.float().square().sum(-1).view(-1, 1)
+    w = module.weight
+    return _skinny(_rows(x), w, module.bias, False, _launch(w, False),
+                   residual=residual.view(-1, w.shape[0]))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -115,7 +115,8 @@ class Attention(nn.Module):
         # mask: None where kernels.attention serves (the GPU, seq <= SMALL_T), else additive
         # [batch, 1, seq, 1, kv_len] if seq <= SMALL_T (grouped_attention), else bool
         # [batch, 1, seq, kv_len] (SDPA), or "causal": SDPA's own causal mask (a prefill from
-        # position 0, kv_len = seq)
+        # position 0, kv_len = seq). Returns the attention output [batch, seq, heads *
+        # head_dim], before wo (`Block` runs wo with the residual add).
         b, t, _ = qkv.shape
         qkv = qkv.view(b, t, self.n_heads + 2 * self.n_kv, self.head_dim)
         rope = (cos, sin, positions, cache.kv[layer], self.n_heads, self.n_kv,
@@ -125,8 +126,7 @@ class Attention(nn.Module):
         if mask is None:
             # One kernel on the GPU: (Qwen3's head norms,) rope, the step's keys and values
             # into the cache, attention.
-            out = kernels.rope_attention(qkv, *rope, kv_len, cache.split_len)
-            return kernels.linear(out, self.wo)
+            return kernels.rope_attention(qkv, *rope, kv_len, cache.split_len)
         # (Qwen3's head norms,) rope on the q and k heads in place, the keys and values into
         # the cache at their positions (one kernel on the GPU).
         kernels.rope_and_cache_write(qkv, *rope)
@@ -144,24 +144,68 @@ class Attention(nn.Module):
                                                      is_causal=causal,
                                                      enable_gqa=self.n_heads != self.n_kv)
             out = out.transpose(1, 2).reshape(b, t, -1)
-        return kernels.linear(out, self.wo)
+        return out
 
 
 class MLP(nn.Module):
+    """The MLP's weights: SiLU(x · gate) · (x · up), then · down (`Block` runs them)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.w_gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, act):
-        # act: SiLU(gate) · up, computed with the norm before it and w_gate_up (`Block`)
-        return kernels.linear(act, self.w_down)
+
+class Residual:
+    """The residual stream between sublayers, each sublayer's output added in one of two ways.
+
+    - With the add before the norm: the output waits in `delta` and the next norm adds it
+      (`kernels.norm_linear`: the add and the norm in one kernel, then the product).
+    - With the add in the product (`kernels.add_linear`), which leaves each row's sums of
+      squares in `ss`; the next product, whose weight has the norm's folded in
+      (`Transformer.fold_norms`), applies the norm as a scale of its rows
+      (`kernels.scaled_linear`): the norm runs no kernel of its own.
+    The second where the model's norms are folded and the skinny kernel serves both products
+    (`kernels.folds_norm`: decode, verification and drafting steps on the GPU), else the first.
+    """
+
+    def __init__(self, x: torch.Tensor, folded: bool):
+        self.x, self.delta, self.ss, self.folded = x, None, None, folded
+
+    def normed(self, norm: RMSNorm, module: nn.Module, gated: bool = False,
+               folded: bool = True) -> torch.Tensor:
+        """module(norm(stream)) (gated: SiLU(gate) · up of it); folded: whether the model's
+        norm weights were folded into module."""
+        if self.ss is not None and folded:
+            return kernels.scaled_linear(self.x, self.ss, norm.eps, module, gated)
+        out, self.x = kernels.norm_linear(self.delta, self.x, norm, module, gated)
+        self.delta = self.ss = None
+        return out
+
+    def add(self, x: torch.Tensor, module: nn.Module) -> None:
+        """The sublayer output module(x) into the stream."""
+        if self.folded and self.delta is None and kernels.folds_norm(x, module):
+            self.ss = kernels.add_linear(x, module, self.x)
+        else:
+            self.delta, self.ss = kernels.linear(x, module), None
+
+    def value(self) -> torch.Tensor:
+        """The stream as a new tensor."""
+        return self.x.clone() if self.delta is None else self.x + self.delta
+
+    def rows(self, index: torch.Tensor | slice) -> "Residual":
+        """The stream at positions `index` along seq only (int64 indices, or a slice)."""
+        pick = ((lambda t: t.index_select(1, index)) if isinstance(index, torch.Tensor)
+                else (lambda t: t[:, index]))
+        picked = Residual(pick(self.x), self.folded)
+        if self.delta is not None:
+            picked.delta = pick(self.delta)
+        return picked
 
 
 class Block(nn.Module):
-    """x + attn(norm(x)), then + mlp(norm(·)); run as "residual stream + sublayer output" pairs:
-    each residual add goes with the norm after it and the product after that
-    (`kernels.norm_linear`: add and norm in one kernel on the GPU)."""
+    """x + attn(norm(x)), then + mlp(norm(·)), on the residual stream (`Residual`), which takes
+    each residual add and norm with a product next to it."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -170,15 +214,12 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, delta, residual, cos, sin, positions, mask, cache, layer, kv_len):
-        """residual + delta is the block's input (delta None: residual alone, the first block).
-        Returns (delta', residual'): the MLP's output and the residual stream before it, whose
-        sum is the block's output."""
-        qkv, residual = kernels.norm_linear(delta, residual, self.attn_norm, self.attn.wqkv)
-        a = self.attn(qkv, cos, sin, positions, mask, cache, layer, kv_len)
-        act, residual = kernels.norm_linear(a, residual, self.mlp_norm, self.mlp.w_gate_up,
-                                            gated=True)
-        return self.mlp(act), residual
+    def forward(self, stream: Residual, cos, sin, positions, mask, cache, layer, kv_len) -> None:
+        """Advance `stream` (the block's input) through the block, in place."""
+        qkv = stream.normed(self.attn_norm, self.attn.wqkv)
+        stream.add(self.attn(qkv, cos, sin, positions, mask, cache, layer, kv_len), self.attn.wo)
+        act = stream.normed(self.mlp_norm, self.mlp.w_gate_up, gated=True)
+        stream.add(act, self.mlp.w_down)
 
 
 class Transformer(nn.Module):
@@ -192,6 +233,25 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+        self.norms_folded = False  # fold_norms
+
+    @torch.no_grad()
+    def fold_norms(self) -> None:
+        """Fold each block's RMSNorm weights into the product after it (wqkv, w_gate_up:
+        W · diag(g), rounded once to the weight's dtype; g then ones), which computes the same
+        function and lets those products apply the norm themselves (`Residual`). Unquantized
+        models only (the loaders fold before any quantization); the final norm stays (a tied
+        output head is the embedding)."""
+        for block in self.layers:
+            for norm, linear in ((block.attn_norm, block.attn.wqkv),
+                                 (block.mlp_norm, block.mlp.w_gate_up)):
+                if type(linear) is not nn.Linear:
+                    raise ValueError("fold_norms runs before quantization, on nn.Linear weights")
+                w = linear.weight
+                folded = (w.float() * norm.weight.float()).to(w.dtype)
+                linear.weight = nn.Parameter(folded, requires_grad=False)
+                norm.weight = nn.Parameter(torch.ones_like(norm.weight), requires_grad=False)
+        self.norms_folded = True
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 kv_len: int | None = None, hidden_layers: tuple[int, ...] = (),
@@ -226,14 +286,14 @@ class Transformer(nn.Module):
             else:
                 mask = visible.unsqueeze(1)
         hidden = [residual.clone()] if 0 in hidden_layers else []
-        delta = None  # the output of layer i is residual + delta
+        stream = Residual(residual, self.norms_folded)
         for i, block in enumerate(self.layers):
-            delta, residual = block(delta, residual, cos, sin, positions, mask, cache, i, kv_len)
+            block(stream, cos, sin, positions, mask, cache, i, kv_len)
             if i + 1 in hidden_layers:
-                hidden.append(residual + delta)
+                hidden.append(stream.value())
         if logits_at is not None:
-            delta, residual = delta.index_select(1, logits_at), residual.index_select(1, logits_at)
+            stream = stream.rows(logits_at)
         elif last_only:
-            delta, residual = delta[:, -1:], residual[:, -1:]
-        logits, _ = kernels.norm_linear(delta, residual, self.norm, self.lm_head)
+            stream = stream.rows(slice(-1, None))
+        logits = stream.normed(self.norm, self.lm_head, folded=False)
         return logits.float(), hidden

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from . import kernels
 from .config import ModelConfig
 from .cuda_graphs import StepRunner
 from .kv_cache import KVCache
@@ -76,6 +77,8 @@ def build_random_model(cfg: ModelConfig, dtype: torch.dtype, device, seed: int =
         else:
             p.normal_(0.0, 0.02, generator=gen)
     model.inv_freq = rope_frequencies(cfg).to(device)
+    if kernels.FOLD_NORMS and not quant:
+        model.fold_norms()
     if quant:  # "int8", "int4", or "MODE-BACKEND" (e.g. "int4-hybrid")
         from .quant import quantize_model
         mode, _, backend = quant.partition("-")

@@ -182,17 +182,21 @@ CFG = ModelConfig(arch="qwen3", vocab_size=96, hidden_size=128, intermediate_siz
                   rms_norm_eps=1e-6, tie_word_embeddings=False, qkv_bias=True, qk_norm=True)
 
 
-@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("gated,folded", [(False, False), (True, False), (False, True),
+                                          (True, True)])
 @pytest.mark.parametrize("t", [1, 5, 40])
-def test_model_forward_with_kernels_equals_pytorch_path(monkeypatch, t, gated):
+def test_model_forward_with_kernels_equals_pytorch_path(monkeypatch, t, gated, folded):
     """The whole model, fused kernels vs the PyTorch path (float32): same logits, same cache,
     same hidden states. t=40 is a prefill (SDPA attention, fused norms, rope and cache write).
-    gated: SiLU · up inside the gate/up product (FLASHDRAFT_GATED)."""
+    gated: SiLU · up inside the gate/up product (FLASHDRAFT_GATED). folded: the norms folded
+    into the products (`Transformer.fold_norms`; t <= 32: no norm kernels, `model.Residual`)."""
     monkeypatch.setattr(kernels, "GATED", gated)
     torch.manual_seed(0)
     model = Transformer(CFG).to(DEVICE)
     for p in model.parameters():
         p.data.normal_(0, 0.2)
+    if folded:
+        model.fold_norms()
     tokens = torch.randint(0, CFG.vocab_size, (1, t), device=DEVICE)
     positions = torch.arange(10, 10 + t, device=DEVICE).unsqueeze(0)
     results = []
@@ -383,9 +387,61 @@ def test_norm_linear_is_add_norm_product_and_batch_invariant(monkeypatch, dtype,
     counters_are_back_to_zero()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,gated,bias", [(96, 256, False, True), (200, 384, True, False),
+                                            (40, 128, False, False)])
+def test_add_linear_then_scaled_linear_is_add_norm_product_and_batch_invariant(
+        monkeypatch, dtype, n, k, gated, bias):
+    """A sublayer's output product added into the residual stream (`add_linear`, which leaves
+    the rows' sums of squares), then the next product with the norm's weight folded into it
+    (`scaled_linear`): the reference's add, norm and product, with the same stored sum as the
+    separate add, each row's bits independent of the other rows. SiLU · up inside the product
+    with gated (FLASHDRAFT_GATED)."""
+    monkeypatch.setattr(kernels, "GATED", True)
+    from flashdraft.model import RMSNorm
+    g = torch.Generator().manual_seed(11)
+    wo = torch.nn.Linear(160, k, bias=bias).to(DEVICE, dtype)
+    layer = torch.nn.Linear(k, (2 if gated else 1) * n, bias=bias).to(DEVICE, dtype)
+    norm = RMSNorm(k, 1e-6).to(DEVICE, dtype)
+    with torch.no_grad():
+        wo.weight.copy_(torch.randn(wo.weight.shape, generator=g) * 0.05)
+        layer.weight.copy_(torch.randn(layer.weight.shape, generator=g) * 0.05)
+        norm.weight.copy_(1 + 0.1 * torch.randn(k, generator=g))
+    folded = torch.nn.Linear(k, layer.out_features, bias=bias).to(DEVICE, dtype)
+    with torch.no_grad():
+        folded.weight.copy_((layer.weight.float() * norm.weight.float()).to(dtype))
+        if bias:
+            folded.bias.copy_(layer.bias)
+    x = torch.randn(1, 20, 160, generator=g).to(DEVICE, dtype)
+    residual = torch.randn(1, 20, k, generator=g).to(DEVICE, dtype) * 4
+
+    def run(rows):
+        r = residual[:, rows].clone()
+        ss = kernels.add_linear(x[:, rows], wo, r)
+        return r, ss, kernels.scaled_linear(r, ss, 1e-6, folded, gated)
+
+    with run_kernels(), torch.inference_mode():
+        assert kernels.folds_norm(x, wo) and kernels.folds_norm(residual, folded)
+        summed, ss, full = run(slice(None))
+        alone = [run(slice(i, i + 1)) for i in (0, 19)]
+        delta = kernels.linear(x, wo)
+    assert torch.equal(summed, (residual.float() + delta.float()).to(dtype))
+    close(ss.sum(-1), summed.float().square().sum(-1).view(-1), torch.float32)
+    h = kernels.rms_norm_reference(summed.float(), norm.weight.float(), 1e-6)
+    product = kernels.linear_reference(h, layer.weight.float(),
+                                       layer.bias.float() if bias else None)
+    ref = kernels.silu_mul_reference(product.to(dtype)) if gated else product
+    close(full, ref, dtype)
+    for i, (r, _, out) in zip((0, 19), alone):
+        assert torch.equal(r[:, 0], summed[:, i])
+        assert torch.equal(out[:, 0], full[:, i])
+    counters_are_back_to_zero()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_verify_pass_gives_the_decode_logits_bit_for_bit_in_bf16():
+@pytest.mark.parametrize("folded", [False, True])
+def test_verify_pass_gives_the_decode_logits_bit_for_bit_in_bf16(folded):
     """What makes greedy speculation lossless in bf16: a pass over k+1 tokens yields, for each
     position, exactly the logits (and cache entries) that decoding them one at a time yields,
     eager or graph-replayed. Random weights: near-uniform logits, so any difference in
@@ -397,6 +453,8 @@ def test_verify_pass_gives_the_decode_logits_bit_for_bit_in_bf16():
     model = Transformer(cfg).to("cuda", torch.bfloat16)
     for p in model.parameters():
         p.data.normal_(0, 0.05)
+    if folded:  # the norms inside the products (model.Residual), as models load
+        model.fold_norms()
     prompt = torch.randint(0, cfg.vocab_size, (1, 300), device="cuda")
     step = torch.randint(0, cfg.vocab_size, (1, 9), device="cuda")
     caches = [KVCache.for_model(cfg, 1, 640, torch.bfloat16, "cuda") for _ in range(3)]

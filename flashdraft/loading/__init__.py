@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import kernels
 from ..config import ModelConfig
 from ..model import Transformer, rope_frequencies
 from .hf import load_tokenizer, our_sources, read_hf, resolve_hf, to_ours
@@ -76,6 +77,8 @@ def load_model(ref: str, dtype: torch.dtype, device: torch.device,
         model.load_state_dict(to_ours(state, config.num_layers), assign=True, strict=True)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.embed.weight
+        if kernels.FOLD_NORMS:
+            model.fold_norms()
     model.inv_freq = rope_frequencies(config)
     model = model.to(device).eval()
     return Loaded(config, model, tokenizer, source)
