@@ -427,9 +427,10 @@ def test_add_linear_then_scaled_linear_is_add_norm_product_and_batch_invariant(
         delta = kernels.linear(x, wo)
     assert torch.equal(summed, (residual.float() + delta.float()).to(dtype))
     close(ss.sum(-1), summed.float().square().sum(-1).view(-1), torch.float32)
-    h = kernels.rms_norm_reference(summed.float(), norm.weight.float(), 1e-6)
-    product = kernels.linear_reference(h, layer.weight.float(),
-                                       layer.bias.float() if bias else None)
+    with torch.no_grad():
+        h = kernels.rms_norm_reference(summed.float(), norm.weight.float(), 1e-6)
+        product = kernels.linear_reference(h, layer.weight.float(),
+                                           layer.bias.float() if bias else None)
     ref = kernels.silu_mul_reference(product.to(dtype)) if gated else product
     close(full, ref, dtype)
     for i, (r, _, out) in zip((0, 19), alone):
