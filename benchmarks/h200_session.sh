@@ -121,11 +121,12 @@ for phase in "$@"; do
     ;;
   bench)
     # As BENCHMARKS.md's reference table: first 8 HumanEval prompts as raw text, 128 new
-    # tokens, greedy, with transformers on the same weights in the same process. ADAPTIVE
+    # tokens, greedy, with transformers on the same weights in the same process (BENCH_KS: the
+    # k values, default 1,3,5,8,16). ADAPTIVE
     # (here and in chatbench): on (default), off, or both (--adaptive-speculation).
     fd bench --model example:qwen2.5-coder-1.5b --draft example:qwen2.5-coder-0.5b \
-      --draft ngram --num-speculative-tokens 1,3,5,8,16 --prompts humaneval --raw-prompts \
-      --adaptive-speculation "${ADAPTIVE:-on}" \
+      --draft ngram --num-speculative-tokens ${BENCH_KS:-1,3,5,8,16} --prompts humaneval \
+      --raw-prompts --adaptive-speculation "${ADAPTIVE:-on}" \
       --num-prompts 8 --max-tokens 128 --peer transformers --output "$OUT/bench" \
       --note "$(note)" --no-progress 2>&1 | tee "$OUT/bench.log" | tail -60
     ;;

@@ -3,9 +3,10 @@
 On a GPU a decode or verification step is bound by how many kernels a layer runs, not by their
 arithmetic: after CUDA graphs removed the launch cost, each kernel still costs ~2 µs, and the
 1.5B example spent two thirds of its step outside the four matrix products. These kernels
-bring a decode layer down to eight: four products and four small kernels (seven with the
-activation inside the gate/up product, as the int4 kernel has it; FLASHDRAFT_GATED for bf16,
-not faster in the model):
+bring a decode layer down to six: four products, attention and SiLU · up (five with the
+activation inside the gate/up product, FLASHDRAFT_GATED), the two norms inside the products
+(`add_linear`, `scaled_linear`; eight kernels where the norms are not folded: quantized models,
+FLASHDRAFT_FOLD_NORMS=0):
 
 - `rms_norm(x, weight, eps, residual)`: residual += x, then RMSNorm of the sum, in one pass
   (the residual add of the previous sublayer fused into the norm of the next, as vLLM does).
@@ -25,6 +26,10 @@ not faster in the model):
   fixed way per weight shape, the slices added by the last program of a tile to finish).
   `gated_linear` (SiLU · up inside the gate/up product) is the same kernel with more work in
   it, by default `silu_mul` after `linear`; `norm_linear` is `rms_norm` then `linear`.
+- `add_linear(x, module, residual)`: the same kernel adding its product into the residual
+  stream in place and leaving each row's sums of squares per column tile; `scaled_linear`:
+  the next product, whose weight has the RMSNorm's weight folded in, scaling each row by the
+  1 / rms those sums give. The norm then costs no kernel (`model.Residual`).
 - `quant_linear(x, ...)`: the same for weight-only int8 / int4 weights, dequantized in
   registers (`_skinny_quant_kernel`).
 
@@ -875,7 +880,9 @@ class SkinnyConfig(NamedTuple):
 #                          kernel: a second kernel does (plain products only)
 # FLASHDRAFT_GATED=1       SiLU · up inside the gate/up product (default: its own kernel after it)
 # (Residual add + RMSNorm inside the next product was measured too, 2x slower: every program
-# re-normalised its input rows; removed after session 4, see NOTES-gpu.md.)
+# re-normalised its input rows; removed after session 4, see NOTES-gpu.md. FOLD_NORMS below
+# leaves the input alone: the norm's weight is in the product's weight and 1 / rms scales the
+# product's rows.)
 SKINNY_RULE = os.environ.get("FLASHDRAFT_SKINNY_RULE", "tuned")
 _SHIPPED_TABLE = str(Path(__file__).with_name("data") / "skinny_tuned.json")
 SKINNY_TABLE = os.environ.get("FLASHDRAFT_SKINNY_TABLE", _SHIPPED_TABLE)
