@@ -18,8 +18,9 @@ so no phase waits for a norm. Work items are (16 output rows, a slice of K) pair
 is chosen per product so that the items fall evenly on the programs. Partials are float32 and
 added in a fixed order: the result does not depend on timing.
 
-Against it, in the same process: the same layers through flashdraft's kernels (rms_norm, the
-skinny products, silu_mul) captured as one CUDA graph with programmatic dependent launch.
+Against it, in the same process: the same layers through flashdraft's kernels as they ran
+before the norms were folded into the products (session 12): rms_norm, the skinny products,
+silu_mul, captured as one CUDA graph with programmatic dependent launch.
 Both leave attention out, so the figures are a layer's products, norms and activation only.
 Random weights: speed only.
 

@@ -412,7 +412,9 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
              each reading twice the positions; none to merge where one split covers kv_len)
       unfolded  the norms as kernels of their own (kernels.FOLD_NORMS off at run time: the same
              folded weights, each residual add and norm in `rms_norm`, model.Residual)
-      nonorm the RMSNorm kernels skipped (their input passed on, the residual add dropped):
+      nonorm the RMSNorm kernels skipped (their input passed on, the residual add dropped;
+             with the norms folded only the first and the final norm are kernels, so this
+             means something as "unfolded+nonorm"):
              wrong output, speed only, the most that removing them could give
       nopdl  no programmatic dependent launch
     Switches joined by "+" (e.g. "early+nopdl") are toggled together in one run."""
@@ -427,7 +429,8 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
 
     def toggled(switch: str) -> tuple[str, dict]:
         if switch == "gated":
-            return f"gated {not saved['GATED']}", {"GATED": not saved["GATED"]}
+            now = kernels.gated_for(get_shape(shape).intermediate_size)
+            return f"gated {not now}", {"GATED": not now}
         if switch == "early":
             return f"early {not saved['EARLY_LAUNCH']}", {"EARLY_LAUNCH": not saved["EARLY_LAUNCH"]}
         if switch == "rope":
@@ -442,8 +445,8 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
                     {"rms_norm": lambda x, weight, eps, residual=None: x})
         if switch == "nopdl":
             return "nopdl", {"PDL": False}
-        raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, unfolded, nonorm, "
-                         f"nopdl, or several joined by '+'")
+        raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, unfolded, "
+                         f"nonorm, nopdl, or several joined by '+'")
 
     for switch in switches:
         if switch == "gated" and (quant or "").startswith("int4"):
@@ -538,8 +541,8 @@ def main() -> None:
                          "(sweep: also under each launch shape of MMA_SWEEP)")
     ap.add_argument("--breakdown", default=None, metavar="SWITCHES",
                     help="the default decode path against each comma-separated switch "
-                         "toggled (gated, early, rope, split, unfolded, nonorm, nopdl, or several joined by '+': see "
-                         "breakdown), in turn, with kernel tables")
+                         "toggled (gated, early, rope, split, unfolded, nonorm, nopdl, or several "
+                         "joined by '+': see breakdown), in turn, with kernel tables")
     ap.add_argument("--repeats", type=int, default=2,
                     help="rounds of the breakdown's configurations, in turn")
     ap.add_argument("--sweep", type=float, default=0.0,

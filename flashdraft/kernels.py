@@ -165,6 +165,19 @@ def linear_reference(x, weight, bias=None):
     return F.linear(x, weight, bias)
 
 
+def scaled_linear_reference(x, ss, eps, module, gated=False):
+    # the norm (its weight folded into module's) from the sums of squares, then the product as
+    # `linear` / `gated_linear` run it
+    rms = torch.rsqrt(ss.sum(-1) / x.shape[-1] + eps).view(*x.shape[:-1], 1)
+    h = (x.float() * rms).to(x.dtype)
+    return gated_linear(h, module) if gated else linear(h, module)
+
+
+def add_linear_reference(x, module, residual):
+    residual.add_(linear(x, module))
+    return residual.float().square().sum(-1).view(-1, 1)
+
+
 def silu_mul_reference(gate_up):
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -878,7 +891,10 @@ class SkinnyConfig(NamedTuple):
 #                          `flashdraft tune`, over it), another JSON file instead, or "off"
 # FLASHDRAFT_SPLIT_REDUCE  last (default): the last program of a tile adds the K slices;
 #                          kernel: a second kernel does (plain products only)
-# FLASHDRAFT_GATED=1       SiLU · up inside the gate/up product (default: its own kernel after it)
+# FLASHDRAFT_GATED         SiLU · up inside the gate/up product, or its own kernel after it:
+#                          auto (default): inside for MLPs at least GATED_MIN_N wide (the 8B's
+#                          12,288: +1-4 % decode, 85 % of the roofline; the 1.5B's 8,960:
+#                          neutral to slower, its 16-token step up to 10 % slower); 1; 0
 # (Residual add + RMSNorm inside the next product was measured too, 2x slower: every program
 # re-normalised its input rows; removed after session 4, see NOTES-gpu.md. FOLD_NORMS below
 # leaves the input alone: the norm's weight is in the product's weight and 1 / rms scales the
@@ -887,7 +903,17 @@ SKINNY_RULE = os.environ.get("FLASHDRAFT_SKINNY_RULE", "tuned")
 _SHIPPED_TABLE = str(Path(__file__).with_name("data") / "skinny_tuned.json")
 SKINNY_TABLE = os.environ.get("FLASHDRAFT_SKINNY_TABLE", _SHIPPED_TABLE)
 SPLIT_REDUCE = os.environ.get("FLASHDRAFT_SPLIT_REDUCE", "last")
-GATED = os.environ.get("FLASHDRAFT_GATED", "0") == "1"
+_GATED_SETTINGS = {"auto": None, "1": True, "0": False}
+if os.environ.get("FLASHDRAFT_GATED", "auto") not in _GATED_SETTINGS:
+    raise ValueError(f"FLASHDRAFT_GATED={os.environ['FLASHDRAFT_GATED']!r}: use auto, 1 or 0")
+GATED = _GATED_SETTINGS[os.environ.get("FLASHDRAFT_GATED", "auto")]  # None: auto
+GATED_MIN_N = 12288
+
+
+def gated_for(n: int) -> bool:
+    """Whether an MLP's gate/up product of n output features (each of gate and up) computes
+    SiLU(gate) · up itself (FLASHDRAFT_GATED)."""
+    return n >= GATED_MIN_N if GATED is None else GATED
 
 
 def table_key(n: int, k: int, gated: bool) -> str:
@@ -1156,7 +1182,7 @@ def gated_linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     fused = getattr(module, "forward_gated", None)
     if fused is not None:
         return fused(x)
-    if not (GATED and _skinny_serves(x, module)):
+    if not (_skinny_serves(x, module) and gated_for(module.weight.shape[0] // 2)):
         return silu_mul(linear(x, module))
     w = module.weight
     out = _skinny(_rows(x), w, module.bias, True, _launch(w, True))
@@ -1185,7 +1211,7 @@ FOLD_NORMS = os.environ.get("FLASHDRAFT_FOLD_NORMS", "1") != "0"
 def folds_norm(x: torch.Tensor, module: torch.nn.Module) -> bool:
     """Whether `scaled_linear` and `add_linear` run as one kernel for x and module (else the
     caller takes `norm_linear`)."""
-    return FOLD_NORMS and _skinny_serves(x, module) and x.is_contiguous()
+    return FOLD_NORMS and _skinny_serves(x, module)
 
 
 def scaled_linear(x: torch.Tensor, ss: torch.Tensor, eps: float, module: torch.nn.Module,
@@ -1195,11 +1221,9 @@ def scaled_linear(x: torch.Tensor, ss: torch.Tensor, eps: float, module: torch.n
     product). ss: the rows' sums of squares of x, [rows, tiles] float32 added along tiles
     (`add_linear`). One `_skinny_kernel` where `folds_norm`."""
     if not folds_norm(x, module):
-        rms = torch.rsqrt(ss.sum(-1) / x.shape[-1] + eps).view(*x.shape[:-1], 1)
-        h = (x.float() * rms).to(x.dtype)
-        return gated_linear(h, module) if gated else linear(h, module)
+        return scaled_linear_reference(x, ss, eps, module, gated)
     w = module.weight
-    fused = gated and GATED
+    fused = gated and gated_for(w.shape[0] // 2)
     out = _skinny(_rows(x), w, module.bias, fused, _launch(w, fused), ss=ss, eps=eps)
     out = out.view(*x.shape[:-1], out.shape[-1])
     return silu_mul(out) if gated and not fused else out
@@ -1210,8 +1234,7 @@ def add_linear(x: torch.Tensor, module: torch.nn.Module, residual: torch.Tensor)
     sums of squares of residual's rows, [rows, tiles] float32, for `scaled_linear`. One
     `_skinny_kernel` where `folds_norm`."""
     if not (folds_norm(x, module) and residual.is_contiguous()):
-        residual.add_(linear(x, module))
-        return residual.float().square().sum(-1).view(-1, 1)
+        return add_linear_reference(x, module, residual)
     w = module.weight
     return _skinny(_rows(x), w, module.bias, False, _launch(w, False),
                    residual=residual.view(-1, w.shape[0]))

@@ -170,7 +170,11 @@ class Residual:
     """
 
     def __init__(self, x: torch.Tensor, folded: bool):
-        self.x, self.delta, self.ss, self.folded = x, None, None, folded
+        self.x = x  # [batch, seq, hidden]: the stream, but for delta
+        self.delta: torch.Tensor | None = None  # [batch, seq, hidden]: an output not added yet
+        # [batch * seq, tiles] float32: x's rows' sums of squares by column tile, when known
+        self.ss: torch.Tensor | None = None
+        self.folded = folded  # the model's norm weights are folded into the products after them
 
     def normed(self, norm: RMSNorm, module: nn.Module, gated: bool = False,
                folded: bool = True) -> torch.Tensor:
@@ -246,7 +250,9 @@ class Transformer(nn.Module):
             for norm, linear in ((block.attn_norm, block.attn.wqkv),
                                  (block.mlp_norm, block.mlp.w_gate_up)):
                 if type(linear) is not nn.Linear:
-                    raise ValueError("fold_norms runs before quantization, on nn.Linear weights")
+                    raise ValueError(f"fold_norms folds into nn.Linear weights, and this model's "
+                                     f"{type(linear).__name__} ({linear}) is not one: fold before "
+                                     f"quantize_model, or leave a quantized model unfolded")
                 w = linear.weight
                 folded = (w.float() * norm.weight.float()).to(w.dtype)
                 linear.weight = nn.Parameter(folded, requires_grad=False)

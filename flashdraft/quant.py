@@ -287,12 +287,17 @@ def quantize_model(model: nn.Module, mode: str, backend: str = "auto",
                    include_lm_head: bool = True) -> nn.Module:
     """Replace the model's nn.Linear layers by QuantLinear, in place; returns the model.
 
-    Run after loading (bf16/fp16 checkpoints, or GGUF dequantized at load). Embeddings and
-    norms stay as they are. A tied LM head gets its own quantized copy; the embedding table
+    Run after loading (bf16/fp16 checkpoints, or GGUF dequantized at load) a model whose norms
+    are not folded (`Transformer.fold_norms`). Embeddings and norms stay as they are. A tied LM head gets its own quantized copy; the embedding table
     keeps its full-precision weights.
     """
     if mode not in MODES:
         raise ValueError(f"quantization {mode!r} is not one of {', '.join(MODES)}")
+    if getattr(model, "norms_folded", False):
+        raise ValueError("this model's RMSNorm weights are folded into its products (load_model "
+                         "folds unquantized models), which would change what int4/int8 round; "
+                         "quantize as it loads (load_model(..., quantization=...), "
+                         "LLM(..., quantization=...)) or load it with FLASHDRAFT_FOLD_NORMS=0")
     # Names first, modules one at a time: each full-precision weight is freed as soon as its
     # replacement exists, so the peak is the model plus one layer, not two models.
     targets = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)

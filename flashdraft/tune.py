@@ -51,12 +51,12 @@ def dram_ring(*tensors: torch.Tensor):
 
 def matrices(model) -> dict:
     """Distinct plain-Linear weights of the model by (n, k, gated), as the model runs them:
-    gated for the MLP's gate and up product when kernels.GATED (n = its output width, half the
-    weight's rows)."""
+    gated for the MLP's gate and up product where `kernels.gated_for` says (n = its output
+    width, half the weight's rows)."""
     mats = {}
     for name, mod in model.named_modules():
         if type(mod) is torch.nn.Linear:
-            gated = name.endswith("w_gate_up") and kernels.GATED
+            gated = name.endswith("w_gate_up") and kernels.gated_for(mod.weight.shape[0] // 2)
             rows, k = mod.weight.shape
             mats.setdefault((rows // 2 if gated else rows, k, gated), mod.weight)
     return mats

@@ -388,15 +388,17 @@ def test_norm_linear_is_add_norm_product_and_batch_invariant(monkeypatch, dtype,
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,k,gated,bias", [(96, 256, False, True), (200, 384, True, False),
-                                            (40, 128, False, False)])
+@pytest.mark.parametrize("n,k,gated,bias", [(96, 256, False, True), (200, 224, True, True),
+                                            (40, 128, False, False), (72, 384, True, False)])
+@pytest.mark.parametrize("fused", [True, False])
 def test_add_linear_then_scaled_linear_is_add_norm_product_and_batch_invariant(
-        monkeypatch, dtype, n, k, gated, bias):
+        monkeypatch, dtype, n, k, gated, bias, fused):
     """A sublayer's output product added into the residual stream (`add_linear`, which leaves
     the rows' sums of squares), then the next product with the norm's weight folded into it
     (`scaled_linear`): the reference's add, norm and product, with the same stored sum as the
     separate add, each row's bits independent of the other rows. SiLU · up inside the product
-    with gated (FLASHDRAFT_GATED)."""
+    with gated (FLASHDRAFT_GATED). fused False: the paths where the kernel does not serve
+    (`*_reference`). k = 224: the last column tile of the sums of squares part empty."""
     monkeypatch.setattr(kernels, "GATED", True)
     from flashdraft.model import RMSNorm
     g = torch.Generator().manual_seed(11)
@@ -407,23 +409,25 @@ def test_add_linear_then_scaled_linear_is_add_norm_product_and_batch_invariant(
         wo.weight.copy_(torch.randn(wo.weight.shape, generator=g) * 0.05)
         layer.weight.copy_(torch.randn(layer.weight.shape, generator=g) * 0.05)
         norm.weight.copy_(1 + 0.1 * torch.randn(k, generator=g))
+        if bias:
+            layer.bias.copy_(torch.randn(layer.bias.shape, generator=g))
     folded = torch.nn.Linear(k, layer.out_features, bias=bias).to(DEVICE, dtype)
     with torch.no_grad():
         folded.weight.copy_((layer.weight.float() * norm.weight.float()).to(dtype))
         if bias:
             folded.bias.copy_(layer.bias)
-    x = torch.randn(1, 20, 160, generator=g).to(DEVICE, dtype)
-    residual = torch.randn(1, 20, k, generator=g).to(DEVICE, dtype) * 4
+    x = torch.randn(2, 10, 160, generator=g).to(DEVICE, dtype)  # 20 rows: two row blocks
+    residual = torch.randn(2, 10, k, generator=g).to(DEVICE, dtype) * 4
 
     def run(rows):
         r = residual[:, rows].clone()
         ss = kernels.add_linear(x[:, rows], wo, r)
         return r, ss, kernels.scaled_linear(r, ss, 1e-6, folded, gated)
 
-    with run_kernels(), torch.inference_mode():
-        assert kernels.folds_norm(x, wo) and kernels.folds_norm(residual, folded)
+    with (run_kernels() if fused else kernels.disabled()), torch.inference_mode():
+        assert kernels.folds_norm(x, wo) == fused and kernels.folds_norm(residual, folded) == fused
         summed, ss, full = run(slice(None))
-        alone = [run(slice(i, i + 1)) for i in (0, 19)]
+        alone = [run(slice(i, i + 1)) for i in (0, 9)]
         delta = kernels.linear(x, wo)
     assert torch.equal(summed, (residual.float() + delta.float()).to(dtype))
     close(ss.sum(-1), summed.float().square().sum(-1).view(-1), torch.float32)
@@ -433,10 +437,42 @@ def test_add_linear_then_scaled_linear_is_add_norm_product_and_batch_invariant(
                                            layer.bias.float() if bias else None)
     ref = kernels.silu_mul_reference(product.to(dtype)) if gated else product
     close(full, ref, dtype)
-    for i, (r, _, out) in zip((0, 19), alone):
-        assert torch.equal(r[:, 0], summed[:, i])
-        assert torch.equal(out[:, 0], full[:, i])
+    if fused:  # the kernels are batch-invariant (the CPU's F.linear need not be)
+        for i, (r, _, out) in zip((0, 9), alone):
+            assert torch.equal(r[:, 0], summed[:, i])
+            assert torch.equal(out[:, 0], full[:, i])
     counters_are_back_to_zero()
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_folded_model_verifies_as_it_decodes_bit_for_bit(monkeypatch, gated):
+    """The losslessness of greedy speculation with the norms inside the products, on the
+    kernels (the interpreter without a GPU): a 6-token pass gives each position exactly the
+    logits, cache entries and hidden states of decoding them one at a time. Qwen2 biases,
+    a tied head, norm weights far from 1."""
+    monkeypatch.setattr(kernels, "GATED", gated)
+    cfg = ModelConfig(arch="qwen2", vocab_size=96, hidden_size=96, intermediate_size=160,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, qkv_bias=True,
+                      tie_word_embeddings=True)
+    torch.manual_seed(1)
+    model = Transformer(cfg).to(DEVICE)
+    for name, p in model.named_parameters():
+        p.data.normal_(1.0, 0.3) if name.endswith("norm.weight") else p.data.normal_(0, 0.2)
+    model.fold_norms()
+    prompt = torch.randint(0, cfg.vocab_size, (1, 7), device=DEVICE)
+    step = torch.randint(0, cfg.vocab_size, (1, 6), device=DEVICE)
+    caches = [KVCache.for_model(cfg, 1, 32, torch.float32, DEVICE) for _ in range(2)]
+    pos = lambda a, b: torch.arange(a, b, device=DEVICE)[None]
+    with run_kernels(), torch.inference_mode():
+        for c in caches:
+            model(prompt, pos(0, 7), c, kv_len=7)
+        verify, hv = model(step, pos(7, 13), caches[0], kv_len=13, hidden_layers=(1, 2))
+        singles = [model(step[:, i:i + 1], pos(7 + i, 8 + i), caches[1], kv_len=8 + i,
+                         hidden_layers=(1, 2)) for i in range(6)]
+    assert torch.equal(verify, torch.cat([s[0] for s in singles], dim=1))
+    for layer in range(2):
+        assert torch.equal(hv[layer], torch.cat([s[1][layer] for s in singles], dim=1))
+    assert torch.equal(caches[0].kv[:, :, :, :, :13], caches[1].kv[:, :, :, :, :13])
 
 
 @pytest.mark.gpu
@@ -472,3 +508,24 @@ def test_verify_pass_gives_the_decode_logits_bit_for_bit_in_bf16(folded):
     assert torch.equal(replayed, one_by_one)
     assert torch.equal(caches[0].kv[:, :, :, :, :309], caches[1].kv[:, :, :, :, :309])
     assert torch.equal(caches[2].kv[:, :, :, :, :309], caches[1].kv[:, :, :, :, :309])
+
+
+def test_gated_auto_puts_silu_in_the_product_of_wide_mlps_only(monkeypatch):
+    """FLASHDRAFT_GATED=auto (the default): SiLU · up inside the gate/up product from the 8B's
+    width up (measured faster there), its own kernel below; 1 and 0 force it."""
+    monkeypatch.setattr(kernels, "GATED", None)
+    assert kernels.gated_for(12288) and kernels.gated_for(25600)
+    assert not kernels.gated_for(8960) and not kernels.gated_for(4864)
+    monkeypatch.setattr(kernels, "GATED", False)
+    assert not kernels.gated_for(25600)
+    monkeypatch.setattr(kernels, "GATED", True)
+    assert kernels.gated_for(160)
+
+
+def test_gated_setting_that_is_not_one_is_refused():
+    import os
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-c", "import flashdraft.kernels"], capture_output=True,
+                         text=True, env={**os.environ, "FLASHDRAFT_GATED": "yes"})
+    assert run.returncode != 0 and "FLASHDRAFT_GATED='yes': use auto, 1 or 0" in run.stderr

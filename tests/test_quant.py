@@ -41,7 +41,8 @@ def test_quantization_error_is_bounded(mode, bound):
     torch.testing.assert_close(y, nn.functional.linear(x, w, lin.bias), rtol=0, atol=0)
 
 
-def test_quantize_model_replaces_every_linear_and_still_runs():
+def test_quantize_model_replaces_every_linear_and_still_runs(monkeypatch):
+    monkeypatch.setattr(kernels, "FOLD_NORMS", False)  # quantize_model refuses folded norms
     cfg = ModelConfig("qwen2", 300, 128, 256, 2, 4, 2, 32, qkv_bias=True)
     model = build_random_model(cfg, torch.float32, "cpu")
     tokens = torch.randint(0, 300, (1, 9))
@@ -152,3 +153,13 @@ def test_quantized_speculative_decoding_equals_quantized_plain(tmp_path, mode):
     for draft in ("ngram", str(draft_model), str(target)):
         outs = llm.generate(prompts, params, draft=draft, num_speculative_tokens=4)
         assert [o.token_ids for o in outs] == plain, draft
+
+
+def test_quantize_model_refuses_a_model_with_folded_norms():
+    """Folded norm weights would change what int4/int8 round: the message says how to
+    quantize instead."""
+    cfg = ModelConfig("qwen2", 300, 128, 256, 2, 4, 2, 32, qkv_bias=True)
+    model = build_random_model(cfg, torch.float32, "cpu")
+    model.fold_norms()
+    with pytest.raises(ValueError, match="FLASHDRAFT_FOLD_NORMS=0"):
+        quant.quantize_model(model, "int8")

@@ -97,7 +97,8 @@ def _load_quantized(model: Transformer, config: ModelConfig, state: dict, device
     device: the device never holds more than the quantized model and one matrix in full
     precision, so a model whose full-precision weights would not fit (27B on a 24 GB card)
     loads. A tied output head gets its own quantized copy; the embedding stays as it is. The
-    result is `quant.quantize_model(mode)` of the model loaded in full."""
+    result is `quant.quantize_model(mode)` of the model loaded in full, its norms not folded
+    (`Transformer.fold_norms`: unquantized models only)."""
     from ..quant import quantize_linear
 
     sources = our_sources(state, config.num_layers)
