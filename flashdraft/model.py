@@ -253,8 +253,10 @@ class Transformer(nn.Module):
                     raise ValueError(f"fold_norms folds into nn.Linear weights, and this model's "
                                      f"{type(linear).__name__} ({linear}) is not one: fold before "
                                      f"quantize_model, or leave a quantized model unfolded")
-                w = linear.weight
-                folded = (w.float() * norm.weight.float()).to(w.dtype)
+                w, g = linear.weight, norm.weight.float()
+                folded = torch.empty_like(w)
+                for i in range(0, w.shape[0], 4096):  # float32 a slice at a time: a small peak
+                    folded[i:i + 4096] = (w[i:i + 4096].float() * g).to(w.dtype)
                 linear.weight = nn.Parameter(folded, requires_grad=False)
                 norm.weight = nn.Parameter(torch.ones_like(norm.weight), requires_grad=False)
         self.norms_folded = True

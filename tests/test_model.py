@@ -91,3 +91,27 @@ def test_plain_greedy_equals_transformers_generate(tiny_models, arch, device):
                             attention_mask=torch.ones_like(ids))
         assert out.token_ids == want[0, ids.shape[1]:].tolist()
         assert out.finish_reason == "length"
+
+
+def test_folding_the_norms_keeps_the_logits():
+    """Transformer.fold_norms moves each block's norm weights into the product after the norm:
+    the same function (float32: the same logits to rounding), with those norms' weights ones."""
+    from flashdraft.config import ModelConfig
+    from flashdraft.model import Transformer
+
+    cfg = ModelConfig(arch="qwen2", vocab_size=90, hidden_size=64, intermediate_size=96,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    for name, p in model.named_parameters():
+        p.data.normal_(1.0, 0.5) if name.endswith("norm.weight") else p.data.normal_(0, 0.2)
+    tokens, pos = torch.randint(0, 90, (1, 12)), torch.arange(12)[None]
+    run = lambda: model(tokens, pos, KVCache.for_model(cfg, 1, 16, torch.float32, "cpu"))[0]
+    with torch.no_grad():
+        before = run()
+        model.fold_norms()
+        after = run()
+    assert model.norms_folded
+    assert all(torch.equal(b.attn_norm.weight, torch.ones(64)) for b in model.layers)
+    assert not torch.equal(model.norm.weight, torch.ones(64))  # the final norm stays
+    assert rel_err(after, before) <= 1e-5
