@@ -67,6 +67,10 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=16,
                     help="tokens a step for the second scoring (0: prefill only)")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    ap.add_argument("--fold-norms", action="store_true",
+                    help="also quantize each mode with the norm weights folded into the "
+                         "products first (Transformer.fold_norms), as a quantized model would "
+                         "have to be to drop its norm kernels; the reference stays unfolded")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
@@ -82,13 +86,21 @@ def main() -> None:
         results["modes"][f"none ({args.chunk}-token steps)"] = quality_report(
             ref_logits, score(ref.model, ref.config, ids, args.chunk), ids)
     del ref
-    for mode in args.modes.split(","):
+    runs = [(mode, False) for mode in args.modes.split(",")]
+    runs += [(mode, True) for mode in args.modes.split(",") if args.fold_norms]
+    for mode, fold in runs:
         loaded = load_model(args.model, dtype, device)
+        if fold:
+            # quantize_model refuses folded norms (the result is not what a quantized load
+            # gives): this experiment wants exactly that result, whose norms are ones
+            loaded.model.fold_norms()
+            loaded.model.norms_folded = False
         quantize_model(loaded.model, *mode.split("-", 1))  # "int4" or "int4-hybrid" (backend)
-        results["modes"][mode] = quality_report(ref_logits, score(loaded.model, loaded.config, ids),
+        name = mode + (" folded" if fold else "")
+        results["modes"][name] = quality_report(ref_logits, score(loaded.model, loaded.config, ids),
                                                 ids)
         if args.chunk:
-            results["modes"][f"{mode} ({args.chunk}-token steps)"] = quality_report(
+            results["modes"][f"{name} ({args.chunk}-token steps)"] = quality_report(
                 ref_logits, score(loaded.model, loaded.config, ids, args.chunk), ids)
         del loaded
     print(f"{args.model} ({results['dtype']}, {results['device']}), {results['tokens']} tokens "
