@@ -59,6 +59,7 @@ PROFILED = ("torch", "fused+skinny", DEFAULT)
 
 # In-model variants of the skinny-kernel path (PDL and prefetch on), see kernels.SKINNY_RULE
 VARIANTS = {
+    "default": dict(SKINNY_RULE="tuned", SPLIT_REDUCE="last", GATED=None),  # GATED auto
     "v1/sum-kernel": dict(SKINNY_RULE="v1", SPLIT_REDUCE="kernel", GATED=False),
     "v1": dict(SKINNY_RULE="v1", SPLIT_REDUCE="last", GATED=False),
     "v1+gated": dict(SKINNY_RULE="v1", SPLIT_REDUCE="last", GATED=True),
@@ -404,7 +405,8 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
     t16, tokens/s; a fresh graph each), with kernel tables of one replayed decode step of the
     default and of "nopdl" (under programmatic dependent launch kernel times overlap: a kernel's
     time includes its wait for the one before; without it they are the kernels' own). Switches:
-      gated  SiLU · up inside the gate/up product (bf16: kernels.GATED on the same model; int4:
+      gated  SiLU · up inside the gate/up product toggled against what kernels.gated_for picks
+             for the shape (bf16: kernels.GATED on the same model; int4:
              a second model quantized with mma.GATED toggled, which picks the stored layout)
       early  the Triton kernels let the next kernel launch before their own wait
       rope   rope and the cache write inside attention (kernels.ROPE_ATTENTION) toggled
@@ -573,7 +575,8 @@ def main() -> None:
             ok = {k: v for k, v in r["variants"].items() if "error" not in v}
             if args.best_env and ok and spec == args.shapes[0]:
                 best = max(ok, key=lambda k: ok[k]["decode_tokens_per_s"])
-                lines = [f"export {ENV[k]}={int(v) if isinstance(v, bool) else v}"
+                lines = [f"export {ENV[k]}="
+                         f"{'auto' if v is None else int(v) if isinstance(v, bool) else v}"
                          for k, v in VARIANTS[best].items()]
                 Path(args.best_env).write_text("\n".join(lines) + "\n")
                 print(f"  best variant {best}: {'; '.join(lines)}", flush=True)

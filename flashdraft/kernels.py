@@ -25,7 +25,8 @@ FLASHDRAFT_FOLD_NORMS=0):
 - `linear(x, module)`: products of up to 32 rows (`_skinny_kernel`, tensor cores, K split in a
   fixed way per weight shape, the slices added by the last program of a tile to finish).
   `gated_linear` (SiLU · up inside the gate/up product) is the same kernel with more work in
-  it, by default `silu_mul` after `linear`; `norm_linear` is `rms_norm` then `linear`.
+  it where `gated_for` says (by default MLPs at least 12,288 wide), else `silu_mul` after
+  `linear`; `norm_linear` is `rms_norm` then `linear`.
 - `add_linear(x, module, residual)`: the same kernel adding its product into the residual
   stream in place and leaving each row's sums of squares per column tile; `scaled_linear`:
   the next product, whose weight has the RMSNorm's weight folded in, scaling each row by the
@@ -894,7 +895,8 @@ class SkinnyConfig(NamedTuple):
 # FLASHDRAFT_GATED         SiLU · up inside the gate/up product, or its own kernel after it:
 #                          auto (default): inside for MLPs at least GATED_MIN_N wide (the 8B's
 #                          12,288: +1-4 % decode, 85 % of the roofline; the 1.5B's 8,960:
-#                          neutral to slower, its 16-token step up to 10 % slower); 1; 0
+#                          decode within the rounds' noise, +10/+3/-5 %, its 16-token step
+#                          2-16 % slower); 1; 0
 # (Residual add + RMSNorm inside the next product was measured too, 2x slower: every program
 # re-normalised its input rows; removed after session 4, see NOTES-gpu.md. FOLD_NORMS below
 # leaves the input alone: the norm's weight is in the product's weight and 1 / rms scales the
@@ -1177,8 +1179,9 @@ def linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
 
 def gated_linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     """SiLU(gate) · up of module(x) = [gate, up] (the MLP's first product and its activation);
-    for a plain nn.Linear and at most SKINNY_MAX_ROWS rows, one `_skinny_kernel`; a layer with
-    its own (`forward_gated`: quant.QuantLinear) computes it."""
+    for a plain nn.Linear and at most SKINNY_MAX_ROWS rows, one `_skinny_kernel` where
+    `gated_for` the width, else `linear` then `silu_mul`; a layer with its own
+    (`forward_gated`: quant.QuantLinear) computes it."""
     fused = getattr(module, "forward_gated", None)
     if fused is not None:
         return fused(x)
@@ -1219,7 +1222,8 @@ def scaled_linear(x: torch.Tensor, ss: torch.Tensor, eps: float, module: torch.n
     """module(RMSNorm(x)), or with `gated` SiLU(gate) · up of it, for a module whose weight has
     the norm's weight folded in (so the norm is a scale of each row by 1 / rms, applied to the
     product). ss: the rows' sums of squares of x, [rows, tiles] float32 added along tiles
-    (`add_linear`). One `_skinny_kernel` where `folds_norm`."""
+    (`add_linear`). One `_skinny_kernel` where `folds_norm` (then `silu_mul` with gated,
+    unless `gated_for` the width)."""
     if not folds_norm(x, module):
         return scaled_linear_reference(x, ss, eps, module, gated)
     w = module.weight

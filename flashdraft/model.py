@@ -244,21 +244,24 @@ class Transformer(nn.Module):
         """Fold each block's RMSNorm weights into the product after it (wqkv, w_gate_up:
         W · diag(g), rounded once to the weight's dtype; g then ones), which computes the same
         function and lets those products apply the norm themselves (`Residual`). Unquantized
-        models only (the loaders fold before any quantization); the final norm stays (a tied
-        output head is the embedding)."""
-        for block in self.layers:
-            for norm, linear in ((block.attn_norm, block.attn.wqkv),
-                                 (block.mlp_norm, block.mlp.w_gate_up)):
-                if type(linear) is not nn.Linear:
-                    raise ValueError(f"fold_norms folds into nn.Linear weights, and this model's "
-                                     f"{type(linear).__name__} ({linear}) is not one: fold before "
-                                     f"quantize_model, or leave a quantized model unfolded")
-                w, g = linear.weight, norm.weight.float()
-                folded = torch.empty_like(w)
-                for i in range(0, w.shape[0], 4096):  # float32 a slice at a time: a small peak
-                    folded[i:i + 4096] = (w[i:i + 4096].float() * g).to(w.dtype)
-                linear.weight = nn.Parameter(folded, requires_grad=False)
-                norm.weight = nn.Parameter(torch.ones_like(norm.weight), requires_grad=False)
+        models only (the loaders fold unquantized models; quantized ones keep their norms,
+        since folding would widen the int4 group scales); the final norm stays (a tied output
+        head is the embedding)."""
+        pairs = [(norm, linear) for block in self.layers
+                 for norm, linear in ((block.attn_norm, block.attn.wqkv),
+                                      (block.mlp_norm, block.mlp.w_gate_up))]
+        for _, linear in pairs:  # all checked before any is changed
+            if type(linear) is not nn.Linear:
+                raise ValueError(f"fold_norms folds into nn.Linear weights, and this model's "
+                                 f"{type(linear).__name__} ({linear}) is not one: a quantized "
+                                 f"model keeps its norms, do not fold it")
+        for norm, linear in pairs:
+            w, g = linear.weight, norm.weight.float()
+            folded = torch.empty_like(w)
+            for i in range(0, w.shape[0], 4096):  # float32 a slice at a time: a small peak
+                folded[i:i + 4096] = (w[i:i + 4096].float() * g).to(w.dtype)
+            linear.weight = nn.Parameter(folded, requires_grad=False)
+            norm.weight = nn.Parameter(torch.ones_like(norm.weight), requires_grad=False)
         self.norms_folded = True
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,

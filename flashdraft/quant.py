@@ -288,7 +288,9 @@ def quantize_model(model: nn.Module, mode: str, backend: str = "auto",
     """Replace the model's nn.Linear layers by QuantLinear, in place; returns the model.
 
     Run after loading (bf16/fp16 checkpoints, or GGUF dequantized at load) a model whose norms
-    are not folded (`Transformer.fold_norms`). Embeddings and norms stay as they are. A tied LM head gets its own quantized copy; the embedding table
+    are not folded (`Transformer.fold_norms`; load_model folds unquantized models unless
+    FLASHDRAFT_FOLD_NORMS=0, or `kernels.FOLD_NORMS = False` before the load). Embeddings and
+    norms stay as they are. A tied LM head gets its own quantized copy; the embedding table
     keeps its full-precision weights.
     """
     if mode not in MODES:
@@ -297,7 +299,9 @@ def quantize_model(model: nn.Module, mode: str, backend: str = "auto",
         raise ValueError("this model's RMSNorm weights are folded into its products (load_model "
                          "folds unquantized models), which would change what int4/int8 round; "
                          "quantize as it loads (load_model(..., quantization=...), "
-                         "LLM(..., quantization=...)) or load it with FLASHDRAFT_FOLD_NORMS=0")
+                         "LLM(..., quantization=...)) or, to pick a backend, load it unfolded "
+                         "(FLASHDRAFT_FOLD_NORMS=0, or flashdraft.kernels.FOLD_NORMS = False "
+                         "before load_model)")
     # Names first, modules one at a time: each full-precision weight is freed as soon as its
     # replacement exists, so the peak is the model plus one layer, not two models.
     targets = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)

@@ -5,6 +5,9 @@ Triton's interpreter (conftest sets TRITON_INTERPRET=1), in float32 and float16 
 interpreter's bfloat16 rounding is not the GPU's, so bfloat16 is checked on the GPU only).
 """
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -336,7 +339,7 @@ def counters_are_back_to_zero():
 @pytest.mark.parametrize("n,k,bias", [(96, 2048, False), (1100, 256, True), (40, 900, False)])
 def test_gated_linear_is_silu_mul_of_the_product_and_batch_invariant(monkeypatch, dtype, n, k,
                                                                      bias):
-    monkeypatch.setattr(kernels, "GATED", True)  # SiLU · up inside the product (off by default)
+    monkeypatch.setattr(kernels, "GATED", True)  # SiLU · up inside the product at any width
     g = torch.Generator().manual_seed(6)
     layer = torch.nn.Linear(k, 2 * n, bias=bias).to(DEVICE, dtype)
     with torch.no_grad():
@@ -360,7 +363,7 @@ def test_norm_linear_is_add_norm_product_and_batch_invariant(monkeypatch, dtype,
                                                              with_delta):
     """Residual add and RMSNorm (one kernel), then the product (SiLU · up inside it with gated),
     against the separate reference steps; the stored sum is exactly the reference's."""
-    monkeypatch.setattr(kernels, "GATED", True)  # off by default (not faster in the model)
+    monkeypatch.setattr(kernels, "GATED", True)  # at any width (auto: 12,288 up)
     from flashdraft.model import RMSNorm
     g = torch.Generator().manual_seed(8)
     layer = torch.nn.Linear(k, (2 if gated else 1) * n, bias=True).to(DEVICE, dtype)
@@ -400,6 +403,7 @@ def test_add_linear_then_scaled_linear_is_add_norm_product_and_batch_invariant(
     with gated (FLASHDRAFT_GATED). fused False: the paths where the kernel does not serve
     (`*_reference`). k = 224: the last column tile of the sums of squares part empty."""
     monkeypatch.setattr(kernels, "GATED", True)
+    monkeypatch.setattr(kernels, "FOLD_NORMS", True)  # whatever FLASHDRAFT_FOLD_NORMS says
     from flashdraft.model import RMSNorm
     g = torch.Generator().manual_seed(11)
     wo = torch.nn.Linear(160, k, bias=bias).to(DEVICE, dtype)
@@ -451,6 +455,7 @@ def test_folded_model_verifies_as_it_decodes_bit_for_bit(monkeypatch, gated):
     logits, cache entries and hidden states of decoding them one at a time. Qwen2 biases,
     a tied head, norm weights far from 1."""
     monkeypatch.setattr(kernels, "GATED", gated)
+    monkeypatch.setattr(kernels, "FOLD_NORMS", True)  # whatever FLASHDRAFT_FOLD_NORMS says
     cfg = ModelConfig(arch="qwen2", vocab_size=96, hidden_size=96, intermediate_size=160,
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, qkv_bias=True,
                       tie_word_embeddings=True)
@@ -522,10 +527,32 @@ def test_gated_auto_puts_silu_in_the_product_of_wide_mlps_only(monkeypatch):
     assert kernels.gated_for(160)
 
 
-def test_gated_setting_that_is_not_one_is_refused():
-    import os
-    import subprocess
-    import sys
+def test_gated_for_decides_which_gate_up_products_fuse_silu(monkeypatch):
+    """gated_linear, scaled_linear and tune.matrices all follow gated_for: the fused product
+    (one `_skinny` call with gated) for widths at or above GATED_MIN_N, else the plain one."""
+    from flashdraft import tune
+    calls = []
+    real = kernels._skinny
+    monkeypatch.setattr(kernels, "_skinny", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
+    monkeypatch.setattr(kernels, "GATED", None)
+    monkeypatch.setattr(kernels, "FOLD_NORMS", True)
+    layers = {n: torch.nn.Linear(64, 2 * n, bias=False).to(DEVICE) for n in (32, 48)}
+    x = torch.randn(1, 3, 64, device=DEVICE)
+    ss = x.reshape(-1, 64).square().sum(-1, keepdim=True)
+    for min_n, want in ((48, {32: False, 48: True}), (16, {32: True, 48: True})):
+        monkeypatch.setattr(kernels, "GATED_MIN_N", min_n)
+        for n, layer in layers.items():
+            with run_kernels(), torch.inference_mode():
+                calls.clear()
+                kernels.gated_linear(x, layer)
+                kernels.scaled_linear(x, ss, 1e-6, layer, gated=True)
+            assert calls == [want[n]] * 2
+        model = torch.nn.Module()
+        model.w_gate_up = layers[32]
+        assert list(tune.matrices(model)) == [(32 if want[32] else 64, 64, want[32])]
+
+
+def test_gated_setting_other_than_auto_1_or_0_is_refused():
     run = subprocess.run([sys.executable, "-c", "import flashdraft.kernels"], capture_output=True,
                          text=True, env={**os.environ, "FLASHDRAFT_GATED": "yes"})
     assert run.returncode != 0 and "FLASHDRAFT_GATED='yes': use auto, 1 or 0" in run.stderr
