@@ -187,8 +187,8 @@ class Residual:
         return out
 
     def add(self, x: torch.Tensor, module: nn.Module) -> None:
-        """The sublayer output module(x) into the stream."""
-        if self.folded and self.delta is None and kernels.folds_norm(x, module):
+        """The sublayer output module(x) into the stream (after `normed`: no delta waits)."""
+        if self.folded and kernels.folds_norm(x, module):
             self.ss = kernels.add_linear(x, module, self.x)
         else:
             self.delta, self.ss = kernels.linear(x, module), None
