@@ -100,7 +100,7 @@ for phase in "$@"; do
       | tee "$OUT/sweep${SWEEP_TAG:-}.log"
     ;;
   breakdown)
-    # The default decode path against switches toggled (BREAKDOWN: gated, early, rope, split,
+    # The default decode path against switches toggled (BREAKDOWN: gated, early, rope, split, halfsplit,
     # unfolded, nonorm, nopdl; several joined by "+" together), in turn in one process, with kernel
     # tables (profile_step.breakdown); BREAKDOWN_ARGS e.g. "--context 200".
     python3 benchmarks/profile_step.py --out "$OUT/breakdown${BREAKDOWN_TAG:-}" --no-official --no-compare ${BREAKDOWN_ARGS:-} \

@@ -412,6 +412,8 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
       rope   rope and the cache write inside attention (kernels.ROPE_ATTENTION) toggled
       split  attention splits twice as long (the cache's split_len: half as many programs,
              each reading twice the positions; none to merge where one split covers kv_len)
+      halfsplit  attention splits half as long (twice the programs, down to one 64-position
+             block each: the 1.5B's two kv heads at 512 positions run 8 programs by default)
       unfolded  the norms as kernels of their own (kernels.FOLD_NORMS off at run time: the same
              folded weights, each residual add and norm in `rms_norm`, model.Residual)
       nonorm the RMSNorm kernels skipped (their input passed on, the residual add dropped;
@@ -440,6 +442,8 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
                     {"ROPE_ATTENTION": not saved["ROPE_ATTENTION"]})
         if switch == "split":
             return f"split x2 ({2 * split_len})", {"split_len": 2 * split_len}
+        if switch == "halfsplit":
+            return f"split /2 ({max(64, split_len // 2)})", {"split_len": max(64, split_len // 2)}
         if switch == "unfolded":
             return f"fold-norms {not saved['FOLD_NORMS']}", {"FOLD_NORMS": not saved["FOLD_NORMS"]}
         if switch == "nonorm":
@@ -447,7 +451,7 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
                     {"rms_norm": lambda x, weight, eps, residual=None: x})
         if switch == "nopdl":
             return "nopdl", {"PDL": False}
-        raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, unfolded, "
+        raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, halfsplit, "
                          f"nonorm, nopdl, or several joined by '+'")
 
     for switch in switches:

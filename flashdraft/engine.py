@@ -201,95 +201,29 @@ class Engine:
         # must follow from the request alone: not from k (speculation must return plain
         # decoding's tokens) nor from the cache's size, which earlier, longer requests set.
         self.cache.split_len = kernels.split_length(len(prompt) + max_new)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(self.device).manual_seed(params.seed)
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-        hidden_layers = drafter.hidden_layers if drafter is not None else ()
+        req = _Request(self, prompt, params, max_new, drafter, k, metrics)
 
         start = time.perf_counter()
-        logits, hidden = prefill(self.model, prompt, self.cache, hidden_layers, self.runner,
+        logits, hidden = prefill(self.model, prompt, self.cache, req.hidden_layers, self.runner,
                                  self.device)
-        first = self._pick(logits[:, -1], params, generator)
+        first = self._pick(logits[:, -1], params, req.generator)
         if drafter is not None:  # its prefill, if it has one, is queued behind the target's
             drafter.begin(prompt)
-        tokens = list(prompt) + [int(first)]  # the one sync of the prefill
-        last = first.view(1, 1)  # the last committed token, kept on the device
-        metrics.target_passes = 1
-        metrics.generated_tokens = 1
+        step = req.commit([int(first)])  # the one sync of the prefill
+        last = first.view(1, 1)  # [1, 1]: the last committed token, kept on the device
         metrics.ttft_s = time.perf_counter() - start
         decode_start = time.perf_counter()
-
-        def finish(new: list[int]) -> StepOutput:
-            generated = len(tokens) - len(prompt)
-            if new and new[-1] in stop_ids:
-                return StepOutput(new, "stop")
-            if generated >= max_new:
-                return StepOutput(new, "length")
-            return StepOutput(new)
-
-        step = finish([tokens[-1]])
         ended = None  # when plain decoding read its last token
-        # Drafters that read the target's hidden states need every step to be theirs.
-        policy = (AdaptiveSpeculation(drafter) if drafter is not None and self.adaptive
-                  and not drafter.hidden_layers else None)
-        reader = _TokenReader(self.device)  # plain decoding's, kept for every plain stretch
         try:
             yield step
             while step.finish_reason is None:
-                if drafter is None or policy is not None and policy.plain:
-                    plain = self._decode_plainly(tokens, last, len(prompt), max_new, params,
-                                                 generator, metrics, finish, reader,
-                                                 policy.resume if policy is not None else None)
-                    step, last, ended = yield from plain
-                    yield step  # after `ended`: the caller's work on it is not decode time
-                    continue
-                # Leave room for the bonus token within the budget and the context.
-                budget = min(k, max_new - (len(tokens) - len(prompt)) - 1)
-                draft = self._propose(drafter, tokens, params, generator, hidden, budget)
-                n_draft = draft.tokens.shape[1]
-                if n_draft == 0 and policy is not None:
-                    policy.after_step(0, 0)  # the plain decoding above decodes this token
-                    continue
-                verify_in = torch.cat([last, draft.tokens], dim=1) if n_draft else last
-                position = len(tokens) - 1
-                if n_draft == 0:  # nothing to verify: a plain decoding step
-                    logits, hidden = self._forward(verify_in, position, hidden_layers)
-                    next_token = self._pick(logits[:, -1], params, generator)
-                    n, new = 0, [int(next_token)]
+                if drafter is None or req.policy is not None and req.policy.plain:
+                    step, last, ended = yield from self._decode_plainly(req, last)
                 else:
-                    if params.greedy:  # verified inside the step's graph
-                        logits, hidden, packed = self._forward(verify_in, position,
-                                                               hidden_layers, post=greedy_result)
-                        next_token = packed[1:2]
-                    else:
-                        logits, hidden = self._forward(verify_in, position, hidden_layers)
-                        p = probs_from_logits(logits, params.temperature, params.top_k,
-                                              params.top_p)
-                        num_accepted, next_token = verify_sampled(draft.tokens, draft.q, p,
-                                                                  generator)
-                        packed = torch.cat([num_accepted, next_token, draft.tokens[0]])
-                    result = packed.tolist()  # the step's one synchronisation
-                    n, new = result[0], result[2:2 + result[0]] + [result[1]]
-                last = next_token.view(1, 1)  # the last token of `new`
-                metrics.target_passes += 1
-                if budget > 0:
-                    drafter.commit(n)
-                if n_draft:
-                    metrics.drafted_tokens += n_draft
-                    metrics.accepted_tokens += n
-                    metrics.drafted_per_step.append(n_draft)
-                    metrics.accepted_per_step.append(n)
-                # A stop token inside the accepted block ends the request there.
-                for i, t in enumerate(new):
-                    if t in stop_ids:
-                        new = new[:i + 1]
-                        break
-                tokens.extend(new)
-                metrics.generated_tokens += len(new)
-                step = finish(new)
-                if policy is not None:
-                    policy.after_step(n_draft, n)
+                    out = self._speculate(req, last, hidden)
+                    if out is None:  # nothing drafted: plain decoding takes the token
+                        continue
+                    step, last, hidden = out
                 yield step
         finally:
             _sync(self.device)
@@ -297,48 +231,80 @@ class Engine:
             metrics.decode_time_s = ended - decode_start
             metrics.total_time_s = ended - start
 
-    def _decode_plainly(self, tokens: list[int], last: torch.Tensor, n_prompt: int,
-                        max_new: int, params: SamplingParams, generator,
-                        metrics: RequestMetrics, finish, reader: "_TokenReader",
-                        resume=None):
-        """Plain decoding from `last` (the last of `tokens`, on the device), one step ahead:
-        the step after token n is launched on token n while it is still on the device, before
-        the host reads it, so the host's work per token (the read, stop checks, the caller's
-        detokenizing) overlaps the GPU's next step. Yields each token's StepOutput but the
-        last, which it returns for the caller to yield: (that StepOutput, its token on the
+    def _speculate(self, req: "_Request", last: torch.Tensor, hidden):
+        """One speculative step after `last` ([1, 1], the last committed token): draft, verify
+        the draft in one target pass, commit. Returns (the step's StepOutput, its last token
+        [1, 1] on the device, the target's hidden states for the drafter), or None where the
+        draft is empty and the adaptive policy hands the token to plain decoding."""
+        drafter, params, generator = req.drafter, req.params, req.generator
+        # Leave room for the bonus token within the budget and the context.
+        budget = min(req.k, req.max_new - req.generated - 1)
+        draft = self._propose(drafter, req.tokens, params, generator, hidden, budget)
+        n_draft = draft.tokens.shape[1]
+        if n_draft == 0 and req.policy is not None:
+            req.policy.after_step(0, 0)
+            return None
+        position = len(req.tokens) - 1
+        if n_draft == 0:  # nothing to verify: a plain decoding step
+            logits, hidden = self._forward(last, position, req.hidden_layers)
+            next_token = self._pick(logits[:, -1], params, generator)
+            n, new = 0, [int(next_token)]
+        else:
+            verify_in = torch.cat([last, draft.tokens], dim=1)  # [1, k + 1]
+            if params.greedy:  # verified inside the step's graph
+                logits, hidden, packed = self._forward(verify_in, position, req.hidden_layers,
+                                                       post=greedy_result)
+                next_token = packed[1:2]
+            else:
+                logits, hidden = self._forward(verify_in, position, req.hidden_layers)
+                p = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)
+                num_accepted, next_token = verify_sampled(draft.tokens, draft.q, p, generator)
+                packed = torch.cat([num_accepted, next_token, draft.tokens[0]])
+            result = packed.tolist()  # the step's one synchronisation
+            n, new = result[0], result[2:2 + result[0]] + [result[1]]
+        if budget > 0:
+            drafter.commit(n)
+        if n_draft:
+            m = req.metrics
+            m.drafted_tokens += n_draft
+            m.accepted_tokens += n
+            m.drafted_per_step.append(n_draft)
+            m.accepted_per_step.append(n)
+        step = req.commit(new)
+        if req.policy is not None:
+            req.policy.after_step(n_draft, n)
+        return step, next_token.view(1, 1), hidden
+
+    def _decode_plainly(self, req: "_Request", last: torch.Tensor):
+        """Plain decoding from `last` ([1, 1], the last committed token, on the device), one step
+        ahead: the step after token n is launched on token n while it is still on the device,
+        before the host reads it, so the host's work per token (the read, stop checks, the
+        caller's detokenizing) overlaps the GPU's next step. Yields each token's StepOutput but
+        the last, which it returns for the caller to yield: (that StepOutput, its token on the
         device, the time it was read if the request finished there, else None). The last is
         where the request finishes (the step ahead is dropped: its cache entry lies past the
-        last token, and the capacity has room for it), or the one after resume(tokens) said to
-        draft again: the step ahead's, read as the next token."""
-        cur = self._plain_step(last, len(tokens) - 1, params, generator, reader)
+        last token, and the capacity has room for it), or the one after the adaptive policy
+        said to draft again: the step ahead's, read as the next token."""
+        cur = self._plain_step(req, last, len(req.tokens) - 1)
         while True:
             ahead = None
-            if len(tokens) + 1 - n_prompt < max_new:  # a token may follow cur's
-                ahead = self._plain_step(cur[0], len(tokens), params, generator, reader)
-            step = self._commit_plain(reader.read(cur[1]), tokens, metrics, finish)
+            if req.generated + 1 < req.max_new:  # a token may follow cur's
+                ahead = self._plain_step(req, cur[0], len(req.tokens))
+            step = req.commit([req.reader.read(cur[1])], plain=True)
             if step.finish_reason is not None:  # the step ahead is not the request's
                 return step, cur[0], time.perf_counter()
             yield step
-            if resume is not None and resume(tokens):
-                step = self._commit_plain(reader.read(ahead[1]), tokens, metrics, finish)
+            if req.policy is not None and req.policy.resume(req.tokens):
+                step = req.commit([req.reader.read(ahead[1])], plain=True)
                 return step, ahead[0], (time.perf_counter() if step.finish_reason else None)
             cur = ahead
 
-    @staticmethod
-    def _commit_plain(token: int, tokens: list[int], metrics: RequestMetrics, finish):
-        tokens.append(token)
-        metrics.target_passes += 1
-        metrics.generated_tokens += 1
-        metrics.plain_tokens += 1
-        return finish([token])
-
-    def _plain_step(self, last: torch.Tensor, position: int, params: SamplingParams, generator,
-                    reader: "_TokenReader"):
+    def _plain_step(self, req: "_Request", last: torch.Tensor, position: int):
         """Launch a plain decoding step on `last` ([1, 1] on the device) at `position`: returns
-        the next token ([1, 1], on the device) and reader's handle to it."""
+        the next token ([1, 1], on the device) and the request's reader's handle to it."""
         logits, _ = self._forward(last, position, ())
-        token = self._pick(logits[:, -1], params, generator).view(1, 1)
-        return token, reader.start(token)
+        token = self._pick(logits[:, -1], req.params, req.generator).view(1, 1)
+        return token, req.reader.start(token)
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams, generator) -> torch.Tensor:
         # logits: [1, vocab] -> [1]
@@ -351,6 +317,47 @@ class Engine:
         if k <= 0:
             return Draft(torch.empty(1, 0, dtype=torch.long, device=self.device))
         return drafter.propose(DraftContext(tokens, params, generator, hidden), k)
+
+
+class _Request:
+    """One request's state in `Engine.run`: its committed tokens (prompt + generated), how it
+    stops, and what it drafts with."""
+
+    def __init__(self, engine: Engine, prompt: list[int], params: SamplingParams, max_new: int,
+                 drafter: Drafter | None, k: int, metrics: RequestMetrics):
+        self.tokens, self.n_prompt = list(prompt), len(prompt)
+        self.params, self.max_new, self.metrics = params, max_new, metrics
+        self.stop_ids = set(params.stop_token_ids) | (
+            set() if params.ignore_eos else set(engine.eos_token_ids))
+        self.generator = (None if params.seed is None else
+                          torch.Generator(engine.device).manual_seed(params.seed))
+        self.drafter, self.k = drafter, k
+        self.hidden_layers = drafter.hidden_layers if drafter is not None else ()
+        # Drafters that read the target's hidden states need every step to be theirs.
+        self.policy = (AdaptiveSpeculation(drafter) if drafter is not None and engine.adaptive
+                       and not drafter.hidden_layers else None)
+        self.reader = _TokenReader(engine.device)  # plain decoding's, kept for every stretch
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.n_prompt
+
+    def commit(self, new: list[int], plain: bool = False) -> StepOutput:
+        """Append the tokens of one target pass (up to the first stop token, which ends the
+        request there) and say whether the request finished."""
+        for i, t in enumerate(new):
+            if t in self.stop_ids:
+                new = new[:i + 1]
+                break
+        self.tokens.extend(new)
+        self.metrics.target_passes += 1
+        self.metrics.generated_tokens += len(new)
+        self.metrics.plain_tokens += len(new) if plain else 0
+        if new and new[-1] in self.stop_ids:
+            return StepOutput(new, "stop")
+        if self.generated >= self.max_new:
+            return StepOutput(new, "length")
+        return StepOutput(new)
 
 
 class _TokenReader:
