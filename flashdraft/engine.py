@@ -189,6 +189,7 @@ class Engine:
         """Generate for one prompt; yields a StepOutput per step, the last with a finish_reason.
 
         Closing the generator (e.g. a client went away) stops the request between steps.
+        metrics: a fresh RequestMetrics to fill (one is made if None).
         """
         metrics = metrics if metrics is not None else RequestMetrics()
         metrics.prompt_tokens = len(prompt)
@@ -201,7 +202,8 @@ class Engine:
         # must follow from the request alone: not from k (speculation must return plain
         # decoding's tokens) nor from the cache's size, which earlier, longer requests set.
         self.cache.split_len = kernels.split_length(len(prompt) + max_new)
-        req = _Request(self, prompt, params, max_new, drafter, k, metrics)
+        req = _Request(prompt, params, max_new, drafter, k, metrics, self.eos_token_ids,
+                       self.adaptive, self.device)
 
         start = time.perf_counter()
         logits, hidden = prefill(self.model, prompt, self.cache, req.hidden_layers, self.runner,
@@ -231,18 +233,21 @@ class Engine:
             metrics.decode_time_s = ended - decode_start
             metrics.total_time_s = ended - start
 
-    def _speculate(self, req: "_Request", last: torch.Tensor, hidden):
+    def _speculate(self, req: "_Request", last: torch.Tensor, hidden
+                   ) -> tuple[StepOutput, torch.Tensor, list | None] | None:
         """One speculative step after `last` ([1, 1], the last committed token): draft, verify
-        the draft in one target pass, commit. Returns (the step's StepOutput, its last token
-        [1, 1] on the device, the target's hidden states for the drafter), or None where the
-        draft is empty and the adaptive policy hands the token to plain decoding."""
+        the draft in one target pass, commit. hidden: the target's hidden states of the last
+        pass at the drafter's `hidden_layers`, each [1, passed tokens, hidden_size]. Returns
+        (the step's StepOutput, its last token [1, 1] on the device, this pass's hidden
+        states), or None where the draft is empty and the adaptive policy hands the token to
+        plain decoding."""
         drafter, params, generator = req.drafter, req.params, req.generator
         # Leave room for the bonus token within the budget and the context.
         budget = min(req.k, req.max_new - req.generated - 1)
         draft = self._propose(drafter, req.tokens, params, generator, hidden, budget)
         n_draft = draft.tokens.shape[1]
         if n_draft == 0 and req.policy is not None:
-            req.policy.after_step(0, 0)
+            req.policy.after_step(0, 0)  # an empty draft is not verified: decode it plainly
             return None
         position = len(req.tokens) - 1
         if n_draft == 0:  # nothing to verify: a plain decoding step
@@ -250,7 +255,7 @@ class Engine:
             next_token = self._pick(logits[:, -1], params, generator)
             n, new = 0, [int(next_token)]
         else:
-            verify_in = torch.cat([last, draft.tokens], dim=1)  # [1, k + 1]
+            verify_in = torch.cat([last, draft.tokens], dim=1)  # [1, n_draft + 1]
             if params.greedy:  # verified inside the step's graph
                 logits, hidden, packed = self._forward(verify_in, position, req.hidden_layers,
                                                        post=greedy_result)
@@ -323,20 +328,21 @@ class _Request:
     """One request's state in `Engine.run`: its committed tokens (prompt + generated), how it
     stops, and what it drafts with."""
 
-    def __init__(self, engine: Engine, prompt: list[int], params: SamplingParams, max_new: int,
-                 drafter: Drafter | None, k: int, metrics: RequestMetrics):
+    def __init__(self, prompt: list[int], params: SamplingParams, max_new: int,
+                 drafter: Drafter | None, k: int, metrics: RequestMetrics,
+                 eos_token_ids: tuple[int, ...], adaptive: bool, device: torch.device):
         self.tokens, self.n_prompt = list(prompt), len(prompt)
         self.params, self.max_new, self.metrics = params, max_new, metrics
         self.stop_ids = set(params.stop_token_ids) | (
-            set() if params.ignore_eos else set(engine.eos_token_ids))
+            set() if params.ignore_eos else set(eos_token_ids))
         self.generator = (None if params.seed is None else
-                          torch.Generator(engine.device).manual_seed(params.seed))
+                          torch.Generator(device).manual_seed(params.seed))
         self.drafter, self.k = drafter, k
         self.hidden_layers = drafter.hidden_layers if drafter is not None else ()
         # Drafters that read the target's hidden states need every step to be theirs.
-        self.policy = (AdaptiveSpeculation(drafter) if drafter is not None and engine.adaptive
+        self.policy = (AdaptiveSpeculation(drafter) if drafter is not None and adaptive
                        and not drafter.hidden_layers else None)
-        self.reader = _TokenReader(engine.device)  # plain decoding's, kept for every stretch
+        self.reader = _TokenReader(device)  # plain decoding's, kept for every stretch
 
     @property
     def generated(self) -> int:
