@@ -529,7 +529,7 @@ def run_configuration(s: BenchSettings, llm, cfg: Configuration, prompts, ids, p
     runners = [r for r in (llm.engine.runner, getattr(drafter, "runner", None)) if r]
     captured = [(r.stats.captures, r.stats.capture_s) for r in runners]
     start = time.perf_counter()
-    llm.engine.adaptive = cfg.adaptive
+    adaptive, llm.engine.adaptive = llm.engine.adaptive, cfg.adaptive  # this entry's, then back
     try:
         bar.set_description(f"{cfg.name} T={cfg.temperature:g} warm-up")
         for j in warmup_indices(ids, s, cfg.k or 0):
@@ -558,6 +558,7 @@ def run_configuration(s: BenchSettings, llm, cfg: Configuration, prompts, ids, p
                 entry["requests"].append(rec)
                 bar.update()
     finally:
+        llm.engine.adaptive = adaptive
         entry["wall_time_s"] = time.perf_counter() - start
         entry["summary"] = {**summarize(entry["requests"], plain, len(prompts), cfg.k),
                             **monitor.figures()}

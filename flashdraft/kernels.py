@@ -1168,6 +1168,11 @@ def _launch(w: torch.Tensor, gated: bool) -> SkinnyConfig:
                          _rule(w.dtype))
 
 
+def _gates(w: torch.Tensor) -> bool:
+    """Whether the skinny kernel computes SiLU(gate) · up itself for a [gate; up] weight w."""
+    return gated_for(w.shape[0] // 2)
+
+
 def linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     """module(x); for a plain nn.Linear and at most SKINNY_MAX_ROWS rows, `_skinny_kernel`."""
     if not _skinny_serves(x, module):
@@ -1185,7 +1190,7 @@ def gated_linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     fused = getattr(module, "forward_gated", None)
     if fused is not None:
         return fused(x)
-    if not (_skinny_serves(x, module) and gated_for(module.weight.shape[0] // 2)):
+    if not (_skinny_serves(x, module) and _gates(module.weight)):
         return silu_mul(linear(x, module))
     w = module.weight
     out = _skinny(_rows(x), w, module.bias, True, _launch(w, True))
@@ -1227,7 +1232,7 @@ def scaled_linear(x: torch.Tensor, ss: torch.Tensor, eps: float, module: torch.n
     if not folds_norm(x, module):
         return scaled_linear_reference(x, ss, eps, module, gated)
     w = module.weight
-    fused = gated and gated_for(w.shape[0] // 2)
+    fused = gated and _gates(w)
     out = _skinny(_rows(x), w, module.bias, fused, _launch(w, fused), ss=ss, eps=eps)
     out = out.view(*x.shape[:-1], out.shape[-1])
     return silu_mul(out) if gated and not fused else out
