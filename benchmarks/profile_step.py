@@ -452,7 +452,7 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
         if switch == "nopdl":
             return "nopdl", {"PDL": False}
         raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, halfsplit, "
-                         f"nonorm, nopdl, or several joined by '+'")
+                         f"unfolded, nonorm, nopdl, or several joined by '+'")
 
     for switch in switches:
         if switch == "gated" and (quant or "").startswith("int4"):
@@ -547,8 +547,8 @@ def main() -> None:
                          "(sweep: also under each launch shape of MMA_SWEEP)")
     ap.add_argument("--breakdown", default=None, metavar="SWITCHES",
                     help="the default decode path against each comma-separated switch "
-                         "toggled (gated, early, rope, split, unfolded, nonorm, nopdl, or several "
-                         "joined by '+': see breakdown), in turn, with kernel tables")
+                         "toggled (gated, early, rope, split, halfsplit, unfolded, nonorm, nopdl, "
+                         "or several joined by '+': see breakdown), in turn, with kernel tables")
     ap.add_argument("--repeats", type=int, default=2,
                     help="rounds of the breakdown's configurations, in turn")
     ap.add_argument("--sweep", type=float, default=0.0,

@@ -233,14 +233,14 @@ class Engine:
             metrics.decode_time_s = ended - decode_start
             metrics.total_time_s = ended - start
 
-    def _speculate(self, req: "_Request", last: torch.Tensor, hidden
-                   ) -> tuple[StepOutput, torch.Tensor, list | None] | None:
+    def _speculate(self, req: "_Request", last: torch.Tensor, hidden: list[torch.Tensor]
+                   ) -> tuple[StepOutput, torch.Tensor, list[torch.Tensor]] | None:
         """One speculative step after `last` ([1, 1], the last committed token): draft, verify
         the draft in one target pass, commit. hidden: the target's hidden states of the last
-        pass at the drafter's `hidden_layers`, each [1, passed tokens, hidden_size]. Returns
-        (the step's StepOutput, its last token [1, 1] on the device, this pass's hidden
-        states), or None where the draft is empty and the adaptive policy hands the token to
-        plain decoding."""
+        pass at the drafter's `hidden_layers` (empty if none), each [1, passed tokens,
+        hidden_size]. Returns (the step's StepOutput, its last token [1, 1] on the device,
+        this pass's hidden states), or None where the draft is empty and the adaptive policy
+        hands the token to plain decoding."""
         drafter, params, generator = req.drafter, req.params, req.generator
         # Leave room for the bonus token within the budget and the context.
         budget = min(req.k, req.max_new - req.generated - 1)
