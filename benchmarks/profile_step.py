@@ -120,7 +120,12 @@ def variants(shape: str, context: int, bandwidth: float) -> dict:
 
 
 def _set(key: str, value) -> None:
-    setattr(kernels, key, value)
+    if key == "MMA_SPLIT_GROUPS":  # the int4 kernel's longest split; launch shapes are cached
+        from flashdraft import mma
+        mma.SPLIT_GROUPS = value
+        mma.config.cache_clear()
+    else:
+        setattr(kernels, key, value)
 
 
 def set_path(name: str) -> None:
@@ -336,8 +341,15 @@ def quant_products(shape: str, budget_s: float) -> dict:
     return result
 
 
-MMA_SWEEP = ((4, 2, 8), (4, 1, 4), (4, 1, 8), (4, 2, 16), (2, 4, 16), (4, 4, 8), (8, 1, 2),
-             (4, 2, 4), (2, 2, 4), (8, 2, 8))  # (tiles a block, warps along K, groups a split)
+# (tiles a block, warps along K, groups a split, register slots a warp, resident blocks): the
+# last two apply where a split is longer than the one-shot kernel's (mma.STREAM_SLOTS and
+# mma.STREAM_RESIDENT); None keeps the module's setting.
+MMA_SWEEP = ((4, 2, 8, None, None), (4, 1, 4, None, None), (4, 1, 8, None, None),
+             (4, 4, 8, None, None), (8, 1, 2, None, None), (4, 2, 4, None, None),
+             (2, 2, 4, None, None), (8, 2, 8, None, None),
+             (4, 2, 16, 8, 2), (4, 2, 16, 4, 2), (4, 2, 16, 6, 2), (4, 2, 16, 8, 1),
+             (4, 2, 12, 8, 2), (4, 2, 20, 8, 2), (4, 2, 24, 8, 2), (4, 2, 24, 6, 2),
+             (2, 4, 16, 4, 2), (8, 1, 16, 8, 2), (4, 1, 16, 8, 2), (2, 2, 24, 8, 2))
 
 
 @torch.inference_mode()
@@ -378,14 +390,18 @@ def mma_products(shape: str, sweep: bool) -> dict:
         row["tinygemm_16rows"] = graph_us(lambda: tgmm(xs[:16]))
         if sweep:
             timed = []
-            for tn, wk, gps in MMA_SWEEP:
+            saved = mma.STREAM_SLOTS, mma.STREAM_RESIDENT
+            for tn, wk, gps, slots, resident in MMA_SWEEP:
+                mma.STREAM_SLOTS, mma.STREAM_RESIDENT = slots or saved[0], resident or saved[1]
                 try:
                     c = mma.config(n, k, tn, wk, gps)
                     timed.append((graph_us(lambda: run(xs[:1], c)), graph_us(lambda: run(xs[:16], c)),
-                                  (tn, wk, gps, c.splits)))
+                                  (tn, wk, gps, slots, resident, c.splits)))
                 except Exception as e:  # resources the launch refuses
                     timed.append((float("inf"), float("inf"),
-                                  f"{(tn, wk, gps)}: {type(e).__name__}: {str(e)[:200]}"))
+                                  f"{(tn, wk, gps, slots, resident)}: {type(e).__name__}: "
+                                  f"{str(e)[:200]}"))
+            mma.STREAM_SLOTS, mma.STREAM_RESIDENT = saved
             row["sweep"] = sorted(timed, key=lambda r: r[0])
         result[f"{n}x{k}"] = row
         print(f"  mma {shape} {n:>6d}x{k:<6d} (from DRAM) 1 row {row['mma_1rows']:6.1f} us "
@@ -421,12 +437,14 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
              means something as "unfolded+nonorm"):
              wrong output, speed only, the most that removing them could give
       nopdl  no programmatic dependent launch
+      streamN  int4 products with splits of K up to N groups (mma.SPLIT_GROUPS; "stream": 16),
+             each warp streaming its groups through its register slots
     Switches joined by "+" (e.g. "early+nopdl") are toggled together in one run."""
     from flashdraft import mma
     set_path(DEFAULT)
     saved = {"GATED": kernels.GATED, "EARLY_LAUNCH": kernels.EARLY_LAUNCH, "PDL": kernels.PDL,
              "ROPE_ATTENTION": kernels.ROPE_ATTENTION, "rms_norm": kernels.rms_norm,
-             "FOLD_NORMS": kernels.FOLD_NORMS}
+             "FOLD_NORMS": kernels.FOLD_NORMS, "MMA_SPLIT_GROUPS": mma.SPLIT_GROUPS}
     default = target(shape, quant, context)
     split_len = default[2].split_len
     runs = {"default": (default, {})}
@@ -451,8 +469,11 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
                     {"rms_norm": lambda x, weight, eps, residual=None: x})
         if switch == "nopdl":
             return "nopdl", {"PDL": False}
+        if switch == "stream" or (switch.startswith("stream") and switch[6:].isdigit()):
+            groups = int(switch[6:] or 16)
+            return f"int4 splits up to {groups} groups", {"MMA_SPLIT_GROUPS": groups}
         raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, halfsplit, "
-                         f"unfolded, nonorm, nopdl, or several joined by '+'")
+                         f"unfolded, nonorm, nopdl, streamN, or several joined by '+'")
 
     for switch in switches:
         if switch == "gated" and (quant or "").startswith("int4"):
@@ -548,7 +569,8 @@ def main() -> None:
     ap.add_argument("--breakdown", default=None, metavar="SWITCHES",
                     help="the default decode path against each comma-separated switch "
                          "toggled (gated, early, rope, split, halfsplit, unfolded, nonorm, nopdl, "
-                         "or several joined by '+': see breakdown), in turn, with kernel tables")
+                         "streamN, or several joined by '+': see breakdown), in turn, with "
+                         "kernel tables")
     ap.add_argument("--repeats", type=int, default=2,
                     help="rounds of the breakdown's configurations, in turn")
     ap.add_argument("--sweep", type=float, default=0.0,

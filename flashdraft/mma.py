@@ -30,7 +30,15 @@ from . import kernels
 GROUP = 128
 MAX_ROWS = 32  # rows of x in blocks of 8: 1, 2 or 4 blocks
 TN, WK = 4, 2  # 16-feature tiles a block, warps along K a tile (the .cu file's defaults)
-GMAX = 4  # groups a warp holds by default: a split spans up to WK * GMAX groups
+GMAX = 4  # groups a warp holds in registers, all loaded before the wait for the previous kernel
+# Groups a split of K spans at most (the launch rule's longest split). Up to WK * GMAX, a warp
+# loads all of its groups up front and then multiplies them (one-shot); past that, the kernel
+# streams them through STREAM_SLOTS register slots a warp (each slot loaded again as soon as its
+# group is multiplied), with launch bounds for STREAM_RESIDENT blocks a multiprocessor for one
+# row block. x's rows over a split are staged in shared memory, which bounds a split's length.
+SPLIT_GROUPS = int(os.environ.get("FLASHDRAFT_MMA_SPLIT_GROUPS", str(WK * GMAX)))
+STREAM_SLOTS = int(os.environ.get("FLASHDRAFT_MMA_STREAM_SLOTS", "8"))
+STREAM_RESIDENT = int(os.environ.get("FLASHDRAFT_MMA_STREAM_RESIDENT", "2"))
 # 1: each group's scale and zero applied to its float32 sums (the codes become operands with one
 # lop3 a pair); 0: each weight dequantized in full in bfloat16 FMAs before the product.
 FOLD = int(os.environ.get("FLASHDRAFT_MMA_FOLD", "1"))
@@ -65,11 +73,12 @@ def unavailable(device: torch.device | str, dtype: torch.dtype) -> str | None:
 
 @functools.cache
 def _kernel(name: str, device: int, row_blocks: int = 1, tn: int = TN, wk: int = WK,
-            gmax: int = GMAX, gated: bool = False, min_blocks: int = 1):
+            gmax: int = GMAX, gated: bool = False, min_blocks: int = 1, stream: bool = False):
     """The compiled kernel, loaded into `device`'s context (a module belongs to one)."""
     source = SOURCE.read_text()
     options = [f"-DNB={row_blocks}", f"-DTN={tn}", f"-DWK={wk}", f"-DGMAX={gmax}",
-               f"-DFOLD={FOLD}", f"-DMIN_BLOCKS={min_blocks}", f"-DGATED={int(gated)}"]
+               f"-DFOLD={FOLD}", f"-DMIN_BLOCKS={min_blocks}", f"-DGATED={int(gated)}",
+               f"-DSTREAM={int(stream)}"]
     try:
         with torch.cuda.device(device):
             return torch.cuda._compile_kernel(source, name, nvcc_options=options)
@@ -175,19 +184,33 @@ class MmaConfig:
     wk: int = WK  # warps along K a tile
 
 
+def _shared_bytes(rows: int, cfg: MmaConfig) -> int:
+    """Dynamic shared memory of a launch: x's rows over a split, then the warps' sums."""
+    nb = _row_blocks(rows)
+    return rows * (cfg.groups_per_split * GROUP + 32) * 2 + cfg.tn * cfg.wk * nb * 4 * 32 * 4
+
+
+SHARED_LIMIT = 227 * 1024  # a block's shared memory on sm_90 (sm_80: 163 KB, sm_86: 99 KB)
+
+
 @functools.cache  # one per weight shape: the decode path asks on every call
 def config(n: int, k: int, tn: int = TN, wk: int = WK, groups_per_split: int = 0) -> MmaConfig:
     """Launch shape from the weight's shape alone (batch invariance): by default the longest K
-    split (most weight bytes in flight a warp) that still gives TARGET_BLOCKS blocks."""
+    split up to SPLIT_GROUPS groups that still gives TARGET_BLOCKS blocks."""
     groups, blocks_n = k // GROUP, -(-n // (16 * tn))
     gps = groups_per_split
     if not gps:
-        for gps in (wk * GMAX, wk * GMAX // 2, wk):
+        for gps in sorted({SPLIT_GROUPS, wk * GMAX, wk * GMAX // 2, wk}, reverse=True):
             if blocks_n * -(-groups // gps) >= TARGET_BLOCKS:
                 break
-    if not 0 < gps <= 4 * wk * GMAX:
-        raise ValueError(f"groups_per_split={gps}: a split holds 1 to {4 * wk * GMAX} groups")
-    return MmaConfig(gps, -(-groups // gps), blocks_n, tn, wk)
+        gps = min(gps, groups)
+    if gps < 1:
+        raise ValueError(f"groups_per_split={gps}: a split holds one group or more")
+    cfg = MmaConfig(gps, -(-groups // gps), blocks_n, tn, wk)
+    if _shared_bytes(MAX_ROWS, cfg) > SHARED_LIMIT:
+        raise ValueError(f"groups_per_split={gps}: {MAX_ROWS} rows of x over a split must fit in "
+                         f"{SHARED_LIMIT} bytes of shared memory; use a shorter split")
+    return cfg
 
 
 def _row_blocks(rows: int) -> int:
@@ -213,11 +236,15 @@ def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         counters = kernels._counters(x2.device, cfg.blocks_n)
     else:
         parts, counters = out, out
-    stride = cfg.groups_per_split * GROUP + 32
-    shared = nb * 8 * stride * 2 + cfg.tn * cfg.wk * nb * 4 * 32 * 4
+    shared = _shared_bytes(rows, cfg)
     threads, device = cfg.tn * cfg.wk * 32, _device_index(x2)
-    fn = _kernel("int4_mma", device, nb, cfg.tn, cfg.wk, -(-cfg.groups_per_split // cfg.wk),
-                 gated, DECODE_RESIDENT if nb == 1 else 1)
+    per_warp = -(-cfg.groups_per_split // cfg.wk)
+    if per_warp <= GMAX:  # one-shot
+        fn = _kernel("int4_mma", device, nb, cfg.tn, cfg.wk, per_warp, gated,
+                     DECODE_RESIDENT if nb == 1 else 1)
+    else:
+        fn = _kernel("int4_mma", device, nb, cfg.tn, cfg.wk, STREAM_SLOTS, gated,
+                     STREAM_RESIDENT if nb == 1 else 1, stream=True)
     _allow_shared(fn, shared)
     _launch(fn, (cfg.blocks_n, cfg.splits, 1), (threads, 1, 1), shared,
             [qweight, scales, x2, bias if bias is not None else x2, out, parts, counters, rows, n,

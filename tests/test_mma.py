@@ -79,7 +79,14 @@ def test_launch_shape_depends_on_the_weight_alone():
         mp.setattr(mma, "TARGET_BLOCKS", 264)
         mma.config.cache_clear()  # launch shapes are cached per weight shape
         assert mma.config(1536, 1536).groups_per_split == 2  # few tiles: more splits
+        mp.setattr(mma, "SPLIT_GROUPS", 16)  # streamed splits allowed
+        mma.config.cache_clear()
+        assert mma.config(51200, 5120) == mma.MmaConfig(16, 3, 800)
+        assert mma.config(1536, 1536).groups_per_split == 2
+        assert mma.config(51200, 1024).groups_per_split == 8  # never longer than K
     mma.config.cache_clear()
+    with pytest.raises(ValueError, match="shorter split"):  # x's 32 rows past shared memory
+        mma.config(1024, 8192, groups_per_split=64)
     with pytest.raises(ValueError, match="multiples of 16"):
         mma.pack_int4(*_quantized(40, 128))
 
@@ -121,6 +128,38 @@ def test_kernel_matches_the_reference_and_is_batch_invariant():
         xs = torch.randn(40, k, device="cuda", dtype=torch.bfloat16)
         ref = xs.double() @ w.double().t() + (lin.bias.double() if bias else 0)
         assert ((layer(xs).double() - ref).norm() / ref.norm()).item() < 3e-3
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("gated", [False, True])
+def test_streamed_splits_match_the_reference_and_are_batch_invariant(monkeypatch, gated):
+    """Splits longer than the one-shot kernel's stream each warp's groups through its register
+    slots: a warp with more groups than slots, not a multiple of them, and a last split with
+    fewer; the one-shot launch of the same weight beside it."""
+    monkeypatch.setattr(mma, "GATED", True)
+    monkeypatch.setattr(mma, "STREAM_SLOTS", 4)
+    torch.manual_seed(7)
+    k, n = 5120, 2080  # 40 groups; 130 tiles: a partial block column
+    lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    layer = quant.QuantLinear(lin, "int4", "mma", gate_up=gated)
+    exact = quant.dequantize_int4(*quant.quantize_int4(lin.weight.detach()), torch.float64)
+    x = torch.randn(32, k, device="cuda", dtype=torch.bfloat16)
+    run = lambda rows, cfg=None: mma.linear(rows, layer.qweight, layer.scale, None, n, cfg,  # noqa: E731
+                                            gated)
+    for gps in (9, 16, 23):  # splits of 5 + 4 x 9 ... : warps of 5, 8, 12 groups through 4 slots
+        cfg = mma.config(n, k, groups_per_split=gps)
+        for m in (1, 7, 9, 17, 32):
+            ref = x[:m].double() @ exact.t()
+            if gated:
+                ref = torch.nn.functional.silu(ref[:, :n // 2]) * ref[:, n // 2:]
+            y = run(x[:m], cfg)
+            rel = ((y.double() - ref).norm() / ref.norm()).item()
+            assert rel < 2.5e-3, (gps, m, rel)
+            torch.testing.assert_close(y, run(x[:m]), rtol=2e-2, atol=2e-2)  # one-shot
+            assert torch.equal(y[:1], run(x[:1], cfg)), (gps, m)
+            assert torch.equal(y[-1:], run(x[m - 1:m], cfg)), (gps, m)
+    assert not kernels._counters(x.device, 1).any()
 
 
 def test_gate_up_order_pairs_each_gate_with_its_up():

@@ -31,7 +31,11 @@
 // (griddepcontrol: programmatic dependent launch, set up by mma._launch; sm_90 and newer).
 //
 // Work: block = TN tiles of 16 features x WK warps along K. Split s of the K range (gps
-// groups) is gridDim.y; warp wk takes groups wk, wk + WK, ... of it. Sums: a warp's groups in
+// groups) is gridDim.y; warp wk takes groups wk, wk + WK, ... of it, streamed through GMAX
+// register slots: the first GMAX are loaded before the wait for the previous kernel, and each
+// slot is loaded again with the warp's group GMAX further on as soon as its group is
+// multiplied, so a split longer than WK * GMAX groups keeps GMAX loads in flight a warp
+// throughout. Sums: a warp's groups in
 // order (mma accumulate), then the WK warps in order (shared memory), then the splits in order
 // by the last block to finish (float32 slices, a counter per block column). All of it is fixed
 // by the weight's shape, and a row's result never depends on the other rows (an mma column
@@ -64,7 +68,10 @@ struct __align__(8) u32x2 { u32 x, y; };
 #endif
 #define ONES 0x3f803f80u  // the bfloat16 pair (1, 1)
 #ifndef GMAX
-#define GMAX 4  // groups a warp holds: groups per split <= WK * GMAX
+#define GMAX 4  // register slots a warp streams its groups through
+#endif
+#ifndef STREAM
+#define STREAM 0  // 0: a split of at most WK * GMAX groups, all loaded up front; 1: any length
 #endif
 
 __device__ __forceinline__ u32x4 load_stream(const u32x4* p) {
@@ -162,33 +169,39 @@ struct Args {
     int rows, n, k, ldx, ldy, gps, has_bias;
 };
 
-// A warp's weights for one block: GMAX groups of its tile (16-byte halves and scale pairs).
+// A warp's register slots: GMAX groups of its tile (16-byte halves and scale pairs).
 struct Weights {
     u32x4 wa[GMAX], wb[GMAX];
     u32x2 sc[GMAX];
 };
 
-// Block (column bx, split by)'s weights of this warp into registers.
+// Group gr of this warp's tile into one slot.
+__device__ __forceinline__ void load_group(u32x4& wa, u32x4& wb, u32x2& sc, const Args& a,
+                                           int tile, int gr) {
+    const int lane = threadIdx.x & 31;
+    const size_t at = (size_t)tile * (a.k >> 7) + gr;
+    wa = load_stream(a.w + at * 64 + lane);
+    wb = load_stream(a.w + at * 64 + 32 + lane);
+    sc = load_pair(a.sz + at * 8 + (lane >> 2));
+}
+
+// Block (column bx, split by)'s first GMAX groups of this warp into its slots.
 __device__ __forceinline__ void load_weights(Weights& W, const Args& a, int bx, int by) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int warp = threadIdx.x >> 5;
     const int tile = bx * TN + warp % TN, wk = warp / TN, groups = a.k >> 7;
     const int g0 = by * a.gps, g1 = min(g0 + a.gps, groups);
     if (tile >= (a.n >> 4)) return;
 #pragma unroll
     for (int i = 0; i < GMAX; ++i) {
         const int gr = g0 + wk + i * WK;
-        if (gr < g1) {
-            const size_t at = (size_t)tile * groups + gr;
-            W.wa[i] = load_stream(a.w + at * 64 + lane);
-            W.wb[i] = load_stream(a.w + at * 64 + 32 + lane);
-            W.sc[i] = load_pair(a.sz + at * 8 + (lane >> 2));
-        }
+        if (gr < g1) load_group(W.wa[i], W.wb[i], W.sc[i], a, tile, gr);
     }
 }
 
-// Block (column bx, split by) of `splits`, its weights in W: stage x, multiply, add the warps
-// along K, then write y or this split's slice (and, last to finish its column, add the slices).
-__device__ __forceinline__ void product(const Weights& W, const Args& a, int bx, int by,
+// Block (column bx, split by) of `splits`, the first of its weights in W: stage x, multiply
+// (streaming the rest of the split's weights through W), add the warps along K, then write y or
+// this split's slice (and, last to finish its column, add the slices).
+__device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int by,
                                         int splits, unsigned char* smem, int* is_last) {
     const int rows = a.rows, n = a.n, gps = a.gps, has_bias = a.has_bias;
     const u16* __restrict__ bias = a.bias;
@@ -199,27 +212,33 @@ __device__ __forceinline__ void product(const Weights& W, const Args& a, int bx,
     const int groups = a.k >> 7;
     const int g0 = by * gps, g1 = min(g0 + gps, groups);
     const bool live = tile < (n >> 4);
-    // x rows [0, 8 NB) over this split's inputs into shared memory, zeros past `rows`. Row
-    // stride = 64 bytes more than a multiple of 128, so the lanes of a quarter-warp hit
-    // distinct banks.
+    // x's rows over this split's inputs into shared memory (rows past `rows` are read as zeros
+    // below). Row stride = 64 bytes more than a multiple of 128, so the lanes of a quarter-warp
+    // hit distinct banks.
     const int stride = (gps << 7) + 32;  // bfloat16 elements
     u16* xs = (u16*)smem;
     const int chunks = (g1 - g0) << 4;  // 16-byte chunks of a row
-    for (int i = threadIdx.x; i < NB * 8 * chunks; i += WARPS * 32) {
+    for (int i = threadIdx.x; i < rows * chunks; i += WARPS * 32) {
         const int r = i / chunks, c = i - r * chunks;
-        u32x4 v = {0u, 0u, 0u, 0u};
-        if (r < rows) v = *(const u32x4*)(a.x + (size_t)r * a.ldx + (g0 << 7) + c * 8);
-        *(u32x4*)(xs + r * stride + c * 8) = v;
+        *(u32x4*)(xs + r * stride + c * 8) =
+            *(const u32x4*)(a.x + (size_t)r * a.ldx + (g0 << 7) + c * 8);
     }
     __syncthreads();
 
     float acc[NB][4];
 #pragma unroll
     for (int b = 0; b < NB; ++b) acc[b][0] = acc[b][1] = acc[b][2] = acc[b][3] = 0.f;
+    const int mine = live && g0 + wk < g1 ? (g1 - g0 - wk + WK - 1) / WK : 0;  // the warp's groups
+#if STREAM
+    for (int base = 0; base < mine; base += GMAX) {
+#else
+    {  // mine <= GMAX: the slots hold all of them
+        const int base = 0;
+#endif
 #pragma unroll
     for (int i = 0; i < GMAX; ++i) {
-        const int gr = g0 + wk + i * WK;
-        if (!(live && gr < g1)) continue;
+        const int j = base + i, gr = g0 + wk + j * WK;  // the warp's group j, in slot i
+        if (j >= mine) break;
 #if FOLD
         // The group's sums of x (128 + q) and of x, the latter from an mma with all-ones A
         // (its C fragment holds sum x of rows 2t and 2t + 1, as d's does).
@@ -241,8 +260,11 @@ __device__ __forceinline__ void product(const Weights& W, const Args& a, int bx,
 #pragma unroll
             for (int b = 0; b < NB; ++b) {
                 const u16* xr = xg + (b * 8 + g) * stride;
-                xa[b] = *(const u32x4*)(xr + 8 * (8 * h + t));
-                xb[b] = *(const u32x4*)(xr + 8 * (8 * h + 4 + t));
+                xa[b] = xb[b] = u32x4{0u, 0u, 0u, 0u};
+                if (b * 8 + g < rows) {
+                    xa[b] = *(const u32x4*)(xr + 8 * (8 * h + t));
+                    xb[b] = *(const u32x4*)(xr + 8 * (8 * h + 4 + t));
+                }
             }
 #pragma unroll
             for (int jj = 0; jj < 4; ++jj) {
@@ -277,10 +299,15 @@ __device__ __forceinline__ void product(const Weights& W, const Args& a, int bx,
             for (int c = 0; c < 4; ++c)
                 acc[b][c] = fmaf(c < 2 ? c0 : c1, sx[b][c], fmaf(c < 2 ? s0 : s1, d[b][c], acc[b][c]));
 #endif
+#if STREAM
+        // the slot's next group: the warp's group j + GMAX
+        if (j + GMAX < mine) load_group(W.wa[i], W.wb[i], W.sc[i], a, tile, gr + GMAX * WK);
+#endif
+    }
     }
 
     // The WK warps of a tile, added in order by the first.
-    float* red = (float*)(smem + NB * 8 * stride * 2);  // [WARPS][NB * 4][32]
+    float* red = (float*)(smem + rows * stride * 2);  // [WARPS][NB * 4][32]
     if (WK > 1) {
         if (wk > 0) {
 #pragma unroll
