@@ -120,9 +120,9 @@ def variants(shape: str, context: int, bandwidth: float) -> dict:
 
 
 def _set(key: str, value) -> None:
-    if key == "MMA_SPLIT_GROUPS":  # the int4 kernel's longest split; launch shapes are cached
+    if key.startswith("MMA_"):  # the int4 kernel's launch rule; launch shapes are cached
         from flashdraft import mma
-        mma.SPLIT_GROUPS = value
+        setattr(mma, key[4:], value)
         mma.config.cache_clear()
     else:
         setattr(kernels, key, value)
@@ -344,12 +344,12 @@ def quant_products(shape: str, budget_s: float) -> dict:
 # (tiles a block, warps along K, groups a split, register slots a warp, resident blocks): the
 # last two apply where a split is longer than the one-shot kernel's (mma.STREAM_SLOTS and
 # mma.STREAM_RESIDENT); None keeps the module's setting.
-MMA_SWEEP = ((4, 2, 8, None, None), (4, 1, 4, None, None), (4, 1, 8, None, None),
-             (4, 4, 8, None, None), (8, 1, 2, None, None), (4, 2, 4, None, None),
-             (2, 2, 4, None, None), (8, 2, 8, None, None),
-             (4, 2, 16, 8, 2), (4, 2, 16, 4, 2), (4, 2, 16, 6, 2), (4, 2, 16, 8, 1),
-             (4, 2, 12, 8, 2), (4, 2, 20, 8, 2), (4, 2, 24, 8, 2), (4, 2, 24, 6, 2),
-             (2, 4, 16, 4, 2), (8, 1, 16, 8, 2), (4, 1, 16, 8, 2), (2, 2, 24, 8, 2))
+MMA_SWEEP = ((4, 2, 8, None, None), (4, 1, 4, None, None), (4, 2, 24, 6, 2),
+             (4, 1, 8, 8, 2), (4, 1, 16, 8, 2), (4, 1, 16, 6, 2), (4, 1, 16, 12, 2),
+             (4, 1, 16, 6, 3), (4, 1, 10, 8, 2), (4, 1, 12, 8, 2), (4, 1, 20, 8, 2),
+             (4, 1, 20, 6, 2), (4, 1, 24, 8, 2), (4, 1, 26, 8, 2), (2, 1, 16, 8, 4),
+             (2, 1, 20, 8, 4), (8, 1, 16, 6, 2), (8, 1, 20, 8, 1), (4, 1, 20, 12, 2),
+             (2, 1, 12, 6, 4))
 
 
 @torch.inference_mode()
@@ -439,12 +439,14 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
       nopdl  no programmatic dependent launch
       streamN  int4 products with splits of K up to N groups (mma.SPLIT_GROUPS; "stream": 16),
              each warp streaming its groups through its register slots
+      wkN    int4 products with N warps along K a tile (mma.WK)
     Switches joined by "+" (e.g. "early+nopdl") are toggled together in one run."""
     from flashdraft import mma
     set_path(DEFAULT)
     saved = {"GATED": kernels.GATED, "EARLY_LAUNCH": kernels.EARLY_LAUNCH, "PDL": kernels.PDL,
              "ROPE_ATTENTION": kernels.ROPE_ATTENTION, "rms_norm": kernels.rms_norm,
-             "FOLD_NORMS": kernels.FOLD_NORMS, "MMA_SPLIT_GROUPS": mma.SPLIT_GROUPS}
+             "FOLD_NORMS": kernels.FOLD_NORMS, "MMA_SPLIT_GROUPS": mma.SPLIT_GROUPS,
+             "MMA_WK": mma.WK}
     default = target(shape, quant, context)
     split_len = default[2].split_len
     runs = {"default": (default, {})}
@@ -472,8 +474,10 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
         if switch == "stream" or (switch.startswith("stream") and switch[6:].isdigit()):
             groups = int(switch[6:] or 16)
             return f"int4 splits up to {groups} groups", {"MMA_SPLIT_GROUPS": groups}
+        if switch.startswith("wk") and switch[2:].isdigit():
+            return f"int4 {switch[2:]} warps along K", {"MMA_WK": int(switch[2:])}
         raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, halfsplit, "
-                         f"unfolded, nonorm, nopdl, streamN, or several joined by '+'")
+                         f"unfolded, nonorm, nopdl, streamN, wkN, or several joined by '+'")
 
     for switch in switches:
         if switch == "gated" and (quant or "").startswith("int4"):
@@ -569,7 +573,7 @@ def main() -> None:
     ap.add_argument("--breakdown", default=None, metavar="SWITCHES",
                     help="the default decode path against each comma-separated switch "
                          "toggled (gated, early, rope, split, halfsplit, unfolded, nonorm, nopdl, "
-                         "streamN, or several joined by '+': see breakdown), in turn, with "
+                         "streamN, wkN, or several joined by '+': see breakdown), in turn, with "
                          "kernel tables")
     ap.add_argument("--repeats", type=int, default=2,
                     help="rounds of the breakdown's configurations, in turn")

@@ -194,9 +194,12 @@ SHARED_LIMIT = 227 * 1024  # a block's shared memory on sm_90 (sm_80: 163 KB, sm
 
 
 @functools.cache  # one per weight shape: the decode path asks on every call
-def config(n: int, k: int, tn: int = TN, wk: int = WK, groups_per_split: int = 0) -> MmaConfig:
-    """Launch shape from the weight's shape alone (batch invariance): by default the longest K
-    split up to SPLIT_GROUPS groups that still gives TARGET_BLOCKS blocks."""
+def config(n: int, k: int, tn: int | None = None, wk: int | None = None,
+           groups_per_split: int = 0) -> MmaConfig:
+    """Launch shape from the weight's shape alone (batch invariance): tn and wk default to TN
+    and WK, and the split to the longest up to SPLIT_GROUPS groups that still gives
+    TARGET_BLOCKS blocks."""
+    tn, wk = tn or TN, wk or WK
     groups, blocks_n = k // GROUP, -(-n // (16 * tn))
     gps = groups_per_split
     if not gps:
