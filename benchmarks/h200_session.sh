@@ -101,8 +101,9 @@ for phase in "$@"; do
     ;;
   breakdown)
     # The default decode path against switches toggled (BREAKDOWN: gated, early, rope, split,
-    # halfsplit, unfolded, nonorm, nopdl, streamN, wkN; several joined by "+" together), in turn in one
-    # process, with kernel tables (profile_step.breakdown); BREAKDOWN_ARGS e.g. "--context 200".
+    # halfsplit, unfolded, nonorm, nopdl, streamN, wkN; several joined by "+" together), in turn
+    # in one process, with kernel tables (profile_step.breakdown); BREAKDOWN_ARGS e.g.
+    # "--context 200".
     python3 benchmarks/profile_step.py --out "$OUT/breakdown${BREAKDOWN_TAG:-}" --no-official --no-compare ${BREAKDOWN_ARGS:-} \
       --breakdown "${BREAKDOWN:-gated}" ${BREAKDOWN_SHAPES:-qwen3-32b:int4 dense-27b:int4 \
       qwen2.5-1.5b:int4 qwen3-8b qwen2.5-1.5b} 2>&1 | grep -v Warn | tee "$OUT/breakdown${BREAKDOWN_TAG:-}.log"

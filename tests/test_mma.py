@@ -74,16 +74,21 @@ def test_layout_pairs_each_weight_with_its_input():
 
 
 def test_launch_shape_depends_on_the_weight_alone():
-    assert mma.config(51200, 5120) == mma.MmaConfig(8, 5, 800)  # 32B gate/up: 4,000 blocks
-    with pytest.MonkeyPatch.context() as mp:  # the rule's block target, not the environment's
+    with pytest.MonkeyPatch.context() as mp:  # the rule's settings, not the environment's
         mp.setattr(mma, "TARGET_BLOCKS", 264)
+        mp.setattr(mma, "SPLIT_GROUPS", 16)
+        mp.setattr(mma, "WK", 1)
         mma.config.cache_clear()  # launch shapes are cached per weight shape
-        assert mma.config(1536, 1536).groups_per_split == 2  # few tiles: more splits
-        mp.setattr(mma, "SPLIT_GROUPS", 16)  # streamed splits allowed
-        mma.config.cache_clear()
-        assert mma.config(51200, 5120) == mma.MmaConfig(16, 3, 800)
-        assert mma.config(1536, 1536).groups_per_split == 2
+        # 32B gate/up: 2,400 blocks of one warp a tile, each streaming 16 groups
+        assert mma.config(51200, 5120) == mma.MmaConfig(16, 3, 800, 4, 1)
+        assert mma.config(6144, 4096).groups_per_split == 8  # 8B qkv: 384 blocks
+        assert mma.config(1536, 1536).groups_per_split == 1  # few tiles: more splits
         assert mma.config(51200, 1024).groups_per_split == 8  # never longer than K
+        mp.setattr(mma, "SPLIT_GROUPS", 8)  # session 13's rule: one-shot splits of two warps
+        mp.setattr(mma, "WK", 2)
+        mma.config.cache_clear()
+        assert mma.config(51200, 5120) == mma.MmaConfig(8, 5, 800, 4, 2)
+        assert mma.config(1536, 1536).groups_per_split == 2
     mma.config.cache_clear()
     with pytest.raises(ValueError, match="shorter split"):  # x's 32 rows past shared memory
         mma.config(1024, 8192, groups_per_split=64)
@@ -145,10 +150,11 @@ def test_streamed_splits_match_the_reference_and_are_batch_invariant(monkeypatch
     layer = quant.QuantLinear(lin, "int4", "mma", gate_up=gated)
     exact = quant.dequantize_int4(*quant.quantize_int4(lin.weight.detach()), torch.float64)
     x = torch.randn(32, k, device="cuda", dtype=torch.bfloat16)
-    run = lambda rows, cfg=None: mma.linear(rows, layer.qweight, layer.scale, None, n, cfg,  # noqa: E731
-                                            gated)
-    for gps in (9, 16, 23):  # splits of 5 + 4 x 9 ... : warps of 5, 8, 12 groups through 4 slots
-        cfg = mma.config(n, k, groups_per_split=gps)
+    run = lambda rows, cfg: mma.linear(rows, layer.qweight, layer.scale, None, n, cfg,  # noqa: E731
+                                       gated)
+    one_shot = mma.config(n, k, wk=2, groups_per_split=8)  # 4 groups a warp, all up front
+    for gps in (9, 16, 23):  # one warp a tile: 9, 16, 23 groups through 4 slots, a shorter last
+        cfg = mma.config(n, k, wk=1, groups_per_split=gps)
         for m in (1, 7, 9, 17, 32):
             ref = x[:m].double() @ exact.t()
             if gated:
@@ -156,7 +162,7 @@ def test_streamed_splits_match_the_reference_and_are_batch_invariant(monkeypatch
             y = run(x[:m], cfg)
             rel = ((y.double() - ref).norm() / ref.norm()).item()
             assert rel < 2.5e-3, (gps, m, rel)
-            torch.testing.assert_close(y, run(x[:m]), rtol=2e-2, atol=2e-2)  # one-shot
+            torch.testing.assert_close(y, run(x[:m], one_shot), rtol=2e-2, atol=2e-2)
             assert torch.equal(y[:1], run(x[:1], cfg)), (gps, m)
             assert torch.equal(y[-1:], run(x[m - 1:m], cfg)), (gps, m)
     assert not kernels._counters(x.device, 1).any()

@@ -31,16 +31,17 @@
 // (griddepcontrol: programmatic dependent launch, set up by mma._launch; sm_90 and newer).
 //
 // Work: block = TN tiles of 16 features x WK warps along K. Split s of the K range (gps
-// groups) is gridDim.y; warp wk takes groups wk, wk + WK, ... of it, streamed through GMAX
-// register slots: the first GMAX are loaded before the wait for the previous kernel, and each
-// slot is loaded again with the warp's group GMAX further on as soon as its group is
-// multiplied, so a split longer than WK * GMAX groups keeps GMAX loads in flight a warp
-// throughout. Sums: a warp's groups in
-// order (mma accumulate), then the WK warps in order (shared memory), then the splits in order
-// by the last block to finish (float32 slices, a counter per block column). All of it is fixed
-// by the weight's shape, and a row's result never depends on the other rows (an mma column
-// is computed from its own B column), so 1 to 32 rows get bit-identical results: batch
-// invariance, which speculative decoding needs to return exactly the tokens of plain decoding.
+// groups) is gridDim.y; warp wk takes groups wk, wk + WK, ... of it into GMAX register slots,
+// the first GMAX before the wait for the previous kernel. With STREAM, a warp may have more
+// groups than slots: each slot is loaded again with the warp's group GMAX further on as soon as
+// its group is multiplied, which keeps GMAX loads in flight a warp to the end of a long split
+// (one block's fixed costs, staging x and adding up, then serve more weight bytes). Sums: a
+// warp's groups in order (mma accumulate), then the WK warps in order (shared memory), then the
+// splits in order by the last block to finish (float32 slices, a counter per block column).
+// All of it is fixed by the weight's shape, and a row's result never depends on the other rows
+// (an mma column is computed from its own B column), so 1 to 32 rows get bit-identical results:
+// batch invariance, which speculative decoding needs to return exactly the tokens of plain
+// decoding.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -71,7 +72,7 @@ struct __align__(8) u32x2 { u32 x, y; };
 #define GMAX 4  // register slots a warp streams its groups through
 #endif
 #ifndef STREAM
-#define STREAM 0  // 0: a split of at most WK * GMAX groups, all loaded up front; 1: any length
+#define STREAM 0  // 0: at most GMAX groups a warp, all loaded up front; 1: any number, streamed
 #endif
 
 __device__ __forceinline__ u32x4 load_stream(const u32x4* p) {
@@ -236,74 +237,78 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
         const int base = 0;
 #endif
 #pragma unroll
-    for (int i = 0; i < GMAX; ++i) {
-        const int j = base + i, gr = g0 + wk + j * WK;  // the warp's group j, in slot i
-        if (j >= mine) break;
+        for (int i = 0; i < GMAX; ++i) {
+            const int j = base + i, gr = g0 + wk + j * WK;  // the warp's group j, in slot i
+            if (j >= mine) break;
 #if FOLD
-        // The group's sums of x (128 + q) and of x, the latter from an mma with all-ones A
-        // (its C fragment holds sum x of rows 2t and 2t + 1, as d's does).
-        float d[NB][4], sx[NB][4];
+            // The group's sums of x (128 + q) and of x, the latter from an mma with all-ones A
+            // (its C fragment holds sum x of rows 2t and 2t + 1, as d's does).
+            float d[NB][4], sx[NB][4];
 #pragma unroll
-        for (int b = 0; b < NB; ++b)
+            for (int b = 0; b < NB; ++b)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) d[b][c] = sx[b][c] = 0.f;
+                for (int c = 0; c < 4; ++c) d[b][c] = sx[b][c] = 0.f;
 #else
-        const u32 s_lo = __byte_perm(W.sc[i].x, 0, 0x1010), z_lo = __byte_perm(W.sc[i].x, 0, 0x3232);
-        const u32 s_hi = __byte_perm(W.sc[i].y, 0, 0x1010), z_hi = __byte_perm(W.sc[i].y, 0, 0x3232);
+            const u32 s_lo = __byte_perm(W.sc[i].x, 0, 0x1010);
+            const u32 z_lo = __byte_perm(W.sc[i].x, 0, 0x3232);
+            const u32 s_hi = __byte_perm(W.sc[i].y, 0, 0x1010);
+            const u32 z_hi = __byte_perm(W.sc[i].y, 0, 0x3232);
 #endif
-        const u16* xg = xs + ((gr - g0) << 7);
+            const u16* xg = xs + ((gr - g0) << 7);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const u32x4 q4 = h ? W.wb[i] : W.wa[i];
-            const u32 qs[4] = {q4.x, q4.y, q4.z, q4.w};
-            u32x4 xa[NB], xb[NB];
-#pragma unroll
-            for (int b = 0; b < NB; ++b) {
-                const u16* xr = xg + (b * 8 + g) * stride;
-                xa[b] = xb[b] = u32x4{0u, 0u, 0u, 0u};
-                if (b * 8 + g < rows) {
-                    xa[b] = *(const u32x4*)(xr + 8 * (8 * h + t));
-                    xb[b] = *(const u32x4*)(xr + 8 * (8 * h + 4 + t));
-                }
-            }
-#pragma unroll
-            for (int jj = 0; jj < 4; ++jj) {
-                const u32 q = qs[jj];
-#if FOLD
-                const u32 a0 = biased(q), a1 = biased(q >> 4), a2 = biased(q >> 8),
-                          a3 = biased(q >> 12);
-#else
-                const u32 a0 = dequant(q, s_lo, z_lo), a1 = dequant(q >> 4, s_hi, z_hi);
-                const u32 a2 = dequant(q >> 8, s_lo, z_lo), a3 = dequant(q >> 12, s_hi, z_hi);
-#endif
+            for (int h = 0; h < 2; ++h) {
+                const u32x4 q4 = h ? W.wb[i] : W.wa[i];
+                const u32 qs[4] = {q4.x, q4.y, q4.z, q4.w};
+                u32x4 xa[NB], xb[NB];
 #pragma unroll
                 for (int b = 0; b < NB; ++b) {
-                    const u32x4 c = jj < 2 ? xa[b] : xb[b];
-                    const u32 b0 = (jj & 1) ? c.z : c.x, b1 = (jj & 1) ? c.w : c.y;
+                    const u16* xr = xg + (b * 8 + g) * stride;
+                    xa[b] = xb[b] = u32x4{0u, 0u, 0u, 0u};
+                    if (b * 8 + g < rows) {
+                        xa[b] = *(const u32x4*)(xr + 8 * (8 * h + t));
+                        xb[b] = *(const u32x4*)(xr + 8 * (8 * h + 4 + t));
+                    }
+                }
+#pragma unroll
+                for (int jj = 0; jj < 4; ++jj) {
+                    const u32 q = qs[jj];
 #if FOLD
-                    mma(d[b], a0, a1, a2, a3, b0, b1);
-                    mma(sx[b], ONES, ONES, ONES, ONES, b0, b1);
+                    const u32 a0 = biased(q), a1 = biased(q >> 4), a2 = biased(q >> 8),
+                              a3 = biased(q >> 12);
 #else
-                    mma(acc[b], a0, a1, a2, a3, b0, b1);
+                    const u32 a0 = dequant(q, s_lo, z_lo), a1 = dequant(q >> 4, s_hi, z_hi);
+                    const u32 a2 = dequant(q >> 8, s_lo, z_lo), a3 = dequant(q >> 12, s_hi, z_hi);
 #endif
+#pragma unroll
+                    for (int b = 0; b < NB; ++b) {
+                        const u32x4 c = jj < 2 ? xa[b] : xb[b];
+                        const u32 b0 = (jj & 1) ? c.z : c.x, b1 = (jj & 1) ? c.w : c.y;
+#if FOLD
+                        mma(d[b], a0, a1, a2, a3, b0, b1);
+                        mma(sx[b], ONES, ONES, ONES, ONES, b0, b1);
+#else
+                        mma(acc[b], a0, a1, a2, a3, b0, b1);
+#endif
+                    }
                 }
             }
-        }
 #if FOLD
-        // sum_k x (q - 8) s + z = s d + (z - 136 s) sum_k x; c < 2: feature g, else g + 8
-        const float s0 = lo_f32(W.sc[i].x), s1 = lo_f32(W.sc[i].y);
-        const float c0 = fmaf(-136.f, s0, hi_f32(W.sc[i].x)), c1 = fmaf(-136.f, s1, hi_f32(W.sc[i].y));
+            // sum_k x (q - 8) s + z = s d + (z - 136 s) sum_k x; c < 2: feature g, else g + 8
+            const float s0 = lo_f32(W.sc[i].x), s1 = lo_f32(W.sc[i].y);
+            const float c0 = fmaf(-136.f, s0, hi_f32(W.sc[i].x));
+            const float c1 = fmaf(-136.f, s1, hi_f32(W.sc[i].y));
 #pragma unroll
-        for (int b = 0; b < NB; ++b)
+            for (int b = 0; b < NB; ++b)
 #pragma unroll
-            for (int c = 0; c < 4; ++c)
-                acc[b][c] = fmaf(c < 2 ? c0 : c1, sx[b][c], fmaf(c < 2 ? s0 : s1, d[b][c], acc[b][c]));
+                for (int c = 0; c < 4; ++c)
+                    acc[b][c] = fmaf(c < 2 ? c0 : c1, sx[b][c],
+                                     fmaf(c < 2 ? s0 : s1, d[b][c], acc[b][c]));
 #endif
 #if STREAM
-        // the slot's next group: the warp's group j + GMAX
-        if (j + GMAX < mine) load_group(W.wa[i], W.wb[i], W.sc[i], a, tile, gr + GMAX * WK);
+            // the slot's next group: the warp's group j + GMAX
+            if (j + GMAX < mine) load_group(W.wa[i], W.wb[i], W.sc[i], a, tile, gr + GMAX * WK);
 #endif
-    }
+        }
     }
 
     // The WK warps of a tile, added in order by the first.
