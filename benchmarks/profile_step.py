@@ -437,9 +437,9 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
              means something as "unfolded+nonorm"):
              wrong output, speed only, the most that removing them could give
       nopdl  no programmatic dependent launch
-      streamN  int4 products with splits of K up to N groups (mma.SPLIT_GROUPS; "stream": 16),
-             each warp streaming its groups through its register slots
-      wkN    int4 products with N warps along K a tile (mma.WK)
+      streamN  int4 products with streamed splits of K of up to N groups (mma.SPLIT_GROUPS;
+             "stream0": none, session 13's launch rule)
+      wkN    int4 products' one-shot splits with N warps along K a tile (mma.WK)
     Switches joined by "+" (e.g. "early+nopdl") are toggled together in one run."""
     from flashdraft import mma
     set_path(DEFAULT)
@@ -471,11 +471,12 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
                     {"rms_norm": lambda x, weight, eps, residual=None: x})
         if switch == "nopdl":
             return "nopdl", {"PDL": False}
-        if switch == "stream" or (switch.startswith("stream") and switch[6:].isdigit()):
-            groups = int(switch[6:] or 16)
-            return f"int4 splits up to {groups} groups", {"MMA_SPLIT_GROUPS": groups}
+        if switch.startswith("stream") and switch[6:].isdigit():
+            groups = int(switch[6:])
+            return (f"int4 streamed splits up to {groups} groups" if groups else
+                    "no streamed int4 splits"), {"MMA_SPLIT_GROUPS": groups}
         if switch.startswith("wk") and switch[2:].isdigit():
-            return f"int4 {switch[2:]} warps along K", {"MMA_WK": int(switch[2:])}
+            return f"int4 one-shot splits of {switch[2:]} warps", {"MMA_WK": int(switch[2:])}
         raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, halfsplit, "
                          f"unfolded, nonorm, nopdl, streamN, wkN, or several joined by '+'")
 

@@ -30,16 +30,16 @@ from . import kernels
 
 GROUP = 128
 MAX_ROWS = 32  # rows of x in blocks of 8: 1, 2 or 4 blocks
-# 16-feature tiles a block, warps along K a tile. One warp a tile streaming splits of 16 groups
-# (below) made a 32B layer's products 9 % faster than two warps holding 4 groups each (RESULTS,
-# session 14).
-TN, WK = 4, 1
+TN = 4  # 16-feature tiles a block
 GMAX = 4  # groups a warp holds in registers, all loaded before the wait for the previous kernel
-# Groups a split of K spans at most (the launch rule's longest split). Up to WK * GMAX, a warp
-# loads all of its groups up front and then multiplies them (one-shot); past that, the kernel
-# streams them through STREAM_SLOTS register slots a warp (each slot loaded again as soon as its
-# group is multiplied), with launch bounds for STREAM_RESIDENT blocks a multiprocessor for one
-# row block. x's rows over a split are staged in shared memory, which bounds a split's length.
+WK = 2  # warps along K a tile where a split's groups all fit in its warps' registers (one-shot)
+# Streamed splits: one warp a tile (STREAM_WK) takes a split of up to SPLIT_GROUPS groups (0: no
+# streamed splits) through STREAM_SLOTS register slots (each loaded again as soon as its group is
+# multiplied), with launch bounds for STREAM_RESIDENT blocks a multiprocessor for one row block.
+# The launch rule (`config`) takes them wherever they still give TARGET_BLOCKS blocks: on the
+# 32B int4 shape that made a layer's products 9 % faster than one-shot splits (RESULTS, session
+# 14). x's rows over a split are staged in shared memory, which bounds a split's length.
+STREAM_WK = 1
 SPLIT_GROUPS = int(os.environ.get("FLASHDRAFT_MMA_SPLIT_GROUPS", "16"))
 STREAM_SLOTS = int(os.environ.get("FLASHDRAFT_MMA_STREAM_SLOTS", "8"))
 STREAM_RESIDENT = int(os.environ.get("FLASHDRAFT_MMA_STREAM_RESIDENT", "2"))
@@ -200,18 +200,23 @@ SHARED_LIMIT = 227 * 1024  # a block's shared memory on sm_90 (sm_80: 163 KB, sm
 @functools.cache  # one per weight shape: the decode path asks on every call
 def config(n: int, k: int, tn: int | None = None, wk: int | None = None,
            groups_per_split: int = 0) -> MmaConfig:
-    """Launch shape from the weight's shape alone (batch invariance): tn and wk default to TN
-    and WK, and the split to the longest up to SPLIT_GROUPS groups that still gives
-    TARGET_BLOCKS blocks."""
-    tn, wk = tn or TN, wk or WK
+    """Launch shape from the weight's shape alone (batch invariance): a streamed split of
+    SPLIT_GROUPS or half that many groups with STREAM_WK warps a tile where that gives
+    TARGET_BLOCKS blocks, else the longest one-shot split of WK warps that does (or the
+    shortest). tn defaults to TN; wk, given, restricts the rule to one-shot splits of wk warps,
+    and groups_per_split, given, overrides the rule (with WK warps unless wk says)."""
+    tn = tn or TN
     groups, blocks_n = k // GROUP, -(-n // (16 * tn))
+    enough = lambda gps: blocks_n * -(-groups // gps) >= TARGET_BLOCKS  # noqa: E731
     gps = groups_per_split
-    if not gps:
-        for gps in sorted({SPLIT_GROUPS, SPLIT_GROUPS // 2, wk * GMAX, wk * GMAX // 2, wk} - {0},
-                          reverse=True):
-            if blocks_n * -(-groups // gps) >= TARGET_BLOCKS:
-                break
-        gps = min(gps, groups)
+    if not gps and wk is None:  # streamed, where long splits still give enough blocks
+        gps = next((g for g in (SPLIT_GROUPS, SPLIT_GROUPS // 2)
+                    if g > STREAM_WK * GMAX and enough(g)), 0)
+        if gps:
+            wk, gps = STREAM_WK, min(gps, groups)
+    wk = wk or WK
+    if not gps:  # one-shot
+        gps = next((g for g in (wk * GMAX, wk * GMAX // 2) if enough(g)), wk)
     if gps < 1:
         raise ValueError(f"groups_per_split={gps}: a split holds one group or more")
     cfg = MmaConfig(gps, -(-groups // gps), blocks_n, tn, wk)

@@ -77,15 +77,15 @@ def test_launch_shape_depends_on_the_weight_alone():
     with pytest.MonkeyPatch.context() as mp:  # the rule's settings, not the environment's
         mp.setattr(mma, "TARGET_BLOCKS", 264)
         mp.setattr(mma, "SPLIT_GROUPS", 16)
-        mp.setattr(mma, "WK", 1)
         mma.config.cache_clear()  # launch shapes are cached per weight shape
         # 32B gate/up: 2,400 blocks of one warp a tile, each streaming 16 groups
         assert mma.config(51200, 5120) == mma.MmaConfig(16, 3, 800, 4, 1)
-        assert mma.config(6144, 4096).groups_per_split == 8  # 8B qkv: 384 blocks
-        assert mma.config(1536, 1536).groups_per_split == 1  # few tiles: more splits
+        assert mma.config(6144, 4096) == mma.MmaConfig(8, 4, 96, 4, 1)  # 8B qkv: half as long
         assert mma.config(51200, 1024).groups_per_split == 8  # never longer than K
-        mp.setattr(mma, "SPLIT_GROUPS", 8)  # session 13's rule: one-shot splits of two warps
-        mp.setattr(mma, "WK", 2)
+        # too few tiles for streamed splits: one-shot splits of two warps, shorter ones first
+        assert mma.config(4096, 4096) == mma.MmaConfig(4, 8, 64, 4, 2)  # 8B o: 512 blocks
+        assert mma.config(1536, 1536) == mma.MmaConfig(2, 6, 24, 4, 2)  # the shortest
+        mp.setattr(mma, "SPLIT_GROUPS", 0)  # no streamed splits: session 13's rule
         mma.config.cache_clear()
         assert mma.config(51200, 5120) == mma.MmaConfig(8, 5, 800, 4, 2)
         assert mma.config(1536, 1536).groups_per_split == 2
@@ -153,6 +153,7 @@ def test_streamed_splits_match_the_reference_and_are_batch_invariant(monkeypatch
     run = lambda rows, cfg: mma.linear(rows, layer.qweight, layer.scale, None, n, cfg,  # noqa: E731
                                        gated)
     one_shot = mma.config(n, k, wk=2, groups_per_split=8)  # 4 groups a warp, all up front
+    assert one_shot.groups_per_split <= one_shot.wk * mma.GMAX
     for gps in (9, 16, 23):  # one warp a tile: 9, 16, 23 groups through 4 slots, a shorter last
         cfg = mma.config(n, k, wk=1, groups_per_split=gps)
         for m in (1, 7, 9, 17, 32):
