@@ -43,6 +43,11 @@ STREAM_WK = 1
 SPLIT_GROUPS = int(os.environ.get("FLASHDRAFT_MMA_SPLIT_GROUPS", "16"))
 STREAM_SLOTS = int(os.environ.get("FLASHDRAFT_MMA_STREAM_SLOTS", "8"))
 STREAM_RESIDENT = int(os.environ.get("FLASHDRAFT_MMA_STREAM_RESIDENT", "2"))
+if SPLIT_GROUPS < 0 or STREAM_SLOTS < 1 or STREAM_RESIDENT < 1:
+    raise ValueError(f"FLASHDRAFT_MMA_SPLIT_GROUPS={SPLIT_GROUPS} (0 or more), "
+                     f"FLASHDRAFT_MMA_STREAM_SLOTS={STREAM_SLOTS} and "
+                     f"FLASHDRAFT_MMA_STREAM_RESIDENT={STREAM_RESIDENT} (1 or more): "
+                     f"unset them for the measured defaults")
 # 1: each group's scale and zero applied to its float32 sums (the codes become operands with one
 # lop3 a pair); 0: each weight dequantized in full in bfloat16 FMAs before the product.
 FOLD = int(os.environ.get("FLASHDRAFT_MMA_FOLD", "1"))
