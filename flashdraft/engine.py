@@ -244,7 +244,7 @@ class Engine:
         drafter, params, generator = req.drafter, req.params, req.generator
         # Leave room for the bonus token within the budget and the context.
         budget = min(req.k, req.max_new - req.generated - 1)
-        draft = self._propose(drafter, req.tokens, params, generator, hidden, budget)
+        draft = self._propose(req, hidden, budget)
         n_draft = draft.tokens.shape[1]
         if n_draft == 0 and req.policy is not None:
             req.policy.after_step(0, 0)  # an empty draft is not verified: decode it plainly
@@ -318,10 +318,11 @@ class Engine:
         return sample(probs_from_logits(logits, params.temperature, params.top_k, params.top_p),
                       generator)
 
-    def _propose(self, drafter, tokens, params, generator, hidden, k) -> Draft:
+    def _propose(self, req: "_Request", hidden: list[torch.Tensor], k: int) -> Draft:
+        """The request's drafter's draft of at most k tokens (none where k <= 0)."""
         if k <= 0:
             return Draft(torch.empty(1, 0, dtype=torch.long, device=self.device))
-        return drafter.propose(DraftContext(tokens, params, generator, hidden), k)
+        return req.drafter.propose(DraftContext(req.tokens, req.params, req.generator, hidden), k)
 
 
 class _Request:
