@@ -475,10 +475,11 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
             groups = int(switch[6:])
             return (f"int4 streamed splits up to {groups} groups" if groups else
                     "no streamed int4 splits"), {"MMA_SPLIT_GROUPS": groups}
-        if switch.startswith("wk") and switch[2:].isdigit():
-            return f"int4 one-shot splits of {switch[2:]} warps", {"MMA_WK": int(switch[2:])}
+        if switch.startswith("wk") and switch[2:].isdigit() and 1 <= int(switch[2:]) <= 4:
+            warps = int(switch[2:])
+            return f"int4 one-shot splits of {warps} warps", {"MMA_WK": warps}
         raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, halfsplit, "
-                         f"unfolded, nonorm, nopdl, streamN, wkN, or several joined by '+'")
+                         f"unfolded, nonorm, nopdl, streamN, wkN (N 1-4), or several joined by '+'")
 
     for switch in switches:
         if switch == "gated" and (quant or "").startswith("int4"):

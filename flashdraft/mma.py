@@ -186,11 +186,17 @@ def unpack_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass(frozen=True)
 class MmaConfig:
-    groups_per_split: int  # a warp holds ceil(groups_per_split / wk) of them
+    groups_per_split: int  # a warp takes ceil(groups_per_split / wk) of them
     splits: int
     blocks_n: int  # blocks along n, tn tiles each
-    tn: int = TN  # 16-feature tiles a block
-    wk: int = WK  # warps along K a tile
+    tn: int  # 16-feature tiles a block
+    wk: int  # warps along K a tile
+
+    def __post_init__(self):
+        if min(self.groups_per_split, self.splits, self.blocks_n, self.tn, self.wk) < 1:
+            raise ValueError(f"{self}: every field is 1 or more")
+        if self.tn * self.wk > 32:
+            raise ValueError(f"{self}: tn * wk warps a block is at most 32 (1,024 threads)")
 
 
 def _shared_bytes(rows: int, cfg: MmaConfig) -> int:
@@ -199,35 +205,51 @@ def _shared_bytes(rows: int, cfg: MmaConfig) -> int:
     return rows * (cfg.groups_per_split * GROUP + 32) * 2 + cfg.tn * cfg.wk * nb * 4 * 32 * 4
 
 
-SHARED_LIMIT = 227 * 1024  # a block's shared memory on sm_90 (sm_80: 163 KB, sm_86: 99 KB)
+# A block's dynamic shared memory on sm_90, 227 KB, less 1 KB for the static (sm_80: 163 KB, sm_86
+# and sm_89: 99 KB; `linear` passes the GPU's own through _shared_limit).
+SHARED_LIMIT = 226 * 1024
+
+
+@functools.cache
+def _shared_limit(device: int) -> int:
+    """The dynamic shared memory a block of ours may opt in to on `device` (the kernel's static
+    shared memory is a few bytes; 1 KB is kept for it)."""
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", 48 * 1024) - 1024
 
 
 @functools.cache  # one per weight shape: the decode path asks on every call
 def config(n: int, k: int, tn: int | None = None, wk: int | None = None,
-           groups_per_split: int = 0) -> MmaConfig:
-    """Launch shape from the weight's shape alone (batch invariance): a streamed split of
-    SPLIT_GROUPS or half that many groups with STREAM_WK warps a tile where that gives
-    TARGET_BLOCKS blocks, else the longest one-shot split of WK warps that does (or the
-    shortest). tn defaults to TN; wk, given, restricts the rule to one-shot splits of wk warps,
-    and groups_per_split, given, overrides the rule (with WK warps unless wk says)."""
+           groups_per_split: int = 0, shared_limit: int = SHARED_LIMIT) -> MmaConfig:
+    """Launch shape from the weight's shape and the GPU's shared memory alone (batch
+    invariance): a streamed split of SPLIT_GROUPS or half that many groups with STREAM_WK warps
+    a tile where that gives TARGET_BLOCKS blocks, else the longest one-shot split of WK warps
+    that does (or the shortest); only splits whose x of MAX_ROWS rows fits in shared_limit bytes.
+    tn defaults to TN; wk, given, restricts the rule to one-shot splits of wk warps, and
+    groups_per_split, given, overrides the rule (with WK warps unless wk says). The module's
+    settings are read once per shape: call config.cache_clear() after changing them."""
     tn = tn or TN
     groups, blocks_n = k // GROUP, -(-n // (16 * tn))
-    enough = lambda gps: blocks_n * -(-groups // gps) >= TARGET_BLOCKS  # noqa: E731
+
+    def fits(gps: int, wk: int) -> bool:
+        cfg = MmaConfig(gps, -(-groups // gps), blocks_n, tn, wk)
+        return blocks_n * cfg.splits >= TARGET_BLOCKS and (
+            _shared_bytes(MAX_ROWS, cfg) <= shared_limit)
+
     gps = groups_per_split
     if not gps and wk is None:  # streamed, where long splits still give enough blocks
-        gps = next((g for g in (SPLIT_GROUPS, SPLIT_GROUPS // 2)
-                    if g > STREAM_WK * GMAX and enough(g)), 0)
-        if gps:
-            wk, gps = STREAM_WK, min(gps, groups)
+        gps = next((min(g, groups) for g in (SPLIT_GROUPS, SPLIT_GROUPS // 2)
+                    if g > STREAM_WK * GMAX and fits(min(g, groups), STREAM_WK)), 0)
+        wk = STREAM_WK if gps else None
     wk = wk or WK
     if not gps:  # one-shot
-        gps = next((g for g in (wk * GMAX, wk * GMAX // 2) if enough(g)), wk)
+        gps = next((g for g in (wk * GMAX, wk * GMAX // 2) if fits(g, wk)), wk)
     if gps < 1:
         raise ValueError(f"groups_per_split={gps}: a split holds one group or more")
     cfg = MmaConfig(gps, -(-groups // gps), blocks_n, tn, wk)
-    if _shared_bytes(MAX_ROWS, cfg) > SHARED_LIMIT:
+    if _shared_bytes(MAX_ROWS, cfg) > shared_limit:
         raise ValueError(f"groups_per_split={gps}: {MAX_ROWS} rows of x over a split must fit in "
-                         f"{SHARED_LIMIT} bytes of shared memory; use a shorter split")
+                         f"{shared_limit} bytes of shared memory; use a shorter split")
     return cfg
 
 
@@ -246,7 +268,7 @@ def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                          f"got {rows} of {x2.dtype}")
     if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
         x2 = x2.clone(memory_format=torch.contiguous_format)  # rows read in 16-byte chunks
-    cfg = cfg or config(n, k)
+    cfg = cfg or config(n, k, shared_limit=_shared_limit(_device_index(x2)))
     nb = _row_blocks(rows)
     out = torch.empty(rows, n // 2 if gated else n, dtype=x2.dtype, device=x2.device)
     if cfg.splits > 1:

@@ -1,7 +1,17 @@
 import os
+import platform
 
-import pytest
-import torch
+# Triton's interpreter computes tl.dot with numpy's matmul. The FMA kernels of numpy's OpenBLAS
+# (Haswell, Zen) add up a row's products in an order that depends on the number of rows, so on
+# those CPUs the kernels' batch invariance, which the tests check bit for bit, fails in the
+# interpreter and nowhere else (a GPU computes each row alike). OpenBLAS's SSE3 kernel, which
+# every x86-64 CPU runs, has no such dependence. It is chosen over any OPENBLAS_CORETYPE the
+# environment sets (some set Haswell), before numpy loads OpenBLAS, which reads it once.
+if platform.machine() == "x86_64":
+    os.environ["OPENBLAS_CORETYPE"] = "Prescott"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Without a GPU, the Triton kernels (flashdraft.kernels) are tested through Triton's
 # interpreter, which must be chosen before Triton is first imported.

@@ -27,8 +27,9 @@
 // two fma.rn.bf16x2, every group summed into one accumulator), which rounds each weight to
 // bfloat16 where FOLD uses the exact quantized weight.
 //
-// The weights are loaded into registers before the wait for the previous kernel
-// (griddepcontrol: programmatic dependent launch, set up by mma._launch; sm_90 and newer).
+// Each warp's first GMAX groups of weights are loaded into registers before the wait for the
+// previous kernel (griddepcontrol: programmatic dependent launch, set up by mma._launch; sm_90
+// and newer).
 //
 // Work: block = TN tiles of 16 features x WK warps along K. Split s of the K range (gps
 // groups) is gridDim.y; warp wk takes groups wk, wk + WK, ... of it into GMAX register slots,
@@ -69,7 +70,7 @@ struct __align__(8) u32x2 { u32 x, y; };
 #endif
 #define ONES 0x3f803f80u  // the bfloat16 pair (1, 1)
 #ifndef GMAX
-#define GMAX 4  // register slots a warp streams its groups through
+#define GMAX 4  // register slots a warp (mma.py: GMAX one-shot, STREAM_SLOTS streamed)
 #endif
 #ifndef STREAM
 #define STREAM 0  // 0: at most GMAX groups a warp, all loaded up front; 1: any number, streamed
@@ -398,7 +399,7 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
 }
 
 // One block a (column, split): grid (columns, splits). The weights do not depend on the
-// previous kernel: they are loaded before waiting for it.
+// previous kernel: each warp's first GMAX groups are loaded before waiting for it.
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* __restrict__ x,
          const u16* __restrict__ bias, u16* __restrict__ y, float* __restrict__ parts,
          int* __restrict__ counters, int rows, int n, int k, int ldx, int ldy, int gps,
