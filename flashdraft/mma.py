@@ -279,12 +279,10 @@ def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     shared = _shared_bytes(rows, cfg)
     threads, device = cfg.tn * cfg.wk * 32, _device_index(x2)
     per_warp = -(-cfg.groups_per_split // cfg.wk)
-    if per_warp <= GMAX:  # one-shot
-        fn = _kernel("int4_mma", device, nb, cfg.tn, cfg.wk, per_warp, gated,
-                     DECODE_RESIDENT if nb == 1 else 1)
-    else:
-        fn = _kernel("int4_mma", device, nb, cfg.tn, cfg.wk, STREAM_SLOTS, gated,
-                     STREAM_RESIDENT if nb == 1 else 1, stream=True)
+    stream = per_warp > GMAX  # else one-shot: the slots hold all of a warp's groups
+    resident = (STREAM_RESIDENT if stream else DECODE_RESIDENT) if nb == 1 else 1
+    fn = _kernel("int4_mma", device, nb, cfg.tn, cfg.wk, STREAM_SLOTS if stream else per_warp,
+                 gated, resident, stream)
     _allow_shared(fn, shared)
     _launch(fn, (cfg.blocks_n, cfg.splits, 1), (threads, 1, 1), shared,
             [qweight, scales, x2, bias if bias is not None else x2, out, parts, counters, rows, n,
