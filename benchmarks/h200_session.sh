@@ -77,10 +77,11 @@ for phase in "$@"; do
   mma)
     # The int4 tensor-core kernel (flashdraft.mma): its GPU tests, each matrix against the
     # Triton kernel, tinygemm and cuBLAS (with a launch-shape sweep), then int4 shapes in the model.
+    # MMA_ARGS: more profile_step options, e.g. "--mma-probe 1,2".
     python3 -m pytest -q -p no:cacheprovider tests/test_mma.py 2>&1 | tee -a "$OUT/pytest-mma.log" | tail -8
     tag=${MMA_TAG:-}
     python3 benchmarks/profile_step.py --out "$OUT/mma$tag" --no-official --no-compare \
-      --mma-products "${MMA_PRODUCTS:-sweep}" ${MMA_SHAPES:-qwen3-32b} 2>&1 | grep -v Warn \
+      --mma-products "${MMA_PRODUCTS:-sweep}" ${MMA_ARGS:-} ${MMA_SHAPES:-qwen3-32b} 2>&1 | grep -v Warn \
       | tee "$OUT/mma$tag.log"
     [ -n "${MMA_MODEL_SHAPES:-}" ] && python3 benchmarks/profile_step.py \
       --out "$OUT/mma-shapes$tag" --no-compare $MMA_MODEL_SHAPES 2>&1 | grep -v Warn \
@@ -101,7 +102,7 @@ for phase in "$@"; do
     ;;
   breakdown)
     # The default decode path against switches toggled (BREAKDOWN: gated, early, rope, split,
-    # halfsplit, unfolded, nonorm, nopdl, streamN, wkN; several joined by "+" together), in turn
+    # halfsplit, unfolded, nonorm, noattn, nopdl, streamN, wkN; several joined by "+"), in turn
     # in one process, with kernel tables (profile_step.breakdown); BREAKDOWN_ARGS e.g.
     # "--context 200".
     python3 benchmarks/profile_step.py --out "$OUT/breakdown${BREAKDOWN_TAG:-}" --no-official --no-compare ${BREAKDOWN_ARGS:-} \

@@ -353,11 +353,13 @@ MMA_SWEEP = ((4, 2, 8, None, None), (4, 1, 4, None, None), (4, 2, 24, 6, 2),
 
 
 @torch.inference_mode()
-def mma_products(shape: str, sweep: bool) -> dict:
+def mma_products(shape: str, sweep: bool, probes: tuple[int, ...] = ()) -> dict:
     """The int4 tensor-core kernel (flashdraft.mma) on each matrix of the shape, weights from
     DRAM: µs for 1, 4, 16 and 32 rows at the default launch shape, error against the
     dequantized weight, TB/s for one row; the Triton int4 kernel, tinygemm and cuBLAS bf16 for
-    one and 16 rows beside it; with sweep, one row under each of MMA_SWEEP's launch shapes."""
+    one and 16 rows beside it; with sweep, one row under each of MMA_SWEEP's launch shapes;
+    probes: one and 16 rows at the default launch under each of mma.PROBE's measurement
+    variants (wrong output: 1 loads only, 2 no mma for the sums of x)."""
     from flashdraft import mma, quant
     set_path(DEFAULT)
     result = {}
@@ -403,13 +405,22 @@ def mma_products(shape: str, sweep: bool) -> dict:
                                   f"{str(e)[:200]}"))
             mma.STREAM_SLOTS, mma.STREAM_RESIDENT = saved
             row["sweep"] = sorted(timed, key=lambda r: r[0])
+        for probe in probes:
+            mma.PROBE = probe
+            try:
+                row[f"probe{probe}"] = (graph_us(lambda: run(xs[:1])), graph_us(lambda: run(xs[:16])))
+            finally:
+                mma.PROBE = 0
         result[f"{n}x{k}"] = row
         print(f"  mma {shape} {n:>6d}x{k:<6d} (from DRAM) 1 row {row['mma_1rows']:6.1f} us "
               f"({row['mma_TBps']:.2f} TB/s) 4 {row['mma_4rows']:.1f} 16 {row['mma_16rows']:.1f} "
               f"32 {row['mma_32rows']:.1f} err {row['rel_error']:.1e} | triton {row['triton']:.1f} "
               f"/ {row['triton_16rows']:.1f} tinygemm {row['tinygemm']:.1f} / "
               f"{row['tinygemm_16rows']:.1f} bf16 {row['bf16']:.1f} / {row['bf16_16rows']:.1f} | "
-              f"{row['config']}" + (f" | sweep {row['sweep'][:4]}" if sweep else ""), flush=True)
+              f"{row['config']}" + "".join(
+                  f" | probe {p}: {row[f'probe{p}'][0]:.1f} / {row[f'probe{p}'][1]:.1f} us "
+                  f"({nbytes / row[f'probe{p}'][0] / 1e6:.2f} TB/s)" for p in probes)
+              + (f" | sweep {row['sweep'][:4]}" if sweep else ""), flush=True)
         torch.cuda.empty_cache()
     return result
 
@@ -436,6 +447,8 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
              with the norms folded only the first and the final norm are kernels, so this
              means something as "unfolded+nonorm"):
              wrong output, speed only, the most that removing them could give
+      noattn attention skipped (rope, cache write and attention: an empty output, no kernel);
+             wrong output, speed only, the most that a faster attention could give
       nopdl  no programmatic dependent launch
       streamN  int4 products with streamed splits of K of up to N groups (mma.SPLIT_GROUPS;
              "stream0": none, session 13's launch rule)
@@ -446,6 +459,7 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
     saved = {"GATED": kernels.GATED, "EARLY_LAUNCH": kernels.EARLY_LAUNCH, "PDL": kernels.PDL,
              "ROPE_ATTENTION": kernels.ROPE_ATTENTION, "rms_norm": kernels.rms_norm,
              "FOLD_NORMS": kernels.FOLD_NORMS, "MMA_SPLIT_GROUPS": mma.SPLIT_GROUPS,
+             "rope_attention": kernels.rope_attention,
              "MMA_WK": mma.WK}
     default = target(shape, quant, context)
     split_len = default[2].split_len
@@ -469,6 +483,11 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
         if switch == "nonorm":
             return ("no norm kernels (wrong output)",
                     {"rms_norm": lambda x, weight, eps, residual=None: x})
+        if switch == "noattn":
+            def no_attention(qkv, *rope):  # the output's shape, no kernel
+                b, t, heads = qkv.shape[0], qkv.shape[1], rope[4]
+                return qkv.new_empty(b, t, heads * qkv.shape[-1])
+            return "no attention (wrong output)", {"rope_attention": no_attention}
         if switch == "nopdl":
             return "nopdl", {"PDL": False}
         if switch.startswith("stream") and switch[6:].isdigit():
@@ -479,7 +498,7 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
             warps = int(switch[2:])
             return f"int4 one-shot splits of {warps} warps", {"MMA_WK": warps}
         raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, halfsplit, "
-                         f"unfolded, nonorm, nopdl, streamN, wkN (N 1-4), or several joined by '+'")
+                         f"unfolded, nonorm, noattn, nopdl, streamN, wkN (N 1-4), or several joined by '+'")
 
     for switch in switches:
         if switch == "gated" and (quant or "").startswith("int4"):
@@ -572,9 +591,12 @@ def main() -> None:
     ap.add_argument("--mma-products", choices=["default", "sweep"], default=None,
                     help="the int4 tensor-core kernel on each matrix against the others "
                          "(sweep: also under each launch shape of MMA_SWEEP)")
+    ap.add_argument("--mma-probe", default="", metavar="P,...",
+                    help="with --mma-products, also time mma.PROBE's measurement variants "
+                         "(1: weights loaded only, 2: no mma for the sums of x; wrong output)")
     ap.add_argument("--breakdown", default=None, metavar="SWITCHES",
                     help="the default decode path against each comma-separated switch "
-                         "toggled (gated, early, rope, split, halfsplit, unfolded, nonorm, nopdl, "
+                         "toggled (gated, early, rope, split, halfsplit, unfolded, nonorm, noattn, nopdl, "
                          "streamN, wkN, or several joined by '+': see breakdown), in turn, with "
                          "kernel tables")
     ap.add_argument("--repeats", type=int, default=2,
@@ -630,7 +652,8 @@ def main() -> None:
         if args.convert_probe:
             r["convert_probe"] = convert_probe(shape, args.convert_probe.split(","))
         if args.mma_products:
-            r["mma_products"] = mma_products(shape, args.mma_products == "sweep")
+            r["mma_products"] = mma_products(shape, args.mma_products == "sweep",
+                                             tuple(int(p) for p in args.mma_probe.split(",") if p))
         if args.quant_products:
             r["quant_products"] = quant_products(shape, args.quant_products)
         if args.no_compare:

@@ -59,6 +59,9 @@ DECODE_RESIDENT = int(os.environ.get("FLASHDRAFT_MMA_DECODE_RESIDENT", "4"))
 # epilogue, one kernel fewer a layer); 0: stored as is, SiLU · up its own kernel. Read when a
 # layer is quantized.
 GATED = os.environ.get("FLASHDRAFT_MMA_GATED", "1") == "1"
+# Measurement only (benchmarks/profile_step.py --mma-probe), wrong output: 1 the weights loaded
+# but not multiplied, 2 the mma for the sums of x left out (the .cu file's PROBE).
+PROBE = 0
 SOURCE = Path(__file__).with_name("csrc") / "int4_mma.cu"
 # Splits of K chosen so that a product has at least this many blocks (two per SM on an H200).
 TARGET_BLOCKS = int(os.environ.get("FLASHDRAFT_MMA_TARGET_BLOCKS", "264"))
@@ -82,12 +85,13 @@ def unavailable(device: torch.device | str, dtype: torch.dtype) -> str | None:
 
 @functools.cache
 def _kernel(name: str, device: int, row_blocks: int = 1, tn: int = TN, wk: int = WK,
-            gmax: int = GMAX, gated: bool = False, min_blocks: int = 1, stream: bool = False):
+            gmax: int = GMAX, gated: bool = False, min_blocks: int = 1, stream: bool = False,
+            probe: int = 0):
     """The compiled kernel, loaded into `device`'s context (a module belongs to one)."""
     source = SOURCE.read_text()
     options = [f"-DNB={row_blocks}", f"-DTN={tn}", f"-DWK={wk}", f"-DGMAX={gmax}",
                f"-DFOLD={FOLD}", f"-DMIN_BLOCKS={min_blocks}", f"-DGATED={int(gated)}",
-               f"-DSTREAM={int(stream)}"]
+               f"-DSTREAM={int(stream)}", f"-DPROBE={probe}"]
     try:
         with torch.cuda.device(device):
             return torch.cuda._compile_kernel(source, name, nvcc_options=options)
@@ -282,7 +286,7 @@ def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     stream = per_warp > GMAX  # else one-shot: the slots hold all of a warp's groups
     resident = (STREAM_RESIDENT if stream else DECODE_RESIDENT) if nb == 1 else 1
     fn = _kernel("int4_mma", device, nb, cfg.tn, cfg.wk, STREAM_SLOTS if stream else per_warp,
-                 gated, resident, stream)
+                 gated, resident, stream, PROBE)
     _allow_shared(fn, shared)
     _launch(fn, (cfg.blocks_n, cfg.splits, 1), (threads, 1, 1), shared,
             [qweight, scales, x2, bias if bias is not None else x2, out, parts, counters, rows, n,

@@ -75,6 +75,10 @@ struct __align__(8) u32x2 { u32 x, y; };
 #ifndef STREAM
 #define STREAM 0  // 0: at most GMAX groups a warp, all loaded up front; 1: any number, streamed
 #endif
+#ifndef PROBE
+#define PROBE 0  // measurement only, wrong output: 1 the weights loaded but not multiplied (no
+                 // conversion, x not read, no mma); 2 FOLD's mma for the sums of x left out
+#endif
 
 __device__ __forceinline__ u32x4 load_stream(const u32x4* p) {
     u32x4 v;
@@ -256,8 +260,16 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
             const u32 z_hi = __byte_perm(W.sc[i].y, 0, 0x3232);
 #endif
             const u16* xg = xs + ((gr - g0) << 7);
+#if PROBE == 1
+            // keeps the loads live, one bit of them into the sums
+            acc[0][0] += __uint_as_float((W.wa[i].x ^ W.wa[i].w ^ W.wb[i].y ^ W.wb[i].z ^
+                                          W.sc[i].x ^ W.sc[i].y) & 1u);
+#pragma unroll
+            for (int h = 0; h < 0; ++h) {
+#else
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
+#endif
                 const u32x4 q4 = h ? W.wb[i] : W.wa[i];
                 const u32 qs[4] = {q4.x, q4.y, q4.z, q4.w};
                 u32x4 xa[NB], xb[NB];
@@ -286,7 +298,9 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
                         const u32 b0 = (jj & 1) ? c.z : c.x, b1 = (jj & 1) ? c.w : c.y;
 #if FOLD
                         mma(d[b], a0, a1, a2, a3, b0, b1);
+#if PROBE != 2
                         mma(sx[b], ONES, ONES, ONES, ONES, b0, b1);
+#endif
 #else
                         mma(acc[b], a0, a1, a2, a3, b0, b1);
 #endif
