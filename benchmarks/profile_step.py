@@ -359,7 +359,7 @@ def mma_products(shape: str, sweep: bool, probes: tuple[int, ...] = ()) -> dict:
     dequantized weight, TB/s for one row; the Triton int4 kernel, tinygemm and cuBLAS bf16 for
     one and 16 rows beside it; with sweep, one row under each of MMA_SWEEP's launch shapes;
     probes: one and 16 rows at the default launch under each of mma.PROBE's measurement
-    variants (wrong output: 1 loads only, 2 no mma for the sums of x)."""
+    variants (wrong output; 1: the weights loaded only)."""
     from flashdraft import mma, quant
     set_path(DEFAULT)
     result = {}
@@ -593,7 +593,7 @@ def main() -> None:
                          "(sweep: also under each launch shape of MMA_SWEEP)")
     ap.add_argument("--mma-probe", default="", metavar="P,...",
                     help="with --mma-products, also time mma.PROBE's measurement variants "
-                         "(1: weights loaded only, 2: no mma for the sums of x; wrong output)")
+                         "(1: the weights loaded only; wrong output)")
     ap.add_argument("--breakdown", default=None, metavar="SWITCHES",
                     help="the default decode path against each comma-separated switch "
                          "toggled (gated, early, rope, split, halfsplit, unfolded, nonorm, noattn, nopdl, "

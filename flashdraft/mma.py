@@ -60,7 +60,7 @@ DECODE_RESIDENT = int(os.environ.get("FLASHDRAFT_MMA_DECODE_RESIDENT", "4"))
 # layer is quantized.
 GATED = os.environ.get("FLASHDRAFT_MMA_GATED", "1") == "1"
 # Measurement only (benchmarks/profile_step.py --mma-probe), wrong output: 1 the weights loaded
-# but not multiplied, 2 the mma for the sums of x left out (the .cu file's PROBE).
+# but not multiplied (the .cu file's PROBE).
 PROBE = 0
 SOURCE = Path(__file__).with_name("csrc") / "int4_mma.cu"
 # Splits of K chosen so that a product has at least this many blocks (two per SM on an H200).
@@ -204,9 +204,11 @@ class MmaConfig:
 
 
 def _shared_bytes(rows: int, cfg: MmaConfig) -> int:
-    """Dynamic shared memory of a launch: x's rows over a split, then the warps' sums."""
+    """Dynamic shared memory of a launch: x's rows over a split, the warps' sums, then x's sum
+    over each group of the split, row by row."""
     nb = _row_blocks(rows)
-    return rows * (cfg.groups_per_split * GROUP + 32) * 2 + cfg.tn * cfg.wk * nb * 4 * 32 * 4
+    return (rows * (cfg.groups_per_split * GROUP + 32) * 2 + cfg.tn * cfg.wk * nb * 4 * 32 * 4
+            + rows * cfg.groups_per_split * 4)
 
 
 # A block's dynamic shared memory on sm_90, 227 KB, less 1 KB for the static (sm_80: 163 KB, sm_86
