@@ -408,7 +408,8 @@ def mma_products(shape: str, sweep: bool, probes: tuple[int, ...] = ()) -> dict:
         for probe in probes:
             mma.PROBE = probe
             try:
-                row[f"probe{probe}"] = (graph_us(lambda: run(xs[:1])), graph_us(lambda: run(xs[:16])))
+                row[f"probe{probe}"] = (graph_us(lambda: run(xs[:1])),
+                                        graph_us(lambda: run(xs[:16])))
             finally:
                 mma.PROBE = 0
         result[f"{n}x{k}"] = row
@@ -450,6 +451,7 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
       noattn attention skipped (rope, cache write and attention: an empty output, no kernel);
              wrong output, speed only, the most that a faster attention could give
       nopdl  no programmatic dependent launch
+      mmanorms  int4 models' block norms inside the mma products (mma.NORMS) toggled
       streamN  int4 products with streamed splits of K of up to N groups (mma.SPLIT_GROUPS;
              "stream0": none, session 13's launch rule)
       wkN    int4 products' one-shot splits with N warps along K a tile (mma.WK)
@@ -460,7 +462,7 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
              "ROPE_ATTENTION": kernels.ROPE_ATTENTION, "rms_norm": kernels.rms_norm,
              "FOLD_NORMS": kernels.FOLD_NORMS, "MMA_SPLIT_GROUPS": mma.SPLIT_GROUPS,
              "rope_attention": kernels.rope_attention,
-             "MMA_WK": mma.WK}
+             "MMA_WK": mma.WK, "MMA_NORMS": mma.NORMS}
     default = target(shape, quant, context)
     split_len = default[2].split_len
     runs = {"default": (default, {})}
@@ -490,6 +492,9 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
             return "no attention (wrong output)", {"rope_attention": no_attention}
         if switch == "nopdl":
             return "nopdl", {"PDL": False}
+        if switch == "mmanorms":
+            return (f"int4 norms in the products {not saved['MMA_NORMS']}",
+                    {"MMA_NORMS": not saved["MMA_NORMS"]})
         if switch.startswith("stream") and switch[6:].isdigit():
             groups = int(switch[6:])
             return (f"int4 streamed splits up to {groups} groups" if groups else
@@ -498,7 +503,8 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
             warps = int(switch[2:])
             return f"int4 one-shot splits of {warps} warps", {"MMA_WK": warps}
         raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, halfsplit, "
-                         f"unfolded, nonorm, noattn, nopdl, streamN, wkN (N 1-4), or several joined by '+'")
+                         f"unfolded, nonorm, noattn, nopdl, mmanorms, streamN, wkN (N 1-4), "
+                         f"or several joined by '+'")
 
     for switch in switches:
         if switch == "gated" and (quant or "").startswith("int4"):
@@ -596,7 +602,8 @@ def main() -> None:
                          "(1: the weights loaded only; wrong output)")
     ap.add_argument("--breakdown", default=None, metavar="SWITCHES",
                     help="the default decode path against each comma-separated switch "
-                         "toggled (gated, early, rope, split, halfsplit, unfolded, nonorm, noattn, nopdl, "
+                         "toggled (gated, early, rope, split, halfsplit, unfolded, nonorm, "
+                         "noattn, nopdl, mmanorms, "
                          "streamN, wkN, or several joined by '+': see breakdown), in turn, with "
                          "kernel tables")
     ap.add_argument("--repeats", type=int, default=2,

@@ -227,3 +227,79 @@ def test_gated_kernel_is_silu_times_up_and_batch_invariant(monkeypatch):
             else:
                 torch.testing.assert_close(layer(x[:m]), plain(x[:m]))
         assert not kernels._counters(x.device, 1).any()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("launch", ["rule", "streamed", "one split"])
+def test_norms_in_the_products_match_the_norm_kernels_and_are_batch_invariant(monkeypatch,
+                                                                              launch):
+    """residual= adds the product into the stream bit for bit as a separate add would and
+    returns the new rows' sums of squares by block column; norm= applies the RMSNorm before
+    the product (gated or not, with a bias); each row gets the bits it gets alone. Launches:
+    the rule's (one-shot splits at these widths), streamed splits, a single split."""
+    monkeypatch.setattr(mma, "GATED", True)
+    torch.manual_seed(11)
+    hidden, inner, eps = 1024, 1536 if launch == "one split" else 4096, 1e-6
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+
+    def cfg(n, k):
+        groups = k // mma.GROUP
+        return {"rule": None, "streamed": mma.config(n, k, wk=1, groups_per_split=min(groups, 12)),
+                "one split": mma.config(n, k, wk=2, groups_per_split=groups)}[launch]
+
+    down = quant.QuantLinear(nn.Linear(inner, hidden, bias=False, **bf16), "int4", "mma")
+    qkv = quant.QuantLinear(nn.Linear(hidden, 1536, bias=True, **bf16), "int4", "mma")
+    gate_up = quant.QuantLinear(nn.Linear(hidden, 2 * inner, bias=False, **bf16), "int4", "mma",
+                                gate_up=True)
+    norm = model_norm(hidden, eps)
+    x = torch.randn(32, inner, **bf16)
+    stream = torch.randn(32, hidden, **bf16)
+    for m in (1, 3, 9, 17, 32):
+        # the add: bit for bit the separate add of the same product
+        new = stream[:m].clone()
+        ss = mma.linear(x[:m], down.qweight, down.scale, None, hidden, cfg(hidden, inner),
+                        residual=new)
+        product = mma.linear(x[:m], down.qweight, down.scale, None, hidden, cfg(hidden, inner))
+        assert torch.equal(new, stream[:m] + product), (launch, m)
+        assert ss.shape == (m, (cfg(hidden, inner) or mma.config(hidden, inner)).blocks_n)
+        torch.testing.assert_close(ss.sum(-1), new.float().square().sum(-1), rtol=1e-5, atol=0)
+        alone = stream[:1].clone()
+        ss1 = mma.linear(x[:1], down.qweight, down.scale, None, hidden, cfg(hidden, inner),
+                         residual=alone)
+        assert torch.equal(alone, new[:1]) and torch.equal(ss1, ss[:1]), (launch, m)
+        # the norm: against the norm kernel's output through the same products
+        normed = torch.nn.functional.rms_norm(new.float(), (hidden,), norm.weight.float(),
+                                              eps).to(torch.bfloat16)
+        for layer, gated in ((qkv, False), (gate_up, True)):
+            n = layer.out_features
+            y = mma.linear(new, layer.qweight, layer.scale, layer.bias, n, cfg(n, hidden),
+                           gated, norm=(norm.weight, ss, eps))
+            ref = mma.linear(normed, layer.qweight, layer.scale, layer.bias, n,
+                             cfg(n, hidden), gated)
+            rel = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
+            assert rel < 1e-2, (launch, m, gated, rel)
+            y1 = mma.linear(new[:1], layer.qweight, layer.scale, layer.bias, n, cfg(n, hidden),
+                            gated, norm=(norm.weight, ss[:1], eps))
+            assert torch.equal(y1, y[:1]), (launch, m, gated)
+    assert not kernels._counters(x.device, 1).any()
+
+
+def model_norm(hidden: int, eps: float) -> nn.Module:
+    """An RMSNorm of the model's with a weight that is not all ones."""
+    from flashdraft.model import RMSNorm
+    norm = RMSNorm(hidden, eps).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(hidden, device="cuda"))
+    return norm
+
+
+def test_fused_norms_serve_only_mma_steps():
+    """`quant.fuses_norm`: int4 mma layers in steps of at most MAX_ROWS bfloat16 rows; the add
+    also needs an ungated layer of whole block columns and a contiguous stream."""
+    lin = nn.Linear(256, 128, bias=False)
+    cpu = quant.QuantLinear(lin, "int4")
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    assert not quant.fuses_norm(x, cpu)  # the CPU's reference backend
+    assert not quant.fuses_norm(x, lin)
+    assert mma.adds_into(1024) and not mma.adds_into(1040)

@@ -163,6 +163,12 @@ __device__ __forceinline__ u16 silu_mul(float gate, float up) {
     return to_bf16(gate / (1.f + __expf(-gate)) * up);
 }
 
+// SCALED: x is an RMSNorm's input. It is staged as x * norm_w (the norm's weight, [k]) and each
+// row's product scaled by 1 / rms = rsqrt(sum(ss_in[row][0 .. ss_cols)) / k + eps), its sums of
+// squares added in a fixed order. ADD: y is the residual stream, y += the product (rounded to
+// bfloat16 first, as a separate add would be), and ss_out[row][block column] gets the sum of
+// squares of the block's TN * 16 new values of the row (n a multiple of TN * 16, TN even, not
+// GATED): the next SCALED product's ss_in. The two norms of a decoder block then run no kernel.
 struct Args {
     const u32x4* __restrict__ w;
     const u32x2* __restrict__ sz;
@@ -171,8 +177,24 @@ struct Args {
     u16* __restrict__ y;
     float* __restrict__ parts;
     int* __restrict__ counters;
-    int rows, n, k, ldx, ldy, gps, has_bias;
+    const u16* __restrict__ norm_w;
+    const float* __restrict__ ss_in;
+    float* __restrict__ ss_out;
+    int rows, n, k, ldx, ldy, gps, has_bias, scaled, add, ss_cols;
+    float eps;
 };
+
+__device__ __forceinline__ float scaled_by(float v, const Args& a, const float* row_scale, int row) {
+    return a.scaled ? row_scale[row] * v : v;
+}
+
+// ADD: y[at] += v (v rounded to bfloat16 first); returns the square of the stored value.
+__device__ __forceinline__ float add_into(u16* y, size_t at, float v) {
+    const u16 out = to_bf16(lo_f32(y[at]) + lo_f32(to_bf16(v)));
+    y[at] = out;
+    const float r = lo_f32(out);
+    return r * r;
+}
 
 // A warp's register slots: GMAX groups of its tile (16-byte halves and scale pairs).
 struct Weights {
@@ -207,7 +229,8 @@ __device__ __forceinline__ void load_weights(Weights& W, const Args& a, int bx, 
 // (streaming the rest of the split's weights through W), add the warps along K, then write y or
 // this split's slice (and, last to finish its column, add the slices).
 __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int by,
-                                        int splits, unsigned char* smem, int* is_last) {
+                                        int splits, unsigned char* smem, int* is_last,
+                                        float* row_scale, float* ssp) {
     const int rows = a.rows, n = a.n, gps = a.gps, has_bias = a.has_bias;
     const u16* __restrict__ bias = a.bias;
     u16* __restrict__ y = a.y;
@@ -229,11 +252,31 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
     float* xsum = (float*)(smem + rows * stride * 2 + WARPS * NB * 4 * 32 * 4);
     const int chunks = (g1 - g0) << 4;  // 16-byte chunks of a row
     const int total = rows * chunks;
+    // SCALED: the sums of squares of row `warp` asked for before staging x, added after it
+    // (STREAM only: the one-shot kernel's registers hold its weights here, and 4 more spill).
+    constexpr int PRE = STREAM ? 4 : 0;
+    float first[4] = {0.f, 0.f, 0.f, 0.f};
+    if (a.scaled && warp < rows) {
+#pragma unroll
+        for (int u = 0; u < PRE; ++u) {
+            const int j = u * 32 + lane;
+            if (j < a.ss_cols) first[u] = load_cg(a.ss_in + (size_t)warp * a.ss_cols + j);
+        }
+    }
     for (int base = 0; base < total; base += WARPS * 32) {  // the same passes for every thread
         const int i = base + threadIdx.x, r = i / chunks, c = i - r * chunks;
         float sum = 0.f;
         if (i < total) {
-            const u32x4 v = *(const u32x4*)(a.x + (size_t)r * a.ldx + (g0 << 7) + c * 8);
+            u32x4 v = *(const u32x4*)(a.x + (size_t)r * a.ldx + (g0 << 7) + c * 8);
+            if (a.scaled) {  // x * the norm's weight, rounded to bfloat16 once
+                const u32x4 nw = *(const u32x4*)(a.norm_w + (g0 << 7) + c * 8);
+                u32* vv = &v.x;
+                const u32* ww = &nw.x;
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    vv[e] = (u32)to_bf16(lo_f32(vv[e]) * lo_f32(ww[e])) |
+                            ((u32)to_bf16(hi_f32(vv[e]) * hi_f32(ww[e])) << 16);
+            }
             *(u32x4*)(xs + r * stride + c * 8) = v;
 #if FOLD
             sum = ((lo_f32(v.x) + hi_f32(v.x)) + (lo_f32(v.y) + hi_f32(v.y))) +
@@ -245,6 +288,25 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
         for (int o = 1; o < 16; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
         if (i < total && (c & 15) == 0) xsum[r * gps + (c >> 4)] = sum;
 #endif
+    }
+    if (a.scaled) {  // 1 / rms of each row: a warp a row, each lane's sums in order, then a tree
+        for (int r = warp; r < rows; r += WARPS) {
+            float sum = 0.f;
+            for (int j0 = 0; j0 < a.ss_cols; j0 += 128) {
+                float v[4];
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const int j = j0 + u * 32 + lane;
+                    v[u] = r == warp && j0 == 0 && u < PRE ? first[u]
+                         : j < a.ss_cols ? load_cg(a.ss_in + (size_t)r * a.ss_cols + j) : 0.f;
+                }
+#pragma unroll
+                for (int u = 0; u < 4; ++u) sum += v[u];
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            if (lane == 0) row_scale[r] = rsqrtf(sum / (float)a.k + a.eps);
+        }
     }
     __syncthreads();
 
@@ -369,6 +431,7 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
     // features g and g + 8 of a tile are the gate and the up of output column 8 tile + g, so
     // fragments c and c + 2 make one output.
     if (wk == 0 && live) {
+        float sq[NB][2] = {};  // ADD: squares of the new values of rows 2t, 2t + 1 (c & 1)
 #pragma unroll
         for (int b = 0; b < NB; ++b)
 #pragma unroll
@@ -379,16 +442,46 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
                     a.parts[((size_t)by * rows + row) * n + f] = acc[b][c];
 #if GATED
                 else if (c < 2)
-                    y[(size_t)row * a.ldy + tile * 8 + g] =
-                        silu_mul(with_bias(acc[b][c], bias, f, has_bias),
-                                 with_bias(acc[b][c + 2], bias, f + 8, has_bias));
+                    y[(size_t)row * a.ldy + tile * 8 + g] = silu_mul(
+                        with_bias(scaled_by(acc[b][c], a, row_scale, row), bias, f, has_bias),
+                        with_bias(scaled_by(acc[b][c + 2], a, row_scale, row), bias, f + 8,
+                                  has_bias));
 #else
-                else
-                    y[(size_t)row * a.ldy + f] = to_bf16(with_bias(acc[b][c], bias, f, has_bias));
+                else {
+                    const float v =
+                        with_bias(scaled_by(acc[b][c], a, row_scale, row), bias, f, has_bias);
+                    if (a.add)
+                        sq[b][c & 1] += add_into(y, (size_t)row * a.ldy + f, v);
+                    else
+                        y[(size_t)row * a.ldy + f] = to_bf16(v);
+                }
 #endif
             }
+        if (a.add && splits == 1) {  // the tile's 16 features of each row: lanes g, in a tree
+#pragma unroll
+            for (int b = 0; b < NB; ++b)
+#pragma unroll
+                for (int p = 0; p < 2; ++p) {
+                    float v = sq[b][p];
+#pragma unroll
+                    for (int o = 4; o < 32; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+                    const int row = b * 8 + 2 * t + p;
+                    if (g == 0 && row < rows) ssp[(warp % TN) * 32 + row] = v;
+                }
+        }
     }
-    if (splits == 1) return;
+    if (splits == 1) {
+        if (a.add) {  // the block's tiles in order
+            __syncthreads();
+            if (threadIdx.x < rows) {
+                float v = 0.f;
+#pragma unroll
+                for (int j = 0; j < TN; ++j) v += ssp[j * 32 + threadIdx.x];
+                a.ss_out[(size_t)threadIdx.x * gridDim.x + bx] = v;
+            }
+        }
+        return;
+    }
 
     // The last block of a column adds the splits' slices in order.
     __threadfence();
@@ -408,14 +501,32 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
         float gu[2];
         sum_slices<2>(p, p + 8, splits, slice, gu);
         y[(size_t)row * a.ldy + (f0 >> 1) + j] =
-            silu_mul(with_bias(gu[0], bias, f, has_bias), with_bias(gu[1], bias, f + 8, has_bias));
+            silu_mul(with_bias(scaled_by(gu[0], a, row_scale, row), bias, f, has_bias),
+                     with_bias(scaled_by(gu[1], a, row_scale, row), bias, f + 8, has_bias));
     }
 #else
+    // ADD: nf is TN * 16, so a warp's 32 lanes are 32 features of one row in every pass
     for (int i = threadIdx.x; i < rows * nf; i += WARPS * 32) {
         const int row = i / nf, f = f0 + i - row * nf;
         float sum;
         sum_slices<1>(parts + (size_t)row * n + f, nullptr, splits, slice, &sum);
-        y[(size_t)row * a.ldy + f] = to_bf16(with_bias(sum, bias, f, has_bias));
+        const float v = with_bias(scaled_by(sum, a, row_scale, row), bias, f, has_bias);
+        if (a.add) {
+            float sq = add_into(y, (size_t)row * a.ldy + f, v);
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+            if (lane == 0) ssp[row * (TN / 2) + ((f - f0) >> 5)] = sq;
+        } else {
+            y[(size_t)row * a.ldy + f] = to_bf16(v);
+        }
+    }
+    if (a.add) {  // the block's 32-feature pieces in order
+        __syncthreads();
+        if (threadIdx.x < rows) {
+            float v = 0.f;
+            for (int j = 0; j < TN / 2; ++j) v += ssp[threadIdx.x * (TN / 2) + j];
+            a.ss_out[(size_t)threadIdx.x * gridDim.x + bx] = v;
+        }
     }
 #endif
     if (threadIdx.x == 0) a.counters[bx] = 0;
@@ -434,15 +545,18 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
 // previous kernel: each warp's first GMAX groups are loaded before waiting for it.
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* __restrict__ x,
          const u16* __restrict__ bias, u16* __restrict__ y, float* __restrict__ parts,
-         int* __restrict__ counters, int rows, int n, int k, int ldx, int ldy, int gps,
-         int has_bias) {
+         int* __restrict__ counters, const u16* __restrict__ norm_w,
+         const float* __restrict__ ss_in, float* __restrict__ ss_out, int rows, int n, int k,
+         int ldx, int ldy, int gps, int has_bias, int scaled, int add, int ss_cols, float eps) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ int is_last;
-    const Args a = {w, sz, x, bias, y, parts, counters, rows, n, k, ldx, ldy, gps, has_bias};
+    __shared__ float row_scale[32], ssp[(TN > 2 ? TN : 2) * 32];
+    const Args a = {w, sz, x, bias, y, parts, counters, norm_w, ss_in, ss_out, rows, n, k, ldx,
+                    ldy, gps, has_bias, scaled, add, ss_cols, eps};
     Weights W;
     load_weights(W, a, blockIdx.x, blockIdx.y);
     wait_for_previous_kernel();
-    product(W, a, blockIdx.x, blockIdx.y, gridDim.y, smem, &is_last);
+    product(W, a, blockIdx.x, blockIdx.y, gridDim.y, smem, &is_last, row_scale, ssp);
 }
 
 // The weight of the layout above as a bfloat16 [n, k] matrix, for products of more rows
