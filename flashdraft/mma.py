@@ -211,11 +211,9 @@ class MmaConfig:
 
 
 def _shared_bytes(rows: int, cfg: MmaConfig) -> int:
-    """Dynamic shared memory of a launch: x's rows over a split, the warps' sums, then x's sum
-    over each group of the split, row by row."""
+    """Dynamic shared memory of a launch: x's rows over a split, then the warps' sums."""
     nb = _row_blocks(rows)
-    return (rows * (cfg.groups_per_split * GROUP + 32) * 2 + cfg.tn * cfg.wk * nb * 4 * 32 * 4
-            + rows * cfg.groups_per_split * 4)
+    return rows * (cfg.groups_per_split * GROUP + 32) * 2 + cfg.tn * cfg.wk * nb * 4 * 32 * 4
 
 
 # A block's dynamic shared memory on sm_90, 227 KB, less 1 KB for the static (sm_80: 163 KB, sm_86

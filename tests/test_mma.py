@@ -245,8 +245,9 @@ def test_norms_in_the_products_match_the_norm_kernels_and_are_batch_invariant(mo
 
     def cfg(n, k):
         groups = k // mma.GROUP
-        return {"rule": None, "streamed": mma.config(n, k, wk=1, groups_per_split=min(groups, 12)),
-                "one split": mma.config(n, k, wk=2, groups_per_split=groups)}[launch]
+        if launch == "streamed":
+            return mma.config(n, k, wk=1, groups_per_split=min(groups, 12))
+        return mma.config(n, k, wk=2, groups_per_split=groups) if launch == "one split" else None
 
     down = quant.QuantLinear(nn.Linear(inner, hidden, bias=False, **bf16), "int4", "mma")
     qkv = quant.QuantLinear(nn.Linear(hidden, 1536, bias=True, **bf16), "int4", "mma")

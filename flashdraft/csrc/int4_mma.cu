@@ -21,8 +21,8 @@
 //   sz [n/16][groups][8] x (scale | zero << 16, for feature g and g + 8), bfloat16 pairs.
 // The weight of code q in a group with scale s and zero z is (q - 8) s + z. With FOLD (the
 // default) a code becomes its operand with one lop3 a pair of weights (the bfloat16 pair
-// 128 + q), a group's products go to a fresh accumulator d, x's group sums are added up once
-// a block while x is staged, and the group is added in float32 as s d + (z - 136 s) sum x: about
+// 128 + q), a group's products go to a fresh accumulator d, x's group sums come from one more
+// mma with an all-ones A, and the group is added in float32 as s d + (z - 136 s) sum x: about
 // half the instructions a weight of the alternative (FOLD=0: each weight dequantized in full in
 // two fma.rn.bf16x2, every group summed into one accumulator), which rounds each weight to
 // bfloat16 where FOLD uses the exact quantized weight.
@@ -68,6 +68,7 @@ struct __align__(8) u32x2 { u32 x, y; };
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1  // resident blocks a multiprocessor the register budget must allow
 #endif
+#define ONES 0x3f803f80u  // the bfloat16 pair (1, 1)
 #ifndef GMAX
 #define GMAX 4  // register slots a warp (mma.py: GMAX one-shot, STREAM_SLOTS streamed)
 #endif
@@ -245,11 +246,6 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
     // hit distinct banks.
     const int stride = (gps << 7) + 32;  // bfloat16 elements
     u16* xs = (u16*)smem;
-    // FOLD: each group's sum of x, row by row ([rows][gps] float32 after the warps' sums): a
-    // group's 16 chunks are 16 consecutive threads (a row has 16 chunks a group, a pass
-    // WARPS * 32 threads), each adding its 8 inputs, then the 16 added in a fixed tree. The
-    // order depends on the chunk's place in its group alone, not on the rows (batch invariance).
-    float* xsum = (float*)(smem + rows * stride * 2 + WARPS * NB * 4 * 32 * 4);
     const int chunks = (g1 - g0) << 4;  // 16-byte chunks of a row
     const int total = rows * chunks;
     // SCALED: the sums of squares of row `warp` asked for before staging x, added after it
@@ -263,31 +259,19 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
             if (j < a.ss_cols) first[u] = load_cg(a.ss_in + (size_t)warp * a.ss_cols + j);
         }
     }
-    for (int base = 0; base < total; base += WARPS * 32) {  // the same passes for every thread
-        const int i = base + threadIdx.x, r = i / chunks, c = i - r * chunks;
-        float sum = 0.f;
-        if (i < total) {
-            u32x4 v = *(const u32x4*)(a.x + (size_t)r * a.ldx + (g0 << 7) + c * 8);
-            if (a.scaled) {  // x * the norm's weight, rounded to bfloat16 once
-                const u32x4 nw = *(const u32x4*)(a.norm_w + (g0 << 7) + c * 8);
-                u32* vv = &v.x;
-                const u32* ww = &nw.x;
+    for (int i = threadIdx.x; i < total; i += WARPS * 32) {
+        const int r = i / chunks, c = i - r * chunks;
+        u32x4 v = *(const u32x4*)(a.x + (size_t)r * a.ldx + (g0 << 7) + c * 8);
+        if (a.scaled) {  // x * the norm's weight, rounded to bfloat16 once
+            const u32x4 nw = *(const u32x4*)(a.norm_w + (g0 << 7) + c * 8);
+            u32* vv = &v.x;
+            const u32* ww = &nw.x;
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    vv[e] = (u32)to_bf16(lo_f32(vv[e]) * lo_f32(ww[e])) |
-                            ((u32)to_bf16(hi_f32(vv[e]) * hi_f32(ww[e])) << 16);
-            }
-            *(u32x4*)(xs + r * stride + c * 8) = v;
-#if FOLD
-            sum = ((lo_f32(v.x) + hi_f32(v.x)) + (lo_f32(v.y) + hi_f32(v.y))) +
-                  ((lo_f32(v.z) + hi_f32(v.z)) + (lo_f32(v.w) + hi_f32(v.w)));
-#endif
+            for (int e = 0; e < 4; ++e)
+                vv[e] = (u32)to_bf16(lo_f32(vv[e]) * lo_f32(ww[e])) |
+                        ((u32)to_bf16(hi_f32(vv[e]) * hi_f32(ww[e])) << 16);
         }
-#if FOLD
-#pragma unroll
-        for (int o = 1; o < 16; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-        if (i < total && (c & 15) == 0) xsum[r * gps + (c >> 4)] = sum;
-#endif
+        *(u32x4*)(xs + r * stride + c * 8) = v;
     }
     if (a.scaled) {  // 1 / rms of each row: a warp a row, each lane's sums in order, then a tree
         for (int r = warp; r < rows; r += WARPS) {
@@ -325,12 +309,15 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
             const int j = base + i, gr = g0 + wk + j * WK;  // the warp's group j, in slot i
             if (j >= mine) break;
 #if FOLD
-            // The group's sums of x (128 + q).
-            float d[NB][4];
+            // The group's sums of x (128 + q) and of x, the latter from an mma with all-ones A
+            // (its C fragment holds sum x of rows 2t and 2t + 1, as d's does, and its rounding
+            // follows d's, which the cancellation in s d + (z - 136 s) sum x needs: sums added
+            // up apart measured less exact, and slower, in session 15).
+            float d[NB][4], sx[NB][4];
 #pragma unroll
             for (int b = 0; b < NB; ++b)
 #pragma unroll
-                for (int c = 0; c < 4; ++c) d[b][c] = 0.f;
+                for (int c = 0; c < 4; ++c) d[b][c] = sx[b][c] = 0.f;
 #else
             const u32 s_lo = __byte_perm(W.sc[i].x, 0, 0x1010);
             const u32 z_lo = __byte_perm(W.sc[i].x, 0, 0x3232);
@@ -376,6 +363,7 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
                         const u32 b0 = (jj & 1) ? c.z : c.x, b1 = (jj & 1) ? c.w : c.y;
 #if FOLD
                         mma(d[b], a0, a1, a2, a3, b0, b1);
+                        mma(sx[b], ONES, ONES, ONES, ONES, b0, b1);
 #else
                         mma(acc[b], a0, a1, a2, a3, b0, b1);
 #endif
@@ -383,21 +371,16 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
                 }
             }
 #if FOLD
-            // sum_k x (q - 8) s + z = s d + (z - 136 s) sum_k x; c < 2: feature g, else g + 8;
-            // c & 1: row 2t + 1, else 2t
+            // sum_k x (q - 8) s + z = s d + (z - 136 s) sum_k x; c < 2: feature g, else g + 8
             const float s0 = lo_f32(W.sc[i].x), s1 = lo_f32(W.sc[i].y);
             const float c0 = fmaf(-136.f, s0, hi_f32(W.sc[i].x));
             const float c1 = fmaf(-136.f, s1, hi_f32(W.sc[i].y));
 #pragma unroll
-            for (int b = 0; b < NB; ++b) {
-                const int r0 = b * 8 + 2 * t;
-                const float sx[2] = {r0 < rows ? xsum[r0 * gps + gr - g0] : 0.f,
-                                     r0 + 1 < rows ? xsum[(r0 + 1) * gps + gr - g0] : 0.f};
+            for (int b = 0; b < NB; ++b)
 #pragma unroll
                 for (int c = 0; c < 4; ++c)
-                    acc[b][c] = fmaf(c < 2 ? c0 : c1, sx[c & 1],
+                    acc[b][c] = fmaf(c < 2 ? c0 : c1, sx[b][c],
                                      fmaf(c < 2 ? s0 : s1, d[b][c], acc[b][c]));
-            }
 #endif
 #if STREAM
             // the slot's next group: the warp's group j + GMAX
