@@ -60,8 +60,12 @@ FOLD = int(os.environ.get("FLASHDRAFT_MMA_FOLD", "1"))
 DECODE_RESIDENT = int(os.environ.get("FLASHDRAFT_MMA_DECODE_RESIDENT", "4"))
 # 1: a decoder block's two RMSNorms run inside the products around them (`linear`'s norm= and
 # residual=, through `quant.fuses_norm` and `model.Residual`): no norm kernels in decode,
-# verification and drafting steps; 0: a norm kernel each (with the residual add).
-NORMS = os.environ.get("FLASHDRAFT_MMA_NORMS", "1") != "0"
+# verification and drafting steps. 0 (the default): a norm kernel each (with the residual add).
+# Off until its kernels are as fast as the plain ones: on the 32B int4 shape it made decoding
+# 3-6 % faster than the norm kernels with the same products, but its kernels need 136 registers
+# (3 blocks a multiprocessor, against 4 at 127: gate/up 42 -> 48 us) and its 16-row steps wait
+# on loads in series (t16 13.5 -> 15.5 ms). RESULTS.md, session 15.
+NORMS = os.environ.get("FLASHDRAFT_MMA_NORMS", "0") == "1"
 # 1: an MLP's [gate; up] layer is stored for the gated kernel (SiLU · up in the product's
 # epilogue, one kernel fewer a layer); 0: stored as is, SiLU · up its own kernel. Read when a
 # layer is quantized.
@@ -93,12 +97,12 @@ def unavailable(device: torch.device | str, dtype: torch.dtype) -> str | None:
 @functools.cache
 def _kernel(name: str, device: int, row_blocks: int = 1, tn: int = TN, wk: int = WK,
             gmax: int = GMAX, gated: bool = False, min_blocks: int = 1, stream: bool = False,
-            probe: int = 0):
+            probe: int = 0, norms: bool = False):
     """The compiled kernel, loaded into `device`'s context (a module belongs to one)."""
     source = SOURCE.read_text()
     options = [f"-DNB={row_blocks}", f"-DTN={tn}", f"-DWK={wk}", f"-DGMAX={gmax}",
                f"-DFOLD={FOLD}", f"-DMIN_BLOCKS={min_blocks}", f"-DGATED={int(gated)}",
-               f"-DSTREAM={int(stream)}", f"-DPROBE={probe}"]
+               f"-DSTREAM={int(stream)}", f"-DPROBE={probe}", f"-DNORMS={int(norms)}"]
     try:
         with torch.cuda.device(device):
             return torch.cuda._compile_kernel(source, name, nvcc_options=options)
@@ -327,7 +331,7 @@ def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     stream = per_warp > GMAX  # else one-shot: the slots hold all of a warp's groups
     resident = (STREAM_RESIDENT if stream else DECODE_RESIDENT) if nb == 1 else 1
     fn = _kernel("int4_mma", device, nb, cfg.tn, cfg.wk, STREAM_SLOTS if stream else per_warp,
-                 gated, resident, stream, PROBE)
+                 gated, resident, stream, PROBE, norm is not None or residual is not None)
     _allow_shared(fn, shared)
     _launch(fn, (cfg.blocks_n, cfg.splits, 1), (threads, 1, 1), shared,
             [qweight, scales, x2, bias if bias is not None else x2, out, parts, counters, norm_w,

@@ -75,6 +75,9 @@ struct __align__(8) u32x2 { u32 x, y; };
 #ifndef STREAM
 #define STREAM 0  // 0: at most GMAX groups a warp, all loaded up front; 1: any number, streamed
 #endif
+#ifndef NORMS
+#define NORMS 0  // 1: the scaled (norm=) and add (residual=) epilogues compiled in (see Args)
+#endif
 #ifndef PROBE
 #define PROBE 0  // measurement only, wrong output: 1 the weights loaded but not multiplied (no
                  // conversion, x not read, no mma)
@@ -186,7 +189,7 @@ struct Args {
 };
 
 __device__ __forceinline__ float scaled_by(float v, const Args& a, const float* row_scale, int row) {
-    return a.scaled ? row_scale[row] * v : v;
+    return NORMS && a.scaled ? row_scale[row] * v : v;
 }
 
 // ADD: y[at] += v (v rounded to bfloat16 first); returns the square of the stored value.
@@ -252,7 +255,7 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
     // (STREAM only: the one-shot kernel's registers hold its weights here, and 4 more spill).
     constexpr int PRE = STREAM ? 4 : 0;
     float first[4] = {0.f, 0.f, 0.f, 0.f};
-    if (a.scaled && warp < rows) {
+    if (NORMS && a.scaled && warp < rows) {
 #pragma unroll
         for (int u = 0; u < PRE; ++u) {
             const int j = u * 32 + lane;
@@ -262,7 +265,7 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
     for (int i = threadIdx.x; i < total; i += WARPS * 32) {
         const int r = i / chunks, c = i - r * chunks;
         u32x4 v = *(const u32x4*)(a.x + (size_t)r * a.ldx + (g0 << 7) + c * 8);
-        if (a.scaled) {  // x * the norm's weight, rounded to bfloat16 once
+        if (NORMS && a.scaled) {  // x * the norm's weight, rounded to bfloat16 once
             const u32x4 nw = *(const u32x4*)(a.norm_w + (g0 << 7) + c * 8);
             u32* vv = &v.x;
             const u32* ww = &nw.x;
@@ -273,7 +276,7 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
         }
         *(u32x4*)(xs + r * stride + c * 8) = v;
     }
-    if (a.scaled) {  // 1 / rms of each row: a warp a row, each lane's sums in order, then a tree
+    if (NORMS && a.scaled) {  // 1 / rms of each row: a warp a row, each lane's sums in order, then a tree
         for (int r = warp; r < rows; r += WARPS) {
             float sum = 0.f;
             for (int j0 = 0; j0 < a.ss_cols; j0 += 128) {
@@ -433,14 +436,14 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
                 else {
                     const float v =
                         with_bias(scaled_by(acc[b][c], a, row_scale, row), bias, f, has_bias);
-                    if (a.add)
+                    if (NORMS && a.add)
                         sq[b][c & 1] += add_into(y, (size_t)row * a.ldy + f, v);
                     else
                         y[(size_t)row * a.ldy + f] = to_bf16(v);
                 }
 #endif
             }
-        if (a.add && splits == 1) {  // the tile's 16 features of each row: lanes g, in a tree
+        if (NORMS && a.add && splits == 1) {  // the tile's 16 features of a row: lanes g, a tree
 #pragma unroll
             for (int b = 0; b < NB; ++b)
 #pragma unroll
@@ -454,7 +457,7 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
         }
     }
     if (splits == 1) {
-        if (a.add) {  // the block's tiles in order
+        if (NORMS && a.add) {  // the block's tiles in order
             __syncthreads();
             if (threadIdx.x < rows) {
                 float v = 0.f;
@@ -494,7 +497,7 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
         float sum;
         sum_slices<1>(parts + (size_t)row * n + f, nullptr, splits, slice, &sum);
         const float v = with_bias(scaled_by(sum, a, row_scale, row), bias, f, has_bias);
-        if (a.add) {
+        if (NORMS && a.add) {
             float sq = add_into(y, (size_t)row * a.ldy + f, v);
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
@@ -503,7 +506,7 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
             y[(size_t)row * a.ldy + f] = to_bf16(v);
         }
     }
-    if (a.add) {  // the block's 32-feature pieces in order
+    if (NORMS && a.add) {  // the block's 32-feature pieces in order
         __syncthreads();
         if (threadIdx.x < rows) {
             float v = 0.f;
