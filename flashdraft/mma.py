@@ -61,10 +61,11 @@ DECODE_RESIDENT = int(os.environ.get("FLASHDRAFT_MMA_DECODE_RESIDENT", "4"))
 # 1: a decoder block's two RMSNorms run inside the products around them (`linear`'s norm= and
 # residual=, through `quant.fuses_norm` and `model.Residual`): no norm kernels in decode,
 # verification and drafting steps. 0 (the default): a norm kernel each (with the residual add).
-# Off until its kernels are as fast as the plain ones: on the 32B int4 shape it made decoding
-# 3-6 % faster than the norm kernels with the same products, but its kernels need 136 registers
-# (3 blocks a multiprocessor, against 4 at 127: gate/up 42 -> 48 us) and its 16-row steps wait
-# on loads in series (t16 13.5 -> 15.5 ms). RESULTS.md, session 15.
+# Off until measured as fast as the plain kernels: on the 32B int4 shape (47815d3) it made
+# decoding 3-6 % faster than the norm kernels with the same products, but those kernels then
+# needed 136 registers (3 blocks a multiprocessor, against 4 at 127: gate/up 42 -> 48 us; since
+# bounded to 128, not yet timed) and its 16-row steps wait on loads in series (t16 13.5 -> 15.5
+# ms). RESULTS.md and NOTES-gpu.md, session 15.
 NORMS = os.environ.get("FLASHDRAFT_MMA_NORMS", "0") == "1"
 # 1: an MLP's [gate; up] layer is stored for the gated kernel (SiLU · up in the product's
 # epilogue, one kernel fewer a layer); 0: stored as is, SiLU · up its own kernel. Read when a
@@ -330,8 +331,13 @@ def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     per_warp = -(-cfg.groups_per_split // cfg.wk)
     stream = per_warp > GMAX  # else one-shot: the slots hold all of a warp's groups
     resident = (STREAM_RESIDENT if stream else DECODE_RESIDENT) if nb == 1 else 1
+    norms = norm is not None or residual is not None
+    if norms and stream and nb == 1:
+        # the plain streamed kernel's 127 registers allow 4 blocks a multiprocessor; the norms'
+        # code takes it to 128-136 unless bounded (no spills at 4: NVRTC, sm_90)
+        resident = max(resident, 4)
     fn = _kernel("int4_mma", device, nb, cfg.tn, cfg.wk, STREAM_SLOTS if stream else per_warp,
-                 gated, resident, stream, PROBE, norm is not None or residual is not None)
+                 gated, resident, stream, PROBE, norms)
     _allow_shared(fn, shared)
     _launch(fn, (cfg.blocks_n, cfg.splits, 1), (threads, 1, 1), shared,
             [qweight, scales, x2, bias if bias is not None else x2, out, parts, counters, norm_w,

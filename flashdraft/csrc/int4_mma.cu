@@ -251,17 +251,6 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
     u16* xs = (u16*)smem;
     const int chunks = (g1 - g0) << 4;  // 16-byte chunks of a row
     const int total = rows * chunks;
-    // SCALED: the sums of squares of row `warp` asked for before staging x, added after it
-    // (STREAM only: the one-shot kernel's registers hold its weights here, and 4 more spill).
-    constexpr int PRE = STREAM ? 4 : 0;
-    float first[4] = {0.f, 0.f, 0.f, 0.f};
-    if (NORMS && a.scaled && warp < rows) {
-#pragma unroll
-        for (int u = 0; u < PRE; ++u) {
-            const int j = u * 32 + lane;
-            if (j < a.ss_cols) first[u] = load_cg(a.ss_in + (size_t)warp * a.ss_cols + j);
-        }
-    }
     for (int i = threadIdx.x; i < total; i += WARPS * 32) {
         const int r = i / chunks, c = i - r * chunks;
         u32x4 v = *(const u32x4*)(a.x + (size_t)r * a.ldx + (g0 << 7) + c * 8);
@@ -279,13 +268,14 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
     if (NORMS && a.scaled) {  // 1 / rms of each row: a warp a row, each lane's sums in order, then a tree
         for (int r = warp; r < rows; r += WARPS) {
             float sum = 0.f;
+            // (Loading the first row's sums before staging x took the streamed kernel from 127
+            // to 136 registers, 3 blocks a multiprocessor instead of 4; NVRTC, session 15.)
             for (int j0 = 0; j0 < a.ss_cols; j0 += 128) {
                 float v[4];
 #pragma unroll
                 for (int u = 0; u < 4; ++u) {
                     const int j = j0 + u * 32 + lane;
-                    v[u] = r == warp && j0 == 0 && u < PRE ? first[u]
-                         : j < a.ss_cols ? load_cg(a.ss_in + (size_t)r * a.ss_cols + j) : 0.f;
+                    v[u] = j < a.ss_cols ? load_cg(a.ss_in + (size_t)r * a.ss_cols + j) : 0.f;
                 }
 #pragma unroll
                 for (int u = 0; u < 4; ++u) sum += v[u];
