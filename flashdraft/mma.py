@@ -13,7 +13,7 @@ wrapper: no compiler, headers or build step beyond torch's CUDA build) and launc
   choose compile-time variants; FLASHDRAFT_MMA_SPLIT_GROUPS bounds the launch rule's splits.
 - `linear(..., norm=(weight, ss, eps))`: the RMSNorm before the product applied in it;
   `linear(..., residual=r)`: r += the product, returning r's sums of squares for the next one's
-  norm (FLASHDRAFT_MMA_NORMS=0: the model runs norm kernels instead).
+  norm (the model takes them with FLASHDRAFT_MMA_NORMS=1, off by default).
 - `dequantize(qweight, scales, n, k)`: W [n, k] bfloat16 (for prefill through cuBLAS).
 - `linear(..., gated=True)`: SiLU(gate) · up of the MLP's [gate; up] product in the same kernel,
   its rows stored in `gate_up_order` (each tile's output features pair a gate with its up).
@@ -62,7 +62,7 @@ DECODE_RESIDENT = int(os.environ.get("FLASHDRAFT_MMA_DECODE_RESIDENT", "4"))
 # residual=, through `quant.fuses_norm` and `model.Residual`): no norm kernels in decode,
 # verification and drafting steps. 0 (the default): a norm kernel each (with the residual add).
 # Off until measured as fast as the plain kernels: on the 32B int4 shape (47815d3) it made
-# decoding 3-6 % faster than the norm kernels with the same products, but those kernels then
+# decoding 2-6 % faster than the norm kernels with the same products, but those kernels then
 # needed 136 registers (3 blocks a multiprocessor, against 4 at 127: gate/up 42 -> 48 us; since
 # bounded to 128, not yet timed) and its 16-row steps wait on loads in series (t16 13.5 -> 15.5
 # ms). RESULTS.md and NOTES-gpu.md, session 15.
