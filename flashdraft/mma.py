@@ -63,9 +63,10 @@ DECODE_RESIDENT = int(os.environ.get("FLASHDRAFT_MMA_DECODE_RESIDENT", "4"))
 # verification and drafting steps. 0 (the default): a norm kernel each (with the residual add).
 # Off until measured as fast as the plain kernels: on the 32B int4 shape (47815d3) it made
 # decoding 2-6 % faster than the norm kernels with the same products, but those kernels then
-# needed 136 registers (3 blocks a multiprocessor, against 4 at 127: gate/up 42 -> 48 us; since
-# bounded to 128, not yet timed) and its 16-row steps wait on loads in series (t16 13.5 -> 15.5
-# ms). RESULTS.md and NOTES-gpu.md, session 15.
+# needed 136 registers (3 blocks a multiprocessor, against 4 at 127: gate/up 42 -> 48 us) and
+# its 16-row steps waited on loads in series (t16 13.5 -> 15.5 ms). Both mended since (128
+# registers; loads before stores and reductions), neither timed nor run on the GPU yet.
+# RESULTS.md and NOTES-gpu.md, session 15.
 NORMS = os.environ.get("FLASHDRAFT_MMA_NORMS", "0") == "1"
 # 1: an MLP's [gate; up] layer is stored for the gated kernel (SiLU · up in the product's
 # epilogue, one kernel fewer a layer); 0: stored as is, SiLU · up its own kernel. Read when a

@@ -265,24 +265,33 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
         }
         *(u32x4*)(xs + r * stride + c * 8) = v;
     }
-    if (NORMS && a.scaled) {  // 1 / rms of each row: a warp a row, each lane's sums in order, then a tree
-        for (int r = warp; r < rows; r += WARPS) {
-            float sum = 0.f;
-            // (Loading the first row's sums before staging x took the streamed kernel from 127
-            // to 136 registers, 3 blocks a multiprocessor instead of 4; NVRTC, session 15.)
-            for (int j0 = 0; j0 < a.ss_cols; j0 += 128) {
-                float v[4];
+    // 1 / rms of each row: a warp takes rows warp, warp + WARPS, ... four at a time, every load
+    // of a pass issued before any is added (one wait a pass, not one a row); each lane's sums in
+    // order, then a tree. (Loading the first row's sums before staging x took the streamed
+    // kernel from 127 to 136 registers, 3 blocks a multiprocessor instead of 4; session 15.)
+    if (NORMS && a.scaled) {
+        for (int r0 = warp; r0 < rows; r0 += 4 * WARPS) {
+            float sum[4] = {0.f, 0.f, 0.f, 0.f};
+            for (int j0 = 0; j0 < a.ss_cols; j0 += 64) {
+                float v[4][2];
 #pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    const int j = j0 + u * 32 + lane;
-                    v[u] = j < a.ss_cols ? load_cg(a.ss_in + (size_t)r * a.ss_cols + j) : 0.f;
-                }
+                for (int q = 0; q < 4; ++q)
 #pragma unroll
-                for (int u = 0; u < 4; ++u) sum += v[u];
+                    for (int u = 0; u < 2; ++u) {
+                        const int r = r0 + q * WARPS, j = j0 + u * 32 + lane;
+                        v[q][u] = r < rows && j < a.ss_cols
+                                      ? load_cg(a.ss_in + (size_t)r * a.ss_cols + j) : 0.f;
+                    }
+#pragma unroll
+                for (int q = 0; q < 4; ++q) sum[q] += v[q][0] + v[q][1];
             }
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-            if (lane == 0) row_scale[r] = rsqrtf(sum / (float)a.k + a.eps);
+            for (int q = 0; q < 4; ++q) {
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) sum[q] += __shfl_xor_sync(0xffffffffu, sum[q], o);
+                const int r = r0 + q * WARPS;
+                if (lane == 0 && r < rows) row_scale[r] = rsqrtf(sum[q] / (float)a.k + a.eps);
+            }
         }
     }
     __syncthreads();
@@ -408,6 +417,16 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
     // fragments c and c + 2 make one output.
     if (wk == 0 && live) {
         float sq[NB][2] = {};  // ADD: squares of the new values of rows 2t, 2t + 1 (c & 1)
+        u16 old[NB][4] = {};  // ADD, one split: the residual's values, all read before any store
+        if (NORMS && a.add && splits == 1) {
+#pragma unroll
+            for (int b = 0; b < NB; ++b)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int row = b * 8 + 2 * t + (c & 1), f = tile * 16 + g + 8 * (c >> 1);
+                    if (row < rows) old[b][c] = y[(size_t)row * a.ldy + f];
+                }
+        }
 #pragma unroll
         for (int b = 0; b < NB; ++b)
 #pragma unroll
@@ -426,8 +445,11 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
                 else {
                     const float v =
                         with_bias(scaled_by(acc[b][c], a, row_scale, row), bias, f, has_bias);
-                    if (NORMS && a.add)
-                        sq[b][c & 1] += add_into(y, (size_t)row * a.ldy + f, v);
+                    if (NORMS && a.add) {
+                        const u16 out = to_bf16(lo_f32(old[b][c]) + lo_f32(to_bf16(v)));
+                        y[(size_t)row * a.ldy + f] = out;
+                        sq[b][c & 1] += lo_f32(out) * lo_f32(out);
+                    }
                     else
                         y[(size_t)row * a.ldy + f] = to_bf16(v);
                 }
@@ -481,26 +503,26 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
                      with_bias(scaled_by(gu[1], a, row_scale, row), bias, f + 8, has_bias));
     }
 #else
-    // ADD: nf is TN * 16, so a warp's 32 lanes are 32 features of one row in every pass
+    // ADD: each new value's square into shared memory ([rows][nf] float32 from the start of the
+    // dynamic area, x's staging and the warps' sums, which every warp has finished with; it
+    // fits, since the warps' sums alone take TN * NB * 512 bytes), added up row by row after
+    // the loop: no pass waits for another's loads.
+    float* sqs = (float*)smem;
     for (int i = threadIdx.x; i < rows * nf; i += WARPS * 32) {
         const int row = i / nf, f = f0 + i - row * nf;
         float sum;
         sum_slices<1>(parts + (size_t)row * n + f, nullptr, splits, slice, &sum);
         const float v = with_bias(scaled_by(sum, a, row_scale, row), bias, f, has_bias);
-        if (NORMS && a.add) {
-            float sq = add_into(y, (size_t)row * a.ldy + f, v);
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
-            if (lane == 0) ssp[row * (TN / 2) + ((f - f0) >> 5)] = sq;
-        } else {
+        if (NORMS && a.add)
+            sqs[i] = add_into(y, (size_t)row * a.ldy + f, v);
+        else
             y[(size_t)row * a.ldy + f] = to_bf16(v);
-        }
     }
-    if (NORMS && a.add) {  // the block's 32-feature pieces in order
+    if (NORMS && a.add) {  // each row's nf squares in order
         __syncthreads();
         if (threadIdx.x < rows) {
             float v = 0.f;
-            for (int j = 0; j < TN / 2; ++j) v += ssp[threadIdx.x * (TN / 2) + j];
+            for (int j = 0; j < nf; ++j) v += sqs[threadIdx.x * nf + j];
             a.ss_out[(size_t)threadIdx.x * gridDim.x + bx] = v;
         }
     }
