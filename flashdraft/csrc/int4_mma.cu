@@ -506,7 +506,8 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
     // ADD: each new value's square into shared memory ([rows][nf] float32 from the start of the
     // dynamic area, x's staging and the warps' sums, which every warp has finished with; it
     // fits, since the warps' sums alone take TN * NB * 512 bytes), added up row by row after
-    // the loop: no pass waits for another's loads.
+    // the loop, not by a warp shuffle in each pass. (Each pass still waits for its own loads
+    // before the next pass's are issued: rows * nf / 128 waits, here and without ADD.)
     float* sqs = (float*)smem;
     for (int i = threadIdx.x; i < rows * nf; i += WARPS * 32) {
         const int row = i / nf, f = f0 + i - row * nf;
