@@ -457,6 +457,8 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
       streamN  int4 products with streamed splits of K of up to N groups (mma.SPLIT_GROUPS;
              "stream0": none, session 13's launch rule)
       wkN    int4 products' one-shot splits with N warps along K a tile (mma.WK)
+      sumN   int4 split products' last block loading N passes' slices before adding any
+             (mma.SUM_PASSES, 1-8)
     Switches joined by "+" (e.g. "early+nopdl") are toggled together in one run."""
     from flashdraft import mma
     set_path(DEFAULT)
@@ -464,7 +466,7 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
              "ROPE_ATTENTION": kernels.ROPE_ATTENTION, "rms_norm": kernels.rms_norm,
              "FOLD_NORMS": kernels.FOLD_NORMS, "MMA_SPLIT_GROUPS": mma.SPLIT_GROUPS,
              "rope_attention": kernels.rope_attention, "PREFETCH_KV": kernels.PREFETCH_KV,
-             "MMA_WK": mma.WK, "MMA_NORMS": mma.NORMS}
+             "MMA_WK": mma.WK, "MMA_NORMS": mma.NORMS, "MMA_SUM_PASSES": mma.SUM_PASSES}
     default = target(shape, quant, context)
     split_len = default[2].split_len
     runs = {"default": (default, {})}
@@ -504,12 +506,15 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
             groups = int(switch[6:])
             return (f"int4 streamed splits up to {groups} groups" if groups else
                     "no streamed int4 splits"), {"MMA_SPLIT_GROUPS": groups}
+        if switch.startswith("sum") and switch[3:].isdigit() and 1 <= int(switch[3:]) <= 8:
+            passes = int(switch[3:])
+            return f"int4 split sums {passes} passes at a time", {"MMA_SUM_PASSES": passes}
         if switch.startswith("wk") and switch[2:].isdigit() and 1 <= int(switch[2:]) <= 4:
             warps = int(switch[2:])
             return f"int4 one-shot splits of {warps} warps", {"MMA_WK": warps}
         raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, halfsplit, "
-                         f"unfolded, nonorm, noattn, nopdl, mmanorms, attnpre, streamN, wkN (N 1-4), "
-                         f"or several joined by '+'")
+                         f"unfolded, nonorm, noattn, nopdl, mmanorms, attnpre, streamN, "
+                         f"wkN (N 1-4), sumN (N 1-8), or several joined by '+'")
 
     for switch in switches:
         if switch == "gated" and (quant or "").startswith("int4"):

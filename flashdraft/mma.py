@@ -72,6 +72,12 @@ NORMS = os.environ.get("FLASHDRAFT_MMA_NORMS", "0") == "1"
 # epilogue, one kernel fewer a layer); 0: stored as is, SiLU · up its own kernel. Read when a
 # layer is quantized.
 GATED = os.environ.get("FLASHDRAFT_MMA_GATED", "1") == "1"
+# Passes of a split product's last block whose slices are loaded before any is added and stored
+# (the .cu file's SUM_PASSES; the order of every sum is the same for any value). 1, the measured
+# default; more may shorten steps of many rows (rows * 64 / 128 passes), not yet timed.
+SUM_PASSES = int(os.environ.get("FLASHDRAFT_MMA_SUM_PASSES", "1"))
+if not 1 <= SUM_PASSES <= 8:
+    raise ValueError(f"FLASHDRAFT_MMA_SUM_PASSES={SUM_PASSES}: 1 to 8, or unset it for 1")
 # Measurement only (benchmarks/profile_step.py --mma-probe), wrong output: 1 the weights loaded
 # but not multiplied (the .cu file's PROBE).
 PROBE = 0
@@ -99,12 +105,13 @@ def unavailable(device: torch.device | str, dtype: torch.dtype) -> str | None:
 @functools.cache
 def _kernel(name: str, device: int, row_blocks: int = 1, tn: int = TN, wk: int = WK,
             gmax: int = GMAX, gated: bool = False, min_blocks: int = 1, stream: bool = False,
-            probe: int = 0, norms: bool = False):
+            probe: int = 0, norms: bool = False, sum_passes: int = 1):
     """The compiled kernel, loaded into `device`'s context (a module belongs to one)."""
     source = SOURCE.read_text()
     options = [f"-DNB={row_blocks}", f"-DTN={tn}", f"-DWK={wk}", f"-DGMAX={gmax}",
                f"-DFOLD={FOLD}", f"-DMIN_BLOCKS={min_blocks}", f"-DGATED={int(gated)}",
-               f"-DSTREAM={int(stream)}", f"-DPROBE={probe}", f"-DNORMS={int(norms)}"]
+               f"-DSTREAM={int(stream)}", f"-DPROBE={probe}", f"-DNORMS={int(norms)}",
+               f"-DSUM_PASSES={sum_passes}"]
     try:
         with torch.cuda.device(device):
             return torch.cuda._compile_kernel(source, name, nvcc_options=options)
@@ -338,7 +345,7 @@ def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         # code takes it to 128-136 unless bounded (no spills at 4: NVRTC, sm_90)
         resident = max(resident, 4)
     fn = _kernel("int4_mma", device, nb, cfg.tn, cfg.wk, STREAM_SLOTS if stream else per_warp,
-                 gated, resident, stream, PROBE, norms)
+                 gated, resident, stream, PROBE, norms, SUM_PASSES)
     _allow_shared(fn, shared)
     _launch(fn, (cfg.blocks_n, cfg.splits, 1), (threads, 1, 1), shared,
             [qweight, scales, x2, bias if bias is not None else x2, out, parts, counters, norm_w,

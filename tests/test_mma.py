@@ -304,3 +304,27 @@ def test_fused_norms_serve_only_mma_steps():
     assert not quant.fuses_norm(x, cpu)  # the CPU's reference backend
     assert not quant.fuses_norm(x, lin)
     assert mma.adds_into(1024) and not mma.adds_into(1040)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("gated", [False, True])
+def test_batched_split_sums_change_no_bit(monkeypatch, gated):
+    """mma.SUM_PASSES loads several passes' slices before the last block adds any: the same
+    sums in the same order, so the same bits (split products at many rows)."""
+    monkeypatch.setattr(mma, "GATED", True)
+    torch.manual_seed(5)
+    k, n = 4096, 2048
+    lin = nn.Linear(k, n, bias=not gated, device="cuda", dtype=torch.bfloat16)
+    layer = quant.QuantLinear(lin, "int4", "mma", gate_up=gated)
+    x = torch.randn(32, k, device="cuda", dtype=torch.bfloat16)
+    # the rule's one-shot splits (16) and streamed ones (3)
+    for cfg in (mma.config(n, k), mma.config(n, k, wk=1, groups_per_split=12)):
+        assert cfg.splits > 1, cfg
+        for m in (1, 9, 16, 17, 32):
+            out = {}
+            for passes in (1, 4):
+                monkeypatch.setattr(mma, "SUM_PASSES", passes)
+                out[passes] = mma.linear(x[:m], layer.qweight, layer.scale, layer.bias, n, cfg,
+                                         gated)
+            assert torch.equal(out[1], out[4]), (gated, cfg, m)

@@ -78,6 +78,10 @@ struct __align__(8) u32x2 { u32 x, y; };
 #ifndef NORMS
 #define NORMS 0  // 1: the scaled (norm=) and add (residual=) epilogues compiled in (see Args)
 #endif
+#ifndef SUM_PASSES
+#define SUM_PASSES 1  // passes of the last block's loop whose slices are all loaded before any of
+                      // them is added and stored (the sums' order is the same whatever it is)
+#endif
 #ifndef PROBE
 #define PROBE 0  // measurement only, wrong output: 1 the weights loaded but not multiplied (no
                  // conversion, x not read, no mma)
@@ -188,7 +192,8 @@ struct Args {
     float eps;
 };
 
-__device__ __forceinline__ float scaled_by(float v, const Args& a, const float* row_scale, int row) {
+__device__ __forceinline__ float scaled_by(float v, const Args& a, const float* row_scale,
+                                           int row) {
     return NORMS && a.scaled ? row_scale[row] * v : v;
 }
 
@@ -493,31 +498,50 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
     const size_t slice = (size_t)rows * n;
 #if GATED
     const int outs = nf >> 1;  // output columns of this block column
-    for (int i = threadIdx.x; i < rows * outs; i += WARPS * 32) {
-        const int row = i / outs, j = i - row * outs, f = f0 + ((j >> 3) << 4) + (j & 7);
-        const float* p = parts + (size_t)row * n + f;
-        float gu[2];
-        sum_slices<2>(p, p + 8, splits, slice, gu);
-        y[(size_t)row * a.ldy + (f0 >> 1) + j] =
-            silu_mul(with_bias(scaled_by(gu[0], a, row_scale, row), bias, f, has_bias),
-                     with_bias(scaled_by(gu[1], a, row_scale, row), bias, f + 8, has_bias));
+    for (int i0 = threadIdx.x; i0 < rows * outs; i0 += SUM_PASSES * WARPS * 32) {
+        float gu[SUM_PASSES][2];
+#pragma unroll
+        for (int u = 0; u < SUM_PASSES; ++u) {
+            const int i = i0 + u * WARPS * 32, row = i / outs, j = i - row * outs;
+            const int f = f0 + ((j >> 3) << 4) + (j & 7);
+            const float* p = parts + (size_t)row * n + f;
+            if (i < rows * outs) sum_slices<2>(p, p + 8, splits, slice, gu[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < SUM_PASSES; ++u) {
+            const int i = i0 + u * WARPS * 32, row = i / outs, j = i - row * outs;
+            const int f = f0 + ((j >> 3) << 4) + (j & 7);
+            if (i < rows * outs)
+                y[(size_t)row * a.ldy + (f0 >> 1) + j] = silu_mul(
+                    with_bias(scaled_by(gu[u][0], a, row_scale, row), bias, f, has_bias),
+                    with_bias(scaled_by(gu[u][1], a, row_scale, row), bias, f + 8, has_bias));
+        }
     }
 #else
     // ADD: each new value's square into shared memory ([rows][nf] float32 from the start of the
     // dynamic area, x's staging and the warps' sums, which every warp has finished with; it
     // fits, since the warps' sums alone take TN * NB * 512 bytes), added up row by row after
-    // the loop, not by a warp shuffle in each pass. (Each pass still waits for its own loads
-    // before the next pass's are issued: rows * nf / 128 waits, here and without ADD.)
+    // the loop, not by a warp shuffle in each pass. A pass's stores follow from its loads, so
+    // the next pass's loads wait for them: SUM_PASSES > 1 loads that many passes' slices first.
     float* sqs = (float*)smem;
-    for (int i = threadIdx.x; i < rows * nf; i += WARPS * 32) {
-        const int row = i / nf, f = f0 + i - row * nf;
-        float sum;
-        sum_slices<1>(parts + (size_t)row * n + f, nullptr, splits, slice, &sum);
-        const float v = with_bias(scaled_by(sum, a, row_scale, row), bias, f, has_bias);
-        if (NORMS && a.add)
-            sqs[i] = add_into(y, (size_t)row * a.ldy + f, v);
-        else
-            y[(size_t)row * a.ldy + f] = to_bf16(v);
+    for (int i0 = threadIdx.x; i0 < rows * nf; i0 += SUM_PASSES * WARPS * 32) {
+        float sum[SUM_PASSES];
+#pragma unroll
+        for (int u = 0; u < SUM_PASSES; ++u) {
+            const int i = i0 + u * WARPS * 32, row = i / nf, f = f0 + i - row * nf;
+            if (i < rows * nf)
+                sum_slices<1>(parts + (size_t)row * n + f, nullptr, splits, slice, &sum[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < SUM_PASSES; ++u) {
+            const int i = i0 + u * WARPS * 32, row = i / nf, f = f0 + i - row * nf;
+            if (i >= rows * nf) continue;
+            const float v = with_bias(scaled_by(sum[u], a, row_scale, row), bias, f, has_bias);
+            if (NORMS && a.add)
+                sqs[i] = add_into(y, (size_t)row * a.ldy + f, v);
+            else
+                y[(size_t)row * a.ldy + f] = to_bf16(v);
+        }
     }
     if (NORMS && a.add) {  // each row's nf squares in order
         __syncthreads();
