@@ -452,8 +452,6 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
              wrong output, speed only, the most that a faster attention could give
       nopdl  no programmatic dependent launch
       mmanorms  int4 models' block norms inside the mma products (mma.NORMS) toggled
-      attnpre  the attention programs' first block of cached keys and values loaded before
-             their PDL wait (kernels.PREFETCH_KV) toggled
       streamN  int4 products with streamed splits of K of up to N groups (mma.SPLIT_GROUPS;
              "stream0": none, session 13's launch rule)
       wkN    int4 products' one-shot splits with N warps along K a tile (mma.WK)
@@ -465,7 +463,7 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
     saved = {"GATED": kernels.GATED, "EARLY_LAUNCH": kernels.EARLY_LAUNCH, "PDL": kernels.PDL,
              "ROPE_ATTENTION": kernels.ROPE_ATTENTION, "rms_norm": kernels.rms_norm,
              "FOLD_NORMS": kernels.FOLD_NORMS, "MMA_SPLIT_GROUPS": mma.SPLIT_GROUPS,
-             "rope_attention": kernels.rope_attention, "PREFETCH_KV": kernels.PREFETCH_KV,
+             "rope_attention": kernels.rope_attention,
              "MMA_WK": mma.WK, "MMA_NORMS": mma.NORMS, "MMA_SUM_PASSES": mma.SUM_PASSES}
     default = target(shape, quant, context)
     split_len = default[2].split_len
@@ -496,9 +494,6 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
             return "no attention (wrong output)", {"rope_attention": no_attention}
         if switch == "nopdl":
             return "nopdl", {"PDL": False}
-        if switch == "attnpre":
-            return (f"attention prefetch {not saved['PREFETCH_KV']}",
-                    {"PREFETCH_KV": not saved["PREFETCH_KV"]})
         if switch == "mmanorms":
             return (f"int4 norms in the products {not saved['MMA_NORMS']}",
                     {"MMA_NORMS": not saved["MMA_NORMS"]})
@@ -513,7 +508,7 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
             warps = int(switch[2:])
             return f"int4 one-shot splits of {warps} warps", {"MMA_WK": warps}
         raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, halfsplit, "
-                         f"unfolded, nonorm, noattn, nopdl, mmanorms, attnpre, streamN, "
+                         f"unfolded, nonorm, noattn, nopdl, mmanorms, streamN, "
                          f"wkN (N 1-4), sumN (N 1-8), or several joined by '+'")
 
     for switch in switches:
@@ -613,7 +608,7 @@ def main() -> None:
     ap.add_argument("--breakdown", default=None, metavar="SWITCHES",
                     help="the default decode path against each comma-separated switch "
                          "toggled (gated, early, rope, split, halfsplit, unfolded, nonorm, "
-                         "noattn, nopdl, mmanorms, attnpre, "
+                         "noattn, nopdl, mmanorms, sumN, "
                          "streamN, wkN, or several joined by '+': see breakdown), in turn, with "
                          "kernel tables")
     ap.add_argument("--repeats", type=int, default=2,

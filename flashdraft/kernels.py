@@ -290,21 +290,6 @@ if triton is not None:
         return tl.where(d[None, :] < HALF, x * c - xp * s, x * c + xp * s).to(dt)
 
     @triton.jit
-    def _attend_block(q, k, v, cols, col_ok, qpos, m_i, l_i, acc, qk_scale,
-                      PRECISION: tl.constexpr):
-        # One block of keys and values into the running softmax (m, l, acc) of the rows of q.
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2
-        visible = (cols[None, :] <= qpos[:, None]) & col_ok[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        return m_new, l_i, acc
-
-    @triton.jit
     def _attention_kernel(q_ptr, cache_ptr, pos_ptr, out_ptr, part_o_ptr, part_ml_ptr, count_ptr,
                           cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps,
                           t, n_heads, n_kv, n_splits, qk_scale,
@@ -314,7 +299,7 @@ if triton is not None:
                           GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr,
                           PRECISION: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
-                          T_MAX: tl.constexpr, PREFETCH_KV: tl.constexpr, USE_PDL: tl.constexpr,
+                          T_MAX: tl.constexpr, USE_PDL: tl.constexpr,
                           EARLY_LAUNCH: tl.constexpr = False):
         # Program (b * n_kv + kv head, split, row block). Rows are (token, query head of this
         # kv head) pairs: row = token * GROUP + g. With ROPE, q_ptr is the qkv output (q, k
@@ -322,12 +307,7 @@ if triton is not None:
         # `_rope_cache_kernel`'s work first: q heads rotated in registers, and the step's own
         # keys and values (positions p0 .. p0 + t - 1, consecutive) written into the cache by
         # the programs whose split holds them, before they read it.
-        # PREFETCH_KV: the first block of keys and values before the step's own positions is
-        # loaded before the wait for the previous kernel. The positions and those cache entries
-        # were written by kernels that had finished before the previous one could start (the
-        # step's inputs, earlier steps), never by the kernel waited for.
-        if not PREFETCH_KV:
-            _pdl_wait(USE_PDL, EARLY_LAUNCH)
+        _pdl_wait(USE_PDL, EARLY_LAUNCH)
         bh = tl.program_id(0)
         split = tl.program_id(1)
         rblock = tl.program_id(2)
@@ -348,19 +328,11 @@ if triton is not None:
         end = tl.minimum(start + SPLIT, last + 1)
         k_base = cache_ptr + b * stride_cb + kvh * stride_ch
         v_base = k_base + stride_c2
-        p0 = tl.load(pos_ptr + b * stride_pb)  # the step's first position
-        cols0 = start + tl.arange(0, BLOCK_N)
-        if PREFETCH_KV:
-            before = (cols0 < end) & (cols0 < p0)  # cached by earlier steps
-            k0 = tl.load(k_base + cols0[:, None] * stride_cn + d[None, :], mask=before[:, None],
-                         other=0.0, cache_modifier=".cg")
-            v0 = tl.load(v_base + cols0[:, None] * stride_cn + d[None, :], mask=before[:, None],
-                         other=0.0, cache_modifier=".cg")
-            _pdl_wait(USE_PDL, EARLY_LAUNCH)
         if ROPE:
             cs = b * stride_csb + tok * stride_cst
             q = _normed_rotated(q_rows, row_ok, cos_ptr + cs[:, None], sin_ptr + cs[:, None],
                                 qn_ptr, eps, D, QK_NORM)
+            p0 = tl.load(pos_ptr + b * stride_pb)
             if (p0 < start + SPLIT) & (last >= start):  # this step's keys in this split
                 j = tl.arange(0, T_MAX)  # token j of the step, at position p0 + j
                 at = p0 + j
@@ -382,29 +354,25 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         if start < end:
-            first = 0
-            if PREFETCH_KV:  # the first block: this step's own positions loaded now
-                col_ok = cols0 < end
-                mine = col_ok & (cols0 >= p0)
-                at = cols0[:, None] * stride_cn + d[None, :]
-                k = tl.where(mine[:, None], tl.load(k_base + at, mask=mine[:, None], other=0.0,
-                                                    cache_modifier=".cg"), k0)
-                v = tl.where(mine[:, None], tl.load(v_base + at, mask=mine[:, None], other=0.0,
-                                                    cache_modifier=".cg"), v0)
-                m_i, l_i, acc = _attend_block(q, k, v, cols0, col_ok, qpos, m_i, l_i, acc,
-                                              qk_scale, PRECISION)
-                first = 1
             # A static trip count with no branch inside, so that loads are pipelined; blocks
             # past `end` load nothing (masked) and leave m, l and acc exactly as they were.
-            for j in range(first, SPLIT // BLOCK_N):
+            for j in range(0, SPLIT // BLOCK_N):
                 cols = start + j * BLOCK_N + tl.arange(0, BLOCK_N)
                 col_ok = cols < end
                 k = tl.load(k_base + cols[:, None] * stride_cn + d[None, :],
                             mask=col_ok[:, None], other=0.0, cache_modifier=".cg" if ROPE else "")
                 v = tl.load(v_base + cols[:, None] * stride_cn + d[None, :],
                             mask=col_ok[:, None], other=0.0, cache_modifier=".cg" if ROPE else "")
-                m_i, l_i, acc = _attend_block(q, k, v, cols, col_ok, qpos, m_i, l_i, acc,
-                                              qk_scale, PRECISION)
+                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2
+                visible = (cols[None, :] <= qpos[:, None]) & col_ok[None, :]
+                scores = tl.where(visible, scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_safe)
+                p = tl.exp2(scores - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                m_i = m_new
         out_ptrs = (out_ptr + b * stride_ob + tok[:, None] * stride_ot
                     + (kvh * GROUP + g)[:, None] * stride_oh + d[None, :])
         if MAX_SPLITS == 1:  # one split: normalise and write the output here
@@ -831,9 +799,6 @@ def attention(q: torch.Tensor, cache_layer: torch.Tensor, positions: torch.Tenso
 
 # Rope and the cache write inside the attention kernel (`rope_attention`): one kernel a layer
 # fewer. FLASHDRAFT_ROPE_ATTENTION=0 runs them as two kernels.
-# FLASHDRAFT_ATTN_PREFETCH=1: with them, each program's first block of cached keys and values is
-# loaded before the wait for the previous kernel (the qkv product), off the step's critical path.
-PREFETCH_KV = os.environ.get("FLASHDRAFT_ATTN_PREFETCH", "0") == "1"
 ROPE_ATTENTION = os.environ.get("FLASHDRAFT_ROPE_ATTENTION", "1") != "0"
 ROPE_MAX_T = 32  # tokens a step of the fused kernel may carry (the model's SMALL_T)
 
@@ -890,8 +855,8 @@ def _attention(q: torch.Tensor, heads: int, cache_layer: torch.Tensor, positions
         positions.stride(0), out.stride(0), out.stride(1), out.stride(2), cos.stride(0),
         cos.stride(1), GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=64, SPLIT=split_len,
         MAX_SPLITS=max_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        ROPE=rope is not None, QK_NORM=q_norm is not None, T_MAX=ROPE_MAX_T,
-        PREFETCH_KV=PREFETCH_KV and rope is not None, num_warps=4, **_pdl(q))
+        ROPE=rope is not None, QK_NORM=q_norm is not None, T_MAX=ROPE_MAX_T, num_warps=4,
+        **_pdl(q))
     return out.view(b, t, heads * d)
 
 

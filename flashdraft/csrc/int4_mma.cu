@@ -197,13 +197,12 @@ __device__ __forceinline__ float scaled_by(float v, const Args& a, const float* 
     return NORMS && a.scaled ? row_scale[row] * v : v;
 }
 
-// ADD: y[at] += v (v rounded to bfloat16 first); returns the square of the stored value.
-__device__ __forceinline__ float add_into(u16* y, size_t at, float v) {
-    const u16 out = to_bf16(lo_f32(y[at]) + lo_f32(to_bf16(v)));
-    y[at] = out;
-    const float r = lo_f32(out);
-    return r * r;
+// ADD: the residual value old plus v, v rounded to bfloat16 first (as a separate add would).
+__device__ __forceinline__ u16 added(u16 old, float v) {
+    return to_bf16(lo_f32(old) + lo_f32(to_bf16(v)));
 }
+
+__device__ __forceinline__ float squared(u16 v) { return lo_f32(v) * lo_f32(v); }
 
 // A warp's register slots: GMAX groups of its tile (16-byte halves and scale pairs).
 struct Weights {
@@ -451,11 +450,10 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
                     const float v =
                         with_bias(scaled_by(acc[b][c], a, row_scale, row), bias, f, has_bias);
                     if (NORMS && a.add) {
-                        const u16 out = to_bf16(lo_f32(old[b][c]) + lo_f32(to_bf16(v)));
+                        const u16 out = added(old[b][c], v);
                         y[(size_t)row * a.ldy + f] = out;
-                        sq[b][c & 1] += lo_f32(out) * lo_f32(out);
-                    }
-                    else
+                        sq[b][c & 1] += squared(out);
+                    } else
                         y[(size_t)row * a.ldy + f] = to_bf16(v);
                 }
 #endif
@@ -537,9 +535,11 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
             const int i = i0 + u * WARPS * 32, row = i / nf, f = f0 + i - row * nf;
             if (i >= rows * nf) continue;
             const float v = with_bias(scaled_by(sum[u], a, row_scale, row), bias, f, has_bias);
-            if (NORMS && a.add)
-                sqs[i] = add_into(y, (size_t)row * a.ldy + f, v);
-            else
+            if (NORMS && a.add) {
+                const u16 out = added(y[(size_t)row * a.ldy + f], v);
+                y[(size_t)row * a.ldy + f] = out;
+                sqs[i] = squared(out);
+            } else
                 y[(size_t)row * a.ldy + f] = to_bf16(v);
         }
     }
@@ -573,7 +573,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) int4_mma(co
          int ldx, int ldy, int gps, int has_bias, int scaled, int add, int ss_cols, float eps) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ int is_last;
-    __shared__ float row_scale[32], ssp[(TN > 2 ? TN : 2) * 32];
+    __shared__ float row_scale[32], ssp[TN * 32];  // NORMS: rows' 1 / rms; tiles' sums of squares
     const Args a = {w, sz, x, bias, y, parts, counters, norm_w, ss_in, ss_out, rows, n, k, ldx,
                     ldy, gps, has_bias, scaled, add, ss_cols, eps};
     Weights W;
