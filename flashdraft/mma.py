@@ -9,8 +9,9 @@ wrapper: no compiler, headers or build step beyond torch's CUDA build) and launc
   beside each other, [n/16, groups, 8, 2] int32 (two bfloat16 each).
 - `linear(x2, qweight, scales, bias, n)`: x2 [rows <= MAX_ROWS, k] bfloat16 @ W^T + bias,
   batch-invariant (see the .cu file's header). FLASHDRAFT_MMA_FOLD,
-  FLASHDRAFT_MMA_DECODE_RESIDENT, FLASHDRAFT_MMA_STREAM_SLOTS and FLASHDRAFT_MMA_STREAM_RESIDENT
-  choose compile-time variants; FLASHDRAFT_MMA_SPLIT_GROUPS bounds the launch rule's splits.
+  FLASHDRAFT_MMA_DECODE_RESIDENT, FLASHDRAFT_MMA_STREAM_SLOTS, FLASHDRAFT_MMA_STREAM_RESIDENT and
+  FLASHDRAFT_MMA_SHARED_SUMS choose compile-time variants; FLASHDRAFT_MMA_SPLIT_GROUPS bounds
+  the launch rule's splits.
 - `linear(..., norm=(weight, ss, eps))`: the RMSNorm before the product applied in it;
   `linear(..., residual=r)`: r += the product, returning r's sums of squares for the next one's
   norm (the model takes them with FLASHDRAFT_MMA_NORMS=1, off by default).
@@ -78,6 +79,10 @@ GATED = os.environ.get("FLASHDRAFT_MMA_GATED", "1") == "1"
 SUM_PASSES = int(os.environ.get("FLASHDRAFT_MMA_SUM_PASSES", "1"))
 if not 1 <= SUM_PASSES <= 8:
     raise ValueError(f"FLASHDRAFT_MMA_SUM_PASSES={SUM_PASSES}: 1 to 8, or unset it for 1")
+# 1: with FOLD, x's sums over each group computed once a block (the all-ones mma, into shared
+# memory) for all its TN tiles, instead of by each tile's warp: a quarter of that mma's work,
+# the same bits (session 15's probe: that mma was 5-7 % of each 32B product). 0: each warp's own.
+SHARED_SUMS = int(os.environ.get("FLASHDRAFT_MMA_SHARED_SUMS", "1"))
 # Measurement only (benchmarks/profile_step.py --mma-probe), wrong output: 1 the weights loaded
 # but not multiplied (the .cu file's PROBE).
 PROBE = 0
@@ -105,13 +110,13 @@ def unavailable(device: torch.device | str, dtype: torch.dtype) -> str | None:
 @functools.cache
 def _kernel(name: str, device: int, row_blocks: int = 1, tn: int = TN, wk: int = WK,
             gmax: int = GMAX, gated: bool = False, min_blocks: int = 1, stream: bool = False,
-            probe: int = 0, norms: bool = False, sum_passes: int = 1):
+            probe: int = 0, norms: bool = False, sum_passes: int = 1, shared_sums: int = 0):
     """The compiled kernel, loaded into `device`'s context (a module belongs to one)."""
     source = SOURCE.read_text()
     options = [f"-DNB={row_blocks}", f"-DTN={tn}", f"-DWK={wk}", f"-DGMAX={gmax}",
                f"-DFOLD={FOLD}", f"-DMIN_BLOCKS={min_blocks}", f"-DGATED={int(gated)}",
                f"-DSTREAM={int(stream)}", f"-DPROBE={probe}", f"-DNORMS={int(norms)}",
-               f"-DSUM_PASSES={sum_passes}"]
+               f"-DSUM_PASSES={sum_passes}", f"-DSHARED_SUMS={shared_sums}"]
     try:
         with torch.cuda.device(device):
             return torch.cuda._compile_kernel(source, name, nvcc_options=options)
@@ -224,9 +229,12 @@ class MmaConfig:
 
 
 def _shared_bytes(rows: int, cfg: MmaConfig) -> int:
-    """Dynamic shared memory of a launch: x's rows over a split, then the warps' sums."""
+    """Dynamic shared memory of a launch: x's rows over a split, the warps' sums, then (FOLD
+    and SHARED_SUMS) x's sums over each group of the split for each row."""
     nb = _row_blocks(rows)
-    return rows * (cfg.groups_per_split * GROUP + 32) * 2 + cfg.tn * cfg.wk * nb * 4 * 32 * 4
+    sums = cfg.groups_per_split * nb * 8 * 4 if FOLD and SHARED_SUMS else 0
+    return (rows * (cfg.groups_per_split * GROUP + 32) * 2 + cfg.tn * cfg.wk * nb * 4 * 32 * 4
+            + sums)
 
 
 # A block's dynamic shared memory on sm_90, 227 KB, less 1 KB for the static (sm_80: 163 KB, sm_86
@@ -345,7 +353,7 @@ def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         # code takes it to 128-136 unless bounded (no spills at 4: NVRTC, sm_90)
         resident = max(resident, 4)
     fn = _kernel("int4_mma", device, nb, cfg.tn, cfg.wk, STREAM_SLOTS if stream else per_warp,
-                 gated, resident, stream, PROBE, norms, SUM_PASSES)
+                 gated, resident, stream, PROBE, norms, SUM_PASSES, SHARED_SUMS)
     _allow_shared(fn, shared)
     _launch(fn, (cfg.blocks_n, cfg.splits, 1), (threads, 1, 1), shared,
             [qweight, scales, x2, bias if bias is not None else x2, out, parts, counters, norm_w,

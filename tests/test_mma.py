@@ -328,3 +328,29 @@ def test_batched_split_sums_change_no_bit(monkeypatch, gated):
                 out[passes] = mma.linear(x[:m], layer.qweight, layer.scale, layer.bias, n, cfg,
                                          gated)
             assert torch.equal(out[1], out[4]), (gated, cfg, m)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("gated", [False, True])
+def test_shared_sums_of_x_change_no_bit(monkeypatch, gated):
+    """mma.SHARED_SUMS: x's group sums by one all-ones mma a block, shared by its tiles, instead
+    of each tile's warp repeating it: the same operands in the same order, so the same bits, for
+    one-shot and streamed launches, one split and several, 1 to 32 rows."""
+    monkeypatch.setattr(mma, "GATED", True)
+    torch.manual_seed(8)
+    n = 2080  # 130 tiles: a partial block column
+    # (k, warps along K, groups a split): one-shot splits, streamed ones, a single streamed split
+    for k, wk, gps in ((5120, 2, 8), (5120, 2, 5), (5120, 1, 23), (2048, 1, 16)):
+        lin = nn.Linear(k, n, bias=not gated, device="cuda", dtype=torch.bfloat16)
+        layer = quant.QuantLinear(lin, "int4", "mma", gate_up=gated)
+        x = torch.randn(32, k, device="cuda", dtype=torch.bfloat16)
+        cfg = mma.config(n, k, wk=wk, groups_per_split=gps)
+        for m in (1, 7, 9, 17, 32):
+            out = {}
+            for shared in (0, 1):
+                monkeypatch.setattr(mma, "SHARED_SUMS", shared)
+                out[shared] = mma.linear(x[:m], layer.qweight, layer.scale, layer.bias, n, cfg,
+                                         gated)
+            assert torch.equal(out[0], out[1]), (gated, cfg, m)
+    assert not kernels._counters(x.device, 1).any()

@@ -22,7 +22,8 @@
 // The weight of code q in a group with scale s and zero z is (q - 8) s + z. With FOLD (the
 // default) a code becomes its operand with one lop3 a pair of weights (the bfloat16 pair
 // 128 + q), a group's products go to a fresh accumulator d, x's group sums come from one more
-// mma with an all-ones A, and the group is added in float32 as s d + (z - 136 s) sum x: about
+// mma with an all-ones A (SHARED_SUMS: once a block for all its tiles, before the loop), and
+// the group is added in float32 as s d + (z - 136 s) sum x: about
 // half the instructions a weight of the alternative (FOLD=0: each weight dequantized in full in
 // two fma.rn.bf16x2, every group summed into one accumulator), which rounds each weight to
 // bfloat16 where FOLD uses the exact quantized weight.
@@ -81,6 +82,10 @@ struct __align__(8) u32x2 { u32 x, y; };
 #ifndef SUM_PASSES
 #define SUM_PASSES 1  // passes of the last block's loop whose slices are all loaded before any of
                       // them is added and stored (the sums' order is the same whatever it is)
+#endif
+#ifndef SHARED_SUMS
+#define SHARED_SUMS 1  // FOLD: x's group sums computed once a block into shared memory and read by
+                       // its TN tiles' warps, not by an all-ones mma in each of them (same bits)
 #endif
 #ifndef PROBE
 #define PROBE 0  // measurement only, wrong output: 1 the weights loaded but not multiplied (no
@@ -298,6 +303,60 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
             }
         }
     }
+#if FOLD && SHARED_SUMS
+    // x's sums over each group of the split, [groups of the split][NB * 8 rows], after the warps'
+    // sums. They are the same for every tile, so one warp computes a group's sums for all TN of
+    // them, by the all-ones mma that the tiles' warps would otherwise each repeat (the same
+    // operands in the same order: the same bits, which FOLD's cancellation needs). SXQ groups a
+    // warp at a time, their chains of 8 mma interleaved; SXQ * NB * 4 accumulators beside the
+    // weights already in their slots (16: more cost 16- and 32-row kernels resident blocks).
+    constexpr int SXQ = STREAM ? (NB >= 4 ? 1 : 4 / NB) : 1;  // one-shot: a group a warp or fewer
+    float* sxs = (float*)(smem + rows * stride * 2 + WARPS * NB * 4 * 32 * 4);
+    __syncthreads();  // x staged
+    for (int j0 = warp; j0 < g1 - g0; j0 += SXQ * WARPS) {
+        float sx[SXQ][NB][4];
+#pragma unroll
+        for (int q = 0; q < SXQ; ++q)
+#pragma unroll
+            for (int b = 0; b < NB; ++b)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) sx[q][b][c] = 0.f;
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int q = 0; q < SXQ; ++q) {
+                const int j = j0 + q * WARPS;
+                if (j >= g1 - g0) break;
+#pragma unroll
+                for (int b = 0; b < NB; ++b) {
+                    const u16* xr = xs + (j << 7) + (b * 8 + g) * stride;
+                    u32x4 xa = u32x4{0u, 0u, 0u, 0u}, xb = xa;  // rows past `rows`: zeros
+                    if (b * 8 + g < rows) {
+                        xa = *(const u32x4*)(xr + 8 * (8 * h + t));
+                        xb = *(const u32x4*)(xr + 8 * (8 * h + 4 + t));
+                    }
+#pragma unroll
+                    for (int jj = 0; jj < 4; ++jj) {
+                        const u32x4 c = jj < 2 ? xa : xb;
+                        mma(sx[q][b], ONES, ONES, ONES, ONES, (jj & 1) ? c.z : c.x,
+                            (jj & 1) ? c.w : c.y);
+                    }
+                }
+            }
+        if (g == 0) {  // C fragment: rows 2t and 2t + 1 of the row block (every feature alike)
+#pragma unroll
+            for (int q = 0; q < SXQ; ++q) {
+                const int j = j0 + q * WARPS;
+                if (j >= g1 - g0) break;
+#pragma unroll
+                for (int b = 0; b < NB; ++b) {
+                    sxs[j * NB * 8 + b * 8 + 2 * t] = sx[q][b][0];
+                    sxs[j * NB * 8 + b * 8 + 2 * t + 1] = sx[q][b][1];
+                }
+            }
+        }
+    }
+#endif
     __syncthreads();
 
     float acc[NB][4];
@@ -318,12 +377,21 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
             // The group's sums of x (128 + q) and of x, the latter from an mma with all-ones A
             // (its C fragment holds sum x of rows 2t and 2t + 1, as d's does, and its rounding
             // follows d's, which the cancellation in s d + (z - 136 s) sum x needs: sums added
-            // up apart measured less exact, and slower, in session 15).
-            float d[NB][4], sx[NB][4];
+            // up apart measured less exact, and slower, in session 15). SHARED_SUMS: that mma
+            // ran once a block before the loop, its sums read from shared memory here.
+            float d[NB][4];
+#if !SHARED_SUMS
+            float sx[NB][4];
+#endif
 #pragma unroll
             for (int b = 0; b < NB; ++b)
 #pragma unroll
-                for (int c = 0; c < 4; ++c) d[b][c] = sx[b][c] = 0.f;
+                for (int c = 0; c < 4; ++c) {
+                    d[b][c] = 0.f;
+#if !SHARED_SUMS
+                    sx[b][c] = 0.f;
+#endif
+                }
 #else
             const u32 s_lo = __byte_perm(W.sc[i].x, 0, 0x1010);
             const u32 z_lo = __byte_perm(W.sc[i].x, 0, 0x3232);
@@ -369,7 +437,9 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
                         const u32 b0 = (jj & 1) ? c.z : c.x, b1 = (jj & 1) ? c.w : c.y;
 #if FOLD
                         mma(d[b], a0, a1, a2, a3, b0, b1);
+#if !SHARED_SUMS
                         mma(sx[b], ONES, ONES, ONES, ONES, b0, b1);
+#endif
 #else
                         mma(acc[b], a0, a1, a2, a3, b0, b1);
 #endif
@@ -384,9 +454,15 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
 #pragma unroll
             for (int b = 0; b < NB; ++b)
 #pragma unroll
-                for (int c = 0; c < 4; ++c)
-                    acc[b][c] = fmaf(c < 2 ? c0 : c1, sx[b][c],
+                for (int c = 0; c < 4; ++c) {
+#if SHARED_SUMS
+                    const float sxv = sxs[(gr - g0) * NB * 8 + b * 8 + 2 * t + (c & 1)];
+#else
+                    const float sxv = sx[b][c];
+#endif
+                    acc[b][c] = fmaf(c < 2 ? c0 : c1, sxv,
                                      fmaf(c < 2 ? s0 : s1, d[b][c], acc[b][c]));
+                }
 #endif
 #if STREAM
             // the slot's next group: the warp's group j + GMAX
