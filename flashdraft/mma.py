@@ -89,6 +89,10 @@ PROBE = 0
 SOURCE = Path(__file__).with_name("csrc") / "int4_mma.cu"
 # Splits of K chosen so that a product has at least this many blocks (two per SM on an H200).
 TARGET_BLOCKS = int(os.environ.get("FLASHDRAFT_MMA_TARGET_BLOCKS", "264"))
+# 1: the rule's split length evened out over its number of splits (40 groups in splits of 16
+# are 14, 14, 12 rather than 16, 16, 8): the same blocks, the longest a block's work shorter
+# where the product's blocks are about one wave (the 32B's qkv: 480 blocks); 0: as chosen.
+BALANCED = os.environ.get("FLASHDRAFT_MMA_BALANCED", "1") == "1"
 
 
 def unavailable(device: torch.device | str, dtype: torch.dtype) -> str | None:
@@ -256,7 +260,8 @@ def config(n: int, k: int, tn: int | None = None, wk: int | None = None,
     """Launch shape from the weight's shape and the GPU's shared memory alone (batch
     invariance): a streamed split of SPLIT_GROUPS or half that many groups with STREAM_WK warps
     a tile where that gives TARGET_BLOCKS blocks, else the longest one-shot split of WK warps
-    that does (or the shortest); only splits whose x of MAX_ROWS rows fits in shared_limit bytes.
+    that does (or the shortest); only splits whose x of MAX_ROWS rows fits in shared_limit bytes;
+    with BALANCED, the split then shortened as far as its number of splits allows.
     tn defaults to TN; wk, given, restricts the rule to one-shot splits of wk warps, and
     groups_per_split, given, overrides the rule (with WK warps unless wk says). The module's
     settings are read once per shape: call config.cache_clear() after changing them."""
@@ -278,6 +283,8 @@ def config(n: int, k: int, tn: int | None = None, wk: int | None = None,
         gps = next((g for g in (wk * GMAX, wk * GMAX // 2) if fits(g, wk)), wk)
     if gps < 1:
         raise ValueError(f"groups_per_split={gps}: a split holds one group or more")
+    if BALANCED and not groups_per_split:  # as many splits, none longer than it must be
+        gps = -(-groups // -(-groups // gps))
     cfg = MmaConfig(gps, -(-groups // gps), blocks_n, tn, wk)
     if _shared_bytes(MAX_ROWS, cfg) > shared_limit:
         raise ValueError(f"groups_per_split={gps}: {MAX_ROWS} rows of x over a split must fit in "

@@ -77,6 +77,7 @@ def test_launch_shape_depends_on_the_weight_alone():
     with pytest.MonkeyPatch.context() as mp:  # the rule's settings, not the environment's
         mp.setattr(mma, "TARGET_BLOCKS", 264)
         mp.setattr(mma, "SPLIT_GROUPS", 16)
+        mp.setattr(mma, "BALANCED", False)
         mma.config.cache_clear()  # launch shapes are cached per weight shape
         # 32B gate/up: 2,400 blocks of one warp a tile, each streaming 16 groups
         assert mma.config(51200, 5120) == mma.MmaConfig(16, 3, 800, 4, 1)
@@ -94,6 +95,14 @@ def test_launch_shape_depends_on_the_weight_alone():
         mma.config.cache_clear()
         assert mma.config(51200, 5120) == mma.MmaConfig(8, 5, 800, 4, 2)
         assert mma.config(1536, 1536).groups_per_split == 2
+        mp.setattr(mma, "SPLIT_GROUPS", 16)
+        mp.setattr(mma, "BALANCED", True)  # as many splits, evened out: 14, 14, 12 groups
+        mma.config.cache_clear()
+        assert mma.config(51200, 5120) == mma.MmaConfig(14, 3, 800, 4, 1)
+        assert mma.config(5120, 25600) == mma.MmaConfig(16, 13, 80, 4, 1)  # 32B down: 200
+        assert mma.config(6144, 4096) == mma.MmaConfig(8, 4, 96, 4, 1)  # even already
+        # an explicit split length stays as given
+        assert mma.config(51200, 5120, groups_per_split=16) == mma.MmaConfig(16, 3, 800, 4, 2)
     mma.config.cache_clear()
     with pytest.raises(ValueError, match="shorter split"):  # x's 32 rows past shared memory
         mma.config(1024, 8192, groups_per_split=64)
