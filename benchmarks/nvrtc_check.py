@@ -18,11 +18,15 @@ from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parents[1] / "flashdraft" / "csrc" / "int4_mma.cu"
 
-# name: (NB, TN, WK, GMAX, MIN_BLOCKS, GATED, STREAM, NORMS), as mma.linear picks them
+# name: (NB, TN, WK, GMAX, MIN_BLOCKS, GATED, STREAM, NORMS[, more options]), as mma.linear
+# picks them
 VARIANTS = {
     "decode one-shot": (1, 4, 2, 4, 4, 0, 0, 0),
     "decode streamed": (1, 4, 1, 8, 2, 0, 1, 0),
     "decode streamed gated": (1, 4, 1, 8, 2, 1, 1, 0),
+    "decode persistent": (1, 4, 1, 8, 4, 0, 1, 0, "-DPERSIST=1"),
+    "decode persistent gated": (1, 4, 1, 8, 4, 1, 1, 0, "-DPERSIST=1"),
+    "16 rows persistent": (2, 4, 1, 8, 1, 0, 1, 0, "-DPERSIST=1"),
     "decode streamed norms": (1, 4, 1, 8, 4, 0, 1, 1),
     "16 rows streamed": (2, 4, 1, 8, 1, 0, 1, 0),
     "32 rows streamed": (4, 4, 1, 8, 1, 0, 1, 0),
@@ -66,10 +70,11 @@ def main() -> None:
                     help="more macros for every variant, e.g. -D SUM_PASSES=4")
     args = ap.parse_args()
     lib, source = _library(args.lib), SOURCE.read_text()
-    for name, (nb, tn, wk, gmax, min_blocks, gated, stream, norms) in VARIANTS.items():
+    for name, (nb, tn, wk, gmax, min_blocks, gated, stream, norms, *more) in VARIANTS.items():
         options = ["-arch=sm_90", "-Xptxas=-v", f"-DNB={nb}", f"-DTN={tn}", f"-DWK={wk}",
                    f"-DGMAX={gmax}", f"-DMIN_BLOCKS={min_blocks}", f"-DGATED={gated}",
-                   f"-DSTREAM={stream}", f"-DNORMS={norms}"] + [f"-D{d}" for d in args.defines]
+                   f"-DSTREAM={stream}", f"-DNORMS={norms}", f"-DSHARED_SUMS={int(nb > 1)}",
+                   *more] + [f"-D{d}" for d in args.defines]
         log = compile_report(lib, source, options)
         # ptxas reports each kernel; keep int4_mma's lines
         block = log[log.find("int4_mma'"):] if "int4_mma'" in log else log

@@ -37,7 +37,9 @@
 // the first GMAX before the wait for the previous kernel. With STREAM, a warp may have more
 // groups than slots: each slot is loaded again with the warp's group GMAX further on as soon as
 // its group is multiplied, which keeps GMAX loads in flight a warp to the end of a long split
-// (one block's fixed costs, staging x and adding up, then serve more weight bytes). Sums: a
+// (one block's fixed costs, staging x and adding up, then serve more weight bytes). PERSIST:
+// the grid is one wave of blocks, each walking (column, split) units, and a warp's freed slots
+// take its next unit's first groups, so its loads stay in flight across units too. Sums: a
 // warp's groups in order (mma accumulate), then the WK warps in order (shared memory), then the
 // splits in order by the last block to finish (float32 slices, a counter per block column).
 // All of it is fixed by the weight's shape, and a row's result never depends on the other rows
@@ -84,8 +86,14 @@ struct __align__(8) u32x2 { u32 x, y; };
                       // them is added and stored (the sums' order is the same whatever it is)
 #endif
 #ifndef SHARED_SUMS
-#define SHARED_SUMS 1  // FOLD: x's group sums computed once a block into shared memory and read by
+#define SHARED_SUMS 0  // FOLD: x's group sums computed once a block into shared memory and read by
                        // its TN tiles' warps, not by an all-ones mma in each of them (same bits)
+#endif
+#ifndef PERSIST
+#define PERSIST 0  // 1 (STREAM, WK = 1, not NORMS): gridDim.x blocks walk the (column, split) units
+                   // u = blockIdx.x + i gridDim.x; a warp's slots, once free, load its next unit's
+                   // first groups while it finishes this one (where its groups a unit are a
+                   // multiple of GMAX, so each lands in the slot that unit starts from)
 #endif
 #ifndef PROBE
 #define PROBE 0  // measurement only, wrong output: 1 the weights loaded but not multiplied (no
@@ -195,6 +203,7 @@ struct Args {
     float* __restrict__ ss_out;
     int rows, n, k, ldx, ldy, gps, has_bias, scaled, add, ss_cols;
     float eps;
+    int cols, splits;  // block columns and splits of K: the grid's units
 };
 
 __device__ __forceinline__ float scaled_by(float v, const Args& a, const float* row_scale,
@@ -240,10 +249,13 @@ __device__ __forceinline__ void load_weights(Weights& W, const Args& a, int bx, 
 
 // Block (column bx, split by) of `splits`, the first of its weights in W: stage x, multiply
 // (streaming the rest of the split's weights through W), add the warps along K, then write y or
-// this split's slice (and, last to finish its column, add the slices).
-__device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int by,
+// this split's slice (and, last to finish its column, add the slices). PERSIST: (bxn, byn) is
+// the block's next unit (bxn < 0: none); returns whether this warp's slots now hold that unit's
+// first groups.
+__device__ __forceinline__ bool product(Weights& W, const Args& a, int bx, int by,
                                         int splits, unsigned char* smem, int* is_last,
-                                        float* row_scale, float* ssp) {
+                                        float* row_scale, float* ssp, int bxn = -1,
+                                        int byn = 0) {
     const int rows = a.rows, n = a.n, gps = a.gps, has_bias = a.has_bias;
     const u16* __restrict__ bias = a.bias;
     u16* __restrict__ y = a.y;
@@ -253,6 +265,18 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
     const int groups = a.k >> 7;
     const int g0 = by * gps, g1 = min(g0 + gps, groups);
     const bool live = tile < (n >> 4);
+#if PERSIST
+    // the next unit's groups for this warp, and whether the slots carry over: slot i frees with
+    // group j = i (mod GMAX), and takes the next unit's group j + GMAX - mine, which is i (mod
+    // GMAX) where mine is a multiple of GMAX
+    const int tile_n = bxn * TN + warp % TN, g0_n = byn * gps;
+    const int mine_n = bxn >= 0 && tile_n < (n >> 4) ? min(g0_n + gps, groups) - g0_n : 0;
+    const int mine_here = live ? g1 - g0 : 0;
+    const bool carry = mine_n > 0 && mine_here > 0 && mine_here % GMAX == 0;
+    __syncthreads();  // the previous unit's x and is_last read by every warp
+#else
+    const bool carry = false;
+#endif
     // x's rows over this split's inputs into shared memory (rows past `rows` are read as zeros
     // below). Row stride = 64 bytes more than a multiple of 128, so the lanes of a quarter-warp
     // hit distinct banks.
@@ -467,6 +491,10 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
 #if STREAM
             // the slot's next group: the warp's group j + GMAX
             if (j + GMAX < mine) load_group(W.wa[i], W.wb[i], W.sc[i], a, tile, gr + GMAX * WK);
+#if PERSIST
+            else if (carry && j + GMAX - mine < mine_n)
+                load_group(W.wa[i], W.wb[i], W.sc[i], a, tile_n, g0_n + j + GMAX - mine);
+#endif
 #endif
         }
     }
@@ -554,10 +582,10 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
                 float v = 0.f;
 #pragma unroll
                 for (int j = 0; j < TN; ++j) v += ssp[j * 32 + threadIdx.x];
-                a.ss_out[(size_t)threadIdx.x * gridDim.x + bx] = v;
+                a.ss_out[(size_t)threadIdx.x * a.cols + bx] = v;
             }
         }
-        return;
+        return carry;
     }
 
     // The last block of a column adds the splits' slices in order.
@@ -565,7 +593,7 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
     __syncthreads();
     if (threadIdx.x == 0) *is_last = atomicAdd(&a.counters[bx], 1) == splits - 1;
     __syncthreads();
-    if (!*is_last) return;
+    if (!*is_last) return carry;
     __threadfence();
     float* __restrict__ parts = a.parts;
     const int f0 = bx * TN * 16, nf = min(TN * 16, n - f0);
@@ -624,11 +652,12 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
         if (threadIdx.x < rows) {
             float v = 0.f;
             for (int j = 0; j < nf; ++j) v += sqs[threadIdx.x * nf + j];
-            a.ss_out[(size_t)threadIdx.x * gridDim.x + bx] = v;
+            a.ss_out[(size_t)threadIdx.x * a.cols + bx] = v;
         }
     }
 #endif
     if (threadIdx.x == 0) a.counters[bx] = 0;
+    return carry;
 }
 
 // Programmatic dependent launch: wait for the previous kernel's writes, then let the next
@@ -646,16 +675,30 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) int4_mma(co
          const u16* __restrict__ bias, u16* __restrict__ y, float* __restrict__ parts,
          int* __restrict__ counters, const u16* __restrict__ norm_w,
          const float* __restrict__ ss_in, float* __restrict__ ss_out, int rows, int n, int k,
-         int ldx, int ldy, int gps, int has_bias, int scaled, int add, int ss_cols, float eps) {
+         int ldx, int ldy, int gps, int has_bias, int scaled, int add, int ss_cols, float eps,
+         int cols, int splits) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ int is_last;
     __shared__ float row_scale[32], ssp[TN * 32];  // NORMS: rows' 1 / rms; tiles' sums of squares
     const Args a = {w, sz, x, bias, y, parts, counters, norm_w, ss_in, ss_out, rows, n, k, ldx,
-                    ldy, gps, has_bias, scaled, add, ss_cols, eps};
+                    ldy, gps, has_bias, scaled, add, ss_cols, eps, cols, splits};
     Weights W;
+#if PERSIST
+    const int units = cols * splits;
+    int u = blockIdx.x;
+    load_weights(W, a, u % cols, u / cols);
+    wait_for_previous_kernel();
+    for (; u < units; u += gridDim.x) {
+        const int un = u + gridDim.x;
+        const bool carried = product(W, a, u % cols, u / cols, splits, smem, &is_last, row_scale,
+                                     ssp, un < units ? un % cols : -1, un / cols);
+        if (un < units && !carried) load_weights(W, a, un % cols, un / cols);
+    }
+#else
     load_weights(W, a, blockIdx.x, blockIdx.y);
     wait_for_previous_kernel();
-    product(W, a, blockIdx.x, blockIdx.y, gridDim.y, smem, &is_last, row_scale, ssp);
+    product(W, a, blockIdx.x, blockIdx.y, splits, smem, &is_last, row_scale, ssp);
+#endif
 }
 
 // The weight of the layout above as a bfloat16 [n, k] matrix, for products of more rows
