@@ -314,9 +314,11 @@ def _shared_sums(row_blocks: int) -> int:
 @functools.cache
 def _resident_blocks(fn, threads: int, shared: int) -> int:
     """Blocks of fn that fit a multiprocessor at once (the driver's occupancy calculator)."""
+    occupancy = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor
+    occupancy.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int,
+                          ctypes.c_size_t]
     count = ctypes.c_int()
-    err = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor(
-        ctypes.byref(count), ctypes.c_void_p(fn.func), threads, ctypes.c_size_t(shared))
+    err = occupancy(ctypes.byref(count), fn.func, threads, shared)
     if err or count.value < 1:
         raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed (CUDA error "
                            f"{err}); set FLASHDRAFT_MMA_PERSIST=0")
