@@ -26,7 +26,6 @@ VARIANTS = {
     "decode streamed gated": (1, 4, 1, 8, 2, 1, 1, 0),
     "decode persistent": (1, 4, 1, 8, 4, 0, 1, 0, "-DPERSIST=1"),
     "decode persistent gated": (1, 4, 1, 8, 4, 1, 1, 0, "-DPERSIST=1"),
-    "16 rows persistent": (2, 4, 1, 8, 1, 0, 1, 0, "-DPERSIST=1"),
     "decode streamed norms": (1, 4, 1, 8, 4, 0, 1, 1),
     "16 rows streamed": (2, 4, 1, 8, 1, 0, 1, 0),
     "32 rows streamed": (4, 4, 1, 8, 1, 0, 1, 0),

@@ -459,8 +459,6 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
              (mma.SUM_PASSES, 1-8)
       sxsums int4 products' sums of x over each group once a block for all its tiles
              (mma.SHARED_SUMS) toggled
-      unbalanced  int4 launch rule's split lengths evened out over their splits (mma.BALANCED)
-             toggled
       persist  int4 streamed products of more units than fit at once as one wave of blocks
              walking them (mma.PERSIST) toggled
     Switches joined by "+" (e.g. "early+nopdl") are toggled together in one run."""
@@ -471,8 +469,7 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
              "FOLD_NORMS": kernels.FOLD_NORMS, "MMA_SPLIT_GROUPS": mma.SPLIT_GROUPS,
              "rope_attention": kernels.rope_attention,
              "MMA_WK": mma.WK, "MMA_NORMS": mma.NORMS, "MMA_SUM_PASSES": mma.SUM_PASSES,
-             "MMA_SHARED_SUMS": mma.SHARED_SUMS, "MMA_BALANCED": mma.BALANCED,
-             "MMA_PERSIST": mma.PERSIST}
+             "MMA_SHARED_SUMS": mma.SHARED_SUMS, "MMA_PERSIST": mma.PERSIST}
     default = target(shape, quant, context)
     split_len = default[2].split_len
     runs = {"default": (default, {})}
@@ -511,9 +508,6 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
         if switch == "persist":
             return (f"int4 persistent grid {not saved['MMA_PERSIST']}",
                     {"MMA_PERSIST": not saved["MMA_PERSIST"]})
-        if switch == "unbalanced":
-            return (f"int4 balanced splits {not saved['MMA_BALANCED']}",
-                    {"MMA_BALANCED": not saved["MMA_BALANCED"]})
         if switch.startswith("stream") and switch[6:].isdigit():
             groups = int(switch[6:])
             return (f"int4 streamed splits up to {groups} groups" if groups else
@@ -525,8 +519,8 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
             warps = int(switch[2:])
             return f"int4 one-shot splits of {warps} warps", {"MMA_WK": warps}
         raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, halfsplit, "
-                         f"unfolded, nonorm, noattn, nopdl, mmanorms, sxsums, unbalanced, "
-                         f"persist, streamN, wkN (N 1-4), sumN (N 1-8), or several joined by '+'")
+                         f"unfolded, nonorm, noattn, nopdl, mmanorms, sxsums, persist, "
+                         f"streamN, wkN (N 1-4), sumN (N 1-8), or several joined by '+'")
 
     for switch in switches:
         if switch == "gated" and (quant or "").startswith("int4"):

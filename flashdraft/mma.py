@@ -85,21 +85,18 @@ if not 1 <= SUM_PASSES <= 8:
 # steps 1-2 % faster; at one row its phase before the loop made products slower (32B gate/up
 # 42.7 -> 45.4 us), so decode keeps each warp's own. 0: never.
 SHARED_SUMS = int(os.environ.get("FLASHDRAFT_MMA_SHARED_SUMS", "1"))
-# 1: streamed products of more blocks than fit at once (one warp a tile, no norms) run as one
-# wave of resident blocks walking the (column, split) units, a warp's slots carried from unit to
-# unit (the .cu file's PERSIST); the same sums in the same order, so the same bits. 0: one
-# block a unit.
+# 1: streamed products of more blocks than fit at once (one warp a tile, no norms, up to 8 rows
+# whose x fits PERSIST_X) run as one wave of resident blocks walking the (column, split) units,
+# x staged once whole and a warp's slots carried from unit to unit (the .cu file's PERSIST); the
+# same sums in the same order, so the same bits. 0: one block a unit.
 PERSIST = os.environ.get("FLASHDRAFT_MMA_PERSIST", "1") == "1"
+PERSIST_X = 48 * 1024  # bytes of x (rows x (k + 32) bfloat16) that a walking block stages whole
 # Measurement only (benchmarks/profile_step.py --mma-probe), wrong output: 1 the weights loaded
 # but not multiplied (the .cu file's PROBE).
 PROBE = 0
 SOURCE = Path(__file__).with_name("csrc") / "int4_mma.cu"
 # Splits of K chosen so that a product has at least this many blocks (two per SM on an H200).
 TARGET_BLOCKS = int(os.environ.get("FLASHDRAFT_MMA_TARGET_BLOCKS", "264"))
-# 1: the rule's split length evened out over its number of splits (40 groups in splits of 16
-# are 14, 14, 12 rather than 16, 16, 8): the same blocks, the longest a block's work shorter
-# where the product's blocks are about one wave (the 32B's qkv: 480 blocks); 0: as chosen.
-BALANCED = os.environ.get("FLASHDRAFT_MMA_BALANCED", "1") == "1"
 
 
 def unavailable(device: torch.device | str, dtype: torch.dtype) -> str | None:
@@ -275,8 +272,7 @@ def config(n: int, k: int, tn: int | None = None, wk: int | None = None,
     """Launch shape from the weight's shape and the GPU's shared memory alone (batch
     invariance): a streamed split of SPLIT_GROUPS or half that many groups with STREAM_WK warps
     a tile where that gives TARGET_BLOCKS blocks, else the longest one-shot split of WK warps
-    that does (or the shortest); only splits whose x of MAX_ROWS rows fits in shared_limit bytes;
-    with BALANCED, the split then shortened as far as its number of splits allows.
+    that does (or the shortest); only splits whose x of MAX_ROWS rows fits in shared_limit bytes.
     tn defaults to TN; wk, given, restricts the rule to one-shot splits of wk warps, and
     groups_per_split, given, overrides the rule (with WK warps unless wk says). The module's
     settings are read once per shape: call config.cache_clear() after changing them."""
@@ -298,8 +294,6 @@ def config(n: int, k: int, tn: int | None = None, wk: int | None = None,
         gps = next((g for g in (wk * GMAX, wk * GMAX // 2) if fits(g, wk)), wk)
     if gps < 1:
         raise ValueError(f"groups_per_split={gps}: a split holds one group or more")
-    if BALANCED and not groups_per_split:  # as many splits, none longer than it must be
-        gps = -(-groups // -(-groups // gps))
     cfg = MmaConfig(gps, -(-groups // gps), blocks_n, tn, wk)
     if _shared_bytes(MAX_ROWS, cfg) > shared_limit:
         raise ValueError(f"groups_per_split={gps}: {MAX_ROWS} rows of x over a split must fit in "
@@ -397,15 +391,16 @@ def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     fn = _kernel("int4_mma", *variant)
     _allow_shared(fn, shared)
     grid = (cfg.blocks_n, cfg.splits, 1)
-    if PERSIST and stream and cfg.wk == 1 and not norms:
-        # one wave: as many blocks as fit the GPU at once, when the units are more than that
-        # bounded to 128 registers for one row block (4 blocks a multiprocessor: 132 unbounded)
-        walker = _kernel("int4_mma", *variant[:6], max(resident, 4) if nb == 1 else resident,
-                         *variant[7:], persist=True)
-        _allow_shared(walker, shared)
-        wave = _resident_blocks(walker, threads, shared) * _multiprocessors(device)
+    whole_x = rows * (k + 32) * 2  # PERSIST stages all of x once
+    if PERSIST and stream and cfg.wk == 1 and nb == 1 and not norms and whole_x <= PERSIST_X:
+        # one wave: as many blocks as fit the GPU at once, when the units are more than that;
+        # 128 registers at most (4 blocks a multiprocessor; 132 unbounded)
+        walker = _kernel("int4_mma", *variant[:6], max(resident, 4), *variant[7:], persist=True)
+        walker_shared = max(shared, whole_x)
+        _allow_shared(walker, walker_shared)
+        wave = _resident_blocks(walker, threads, walker_shared) * _multiprocessors(device)
         if cfg.blocks_n * cfg.splits > wave:
-            fn, grid = walker, (wave, 1, 1)
+            fn, grid, shared = walker, (wave, 1, 1), walker_shared
     _launch(fn, grid, (threads, 1, 1), shared,
             [qweight, scales, x2, bias if bias is not None else x2, out, parts, counters, norm_w,
              ss_in, ss_out, rows, n, k, x2.stride(0), out.stride(0), cfg.groups_per_split,

@@ -90,9 +90,10 @@ struct __align__(8) u32x2 { u32 x, y; };
                        // its TN tiles' warps, not by an all-ones mma in each of them (same bits)
 #endif
 #ifndef PERSIST
-#define PERSIST 0  // 1 (STREAM, WK = 1, not NORMS): gridDim.x blocks walk the (column, split) units
-                   // u = blockIdx.x + i gridDim.x; a warp's slots, once free, load its next unit's
-                   // first groups while it finishes this one (where its groups a unit are a
+#define PERSIST 0  // 1 (STREAM, WK = 1, NB = 1, not NORMS): gridDim.x blocks walk the (column,
+                   // split) units u = blockIdx.x + i gridDim.x, x staged whole once (no barrier
+                   // between units but the split sums'); a warp's slots, once free, load its next
+                   // unit's first groups while it finishes this one (where its groups a unit are a
                    // multiple of GMAX, so each lands in the slot that unit starts from)
 #endif
 #ifndef PROBE
@@ -273,17 +274,17 @@ __device__ __forceinline__ bool product(Weights& W, const Args& a, int bx, int b
     const int mine_n = bxn >= 0 && tile_n < (n >> 4) ? min(g0_n + gps, groups) - g0_n : 0;
     const int mine_here = live ? g1 - g0 : 0;
     const bool carry = mine_n > 0 && mine_here > 0 && mine_here % GMAX == 0;
-    __syncthreads();  // the previous unit's x and is_last read by every warp
 #else
     const bool carry = false;
 #endif
     // x's rows over this split's inputs into shared memory (rows past `rows` are read as zeros
     // below). Row stride = 64 bytes more than a multiple of 128, so the lanes of a quarter-warp
     // hit distinct banks.
-    const int stride = (gps << 7) + 32;  // bfloat16 elements
-    u16* xs = (u16*)smem;
+    // PERSIST: all of x, staged once by the kernel (stage_x)
+    const int stride = PERSIST ? a.k + 32 : (gps << 7) + 32;  // bfloat16 elements
+    u16* xs = (u16*)smem + (PERSIST ? g0 << 7 : 0);
     const int chunks = (g1 - g0) << 4;  // 16-byte chunks of a row
-    const int total = rows * chunks;
+    const int total = PERSIST ? 0 : rows * chunks;
     for (int i = threadIdx.x; i < total; i += WARPS * 32) {
         const int r = i / chunks, c = i - r * chunks;
         u32x4 v = *(const u32x4*)(a.x + (size_t)r * a.ldx + (g0 << 7) + c * 8);
@@ -335,7 +336,7 @@ __device__ __forceinline__ bool product(Weights& W, const Args& a, int bx, int b
     // warp at a time, their chains of 8 mma interleaved; SXQ * NB * 4 accumulators beside the
     // weights already in their slots (16: more cost 16- and 32-row kernels resident blocks).
     constexpr int SXQ = STREAM ? (NB >= 4 ? 1 : 4 / NB) : 1;  // one-shot: a group a warp or fewer
-    float* sxs = (float*)(smem + rows * stride * 2 + WARPS * NB * 4 * 32 * 4);
+    float* sxs = (float*)(smem + rows * ((gps << 7) + 32) * 2 + WARPS * NB * 4 * 32 * 4);
     __syncthreads();  // x staged
     for (int j0 = warp; j0 < g1 - g0; j0 += SXQ * WARPS) {
         float sx[SXQ][NB][4];
@@ -500,7 +501,7 @@ __device__ __forceinline__ bool product(Weights& W, const Args& a, int bx, int b
     }
 
     // The WK warps of a tile, added in order by the first.
-    float* red = (float*)(smem + rows * stride * 2);  // [WARPS][NB * 4][32]
+    float* red = (float*)(smem + rows * ((gps << 7) + 32) * 2);  // [WARPS][NB * 4][32]
     if (WK > 1) {
         if (wk > 0) {
 #pragma unroll
@@ -688,6 +689,15 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) int4_mma(co
     int u = blockIdx.x;
     load_weights(W, a, u % cols, u / cols);
     wait_for_previous_kernel();
+    {  // all of x's rows (row stride k + 32, as product() reads them)
+        const int chunks = k >> 3;
+        for (int i = threadIdx.x; i < rows * chunks; i += WARPS * 32) {
+            const int r = i / chunks, c = i - r * chunks;
+            *(u32x4*)((u16*)smem + r * (k + 32) + c * 8) =
+                *(const u32x4*)(x + (size_t)r * ldx + c * 8);
+        }
+        __syncthreads();
+    }
     for (; u < units; u += gridDim.x) {
         const int un = u + gridDim.x;
         const bool carried = product(W, a, u % cols, u / cols, splits, smem, &is_last, row_scale,
