@@ -102,8 +102,8 @@ for phase in "$@"; do
     ;;
   breakdown)
     # The default decode path against switches toggled (BREAKDOWN: gated, early, rope, split,
-    # halfsplit, unfolded, nonorm, noattn, nopdl, mmanorms, sxsums, persist,
-    # streamN, wkN, sumN; several joined by "+"),
+    # halfsplit, unfolded, nonorm, noattn, nopdl, mmanorms, streamN, wkN, sumN; several
+    # joined by "+"),
     # in turn in one process, with kernel tables (profile_step.breakdown); BREAKDOWN_ARGS e.g.
     # "--context 200".
     python3 benchmarks/profile_step.py --out "$OUT/breakdown${BREAKDOWN_TAG:-}" --no-official --no-compare ${BREAKDOWN_ARGS:-} \

@@ -24,8 +24,6 @@ VARIANTS = {
     "decode one-shot": (1, 4, 2, 4, 4, 0, 0, 0),
     "decode streamed": (1, 4, 1, 8, 2, 0, 1, 0),
     "decode streamed gated": (1, 4, 1, 8, 2, 1, 1, 0),
-    "decode persistent": (1, 4, 1, 8, 4, 0, 1, 0, "-DPERSIST=1"),
-    "decode persistent gated": (1, 4, 1, 8, 4, 1, 1, 0, "-DPERSIST=1"),
     "decode streamed norms": (1, 4, 1, 8, 4, 0, 1, 1),
     "16 rows streamed": (2, 4, 1, 8, 1, 0, 1, 0),
     "32 rows streamed": (4, 4, 1, 8, 1, 0, 1, 0),
@@ -72,8 +70,7 @@ def main() -> None:
     for name, (nb, tn, wk, gmax, min_blocks, gated, stream, norms, *more) in VARIANTS.items():
         options = ["-arch=sm_90", "-Xptxas=-v", f"-DNB={nb}", f"-DTN={tn}", f"-DWK={wk}",
                    f"-DGMAX={gmax}", f"-DMIN_BLOCKS={min_blocks}", f"-DGATED={gated}",
-                   f"-DSTREAM={stream}", f"-DNORMS={norms}", f"-DSHARED_SUMS={int(nb > 1)}",
-                   *more] + [f"-D{d}" for d in args.defines]
+                   f"-DSTREAM={stream}", f"-DNORMS={norms}", *more] + [f"-D{d}" for d in args.defines]
         log = compile_report(lib, source, options)
         # ptxas reports each kernel; keep int4_mma's lines
         block = log[log.find("int4_mma'"):] if "int4_mma'" in log else log
