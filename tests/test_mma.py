@@ -328,3 +328,61 @@ def test_batched_split_sums_change_no_bit(monkeypatch, gated):
                 out[passes] = mma.linear(x[:m], layer.qweight, layer.scale, layer.bias, n, cfg,
                                          gated)
             assert torch.equal(out[1], out[4]), (gated, cfg, m)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("gated", [False, True])
+def test_shared_sums_of_x_change_no_bit(monkeypatch, gated):
+    """mma.SHARED_SUMS: x's group sums by one all-ones mma a block, shared by its tiles, instead
+    of each tile's warp repeating it: the same operands in the same order, so the same bits, for
+    one-shot and streamed launches, one split and several, 1 to 32 rows."""
+    monkeypatch.setattr(mma, "GATED", True)
+    torch.manual_seed(8)
+    n = 2080  # 130 tiles: a partial block column
+    # (k, warps along K, groups a split): one-shot splits, streamed ones, a single streamed split
+    for k, wk, gps in ((5120, 2, 8), (5120, 2, 5), (5120, 1, 23), (2048, 1, 16)):
+        lin = nn.Linear(k, n, bias=not gated, device="cuda", dtype=torch.bfloat16)
+        layer = quant.QuantLinear(lin, "int4", "mma", gate_up=gated)
+        x = torch.randn(32, k, device="cuda", dtype=torch.bfloat16)
+        cfg = mma.config(n, k, wk=wk, groups_per_split=gps)
+        for m in (1, 7, 9, 17, 32):
+            out = {}
+            for shared in (0, 1):
+                monkeypatch.setattr(mma, "SHARED_SUMS", shared)
+                out[shared] = mma.linear(x[:m], layer.qweight, layer.scale, layer.bias, n, cfg,
+                                         gated)
+            assert torch.equal(out[0], out[1]), (gated, cfg, m)
+    assert not kernels._counters(x.device, 1).any()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("fence", [0, 1, 2])
+def test_persistent_grid_changes_no_bit(monkeypatch, gated, fence):
+    """mma.PERSIST: a product of more units than fit at once runs as one wave of blocks walking
+    the (column, split) units, slots carried from unit to unit where a warp's groups are a
+    multiple of its slots: each unit's sums are the same, so are the bits. Carried (16 groups a
+    split, one split of 8) and not (14, 9), a partial last column (dead warps), 1 to 8 rows (the
+    walk's whole x; more rows launch as before)."""
+    monkeypatch.setattr(mma, "GATED", True)
+    monkeypatch.setattr(mma, "PERSIST_FENCE", fence)
+    torch.manual_seed(9)
+    # 16,400 features: 1,025 tiles, 257 block columns, the last with one live tile; 34,000:
+    # 532 columns of one split
+    for n, k, gps in ((16400, 5120, 16), (16400, 5120, 14), (16400, 5120, 9), (34000, 1024, 8)):
+        lin = nn.Linear(k, n, bias=not gated, device="cuda", dtype=torch.bfloat16)
+        layer = quant.QuantLinear(lin, "int4", "mma", gate_up=gated)
+        x = torch.randn(32, k, device="cuda", dtype=torch.bfloat16)
+        cfg = mma.config(n, k, wk=1, groups_per_split=gps)
+        wave = 4 * torch.cuda.get_device_properties(0).multi_processor_count  # 4 blocks an SM
+        assert cfg.blocks_n * cfg.splits > wave, cfg  # more units than fit at once
+        for m in (1, 3, 8, 9, 32):
+            out = {}
+            for persist in (False, True):
+                monkeypatch.setattr(mma, "PERSIST", persist)
+                out[persist] = mma.linear(x[:m], layer.qweight, layer.scale, layer.bias, n, cfg,
+                                          gated)
+            assert torch.equal(out[False], out[True]), (gated, cfg, m)
+    assert not kernels._counters(x.device, 1).any()
