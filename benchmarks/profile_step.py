@@ -457,10 +457,6 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
       wkN    int4 products' one-shot splits with N warps along K a tile (mma.WK)
       sumN   int4 split products' last block loading N passes' slices before adding any
              (mma.SUM_PASSES, 1-8)
-      sxsums int4 products' sums of x over each group once a block for all its tiles
-             (mma.SHARED_SUMS) toggled
-      persist  int4 streamed products of more units than fit at once as one wave of blocks
-             walking them (mma.PERSIST) toggled
     Switches joined by "+" (e.g. "early+nopdl") are toggled together in one run."""
     from flashdraft import mma
     set_path(DEFAULT)
@@ -468,8 +464,7 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
              "ROPE_ATTENTION": kernels.ROPE_ATTENTION, "rms_norm": kernels.rms_norm,
              "FOLD_NORMS": kernels.FOLD_NORMS, "MMA_SPLIT_GROUPS": mma.SPLIT_GROUPS,
              "rope_attention": kernels.rope_attention,
-             "MMA_WK": mma.WK, "MMA_NORMS": mma.NORMS, "MMA_SUM_PASSES": mma.SUM_PASSES,
-             "MMA_SHARED_SUMS": mma.SHARED_SUMS, "MMA_PERSIST": mma.PERSIST}
+             "MMA_WK": mma.WK, "MMA_NORMS": mma.NORMS, "MMA_SUM_PASSES": mma.SUM_PASSES}
     default = target(shape, quant, context)
     split_len = default[2].split_len
     runs = {"default": (default, {})}
@@ -502,12 +497,6 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
         if switch == "mmanorms":
             return (f"int4 norms in the products {not saved['MMA_NORMS']}",
                     {"MMA_NORMS": not saved["MMA_NORMS"]})
-        if switch == "sxsums":
-            return (f"int4 shared sums of x {int(not saved['MMA_SHARED_SUMS'])}",
-                    {"MMA_SHARED_SUMS": int(not saved["MMA_SHARED_SUMS"])})
-        if switch == "persist":
-            return (f"int4 persistent grid {not saved['MMA_PERSIST']}",
-                    {"MMA_PERSIST": not saved["MMA_PERSIST"]})
         if switch.startswith("stream") and switch[6:].isdigit():
             groups = int(switch[6:])
             return (f"int4 streamed splits up to {groups} groups" if groups else
@@ -519,8 +508,8 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
             warps = int(switch[2:])
             return f"int4 one-shot splits of {warps} warps", {"MMA_WK": warps}
         raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, halfsplit, "
-                         f"unfolded, nonorm, noattn, nopdl, mmanorms, sxsums, persist, "
-                         f"streamN, wkN (N 1-4), sumN (N 1-8), or several joined by '+'")
+                         f"unfolded, nonorm, noattn, nopdl, mmanorms, streamN, "
+                         f"wkN (N 1-4), sumN (N 1-8), or several joined by '+'")
 
     for switch in switches:
         if switch == "gated" and (quant or "").startswith("int4"):

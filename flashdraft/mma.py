@@ -9,9 +9,8 @@ wrapper: no compiler, headers or build step beyond torch's CUDA build) and launc
   beside each other, [n/16, groups, 8, 2] int32 (two bfloat16 each).
 - `linear(x2, qweight, scales, bias, n)`: x2 [rows <= MAX_ROWS, k] bfloat16 @ W^T + bias,
   batch-invariant (see the .cu file's header). FLASHDRAFT_MMA_FOLD,
-  FLASHDRAFT_MMA_DECODE_RESIDENT, FLASHDRAFT_MMA_STREAM_SLOTS, FLASHDRAFT_MMA_STREAM_RESIDENT and
-  FLASHDRAFT_MMA_SHARED_SUMS choose compile-time variants; FLASHDRAFT_MMA_SPLIT_GROUPS bounds
-  the launch rule's splits.
+  FLASHDRAFT_MMA_DECODE_RESIDENT, FLASHDRAFT_MMA_STREAM_SLOTS and FLASHDRAFT_MMA_STREAM_RESIDENT
+  choose compile-time variants; FLASHDRAFT_MMA_SPLIT_GROUPS bounds the launch rule's splits.
 - `linear(..., norm=(weight, ss, eps))`: the RMSNorm before the product applied in it;
   `linear(..., residual=r)`: r += the product, returning r's sums of squares for the next one's
   norm (the model takes them with FLASHDRAFT_MMA_NORMS=1, off by default).
@@ -79,19 +78,6 @@ GATED = os.environ.get("FLASHDRAFT_MMA_GATED", "1") == "1"
 SUM_PASSES = int(os.environ.get("FLASHDRAFT_MMA_SUM_PASSES", "1"))
 if not 1 <= SUM_PASSES <= 8:
     raise ValueError(f"FLASHDRAFT_MMA_SUM_PASSES={SUM_PASSES}: 1 to 8, or unset it for 1")
-# 1: with FOLD, launches of more than 8 rows compute x's sums over each group once a block (the
-# all-ones mma, into shared memory) for all its TN tiles, instead of in each tile's warp: a
-# quarter of that mma's work, the same bits. Measured (acaa867, RESULTS session 16): 16-row
-# steps 1-2 % faster; at one row its phase before the loop made products slower (32B gate/up
-# 42.7 -> 45.4 us), so decode keeps each warp's own. 0: never.
-SHARED_SUMS = int(os.environ.get("FLASHDRAFT_MMA_SHARED_SUMS", "1"))
-# 1: streamed products of more blocks than fit at once (one warp a tile, no norms, up to 8 rows
-# whose x fits PERSIST_X) run as one wave of resident blocks walking the (column, split) units,
-# x staged once whole and a warp's slots carried from unit to unit (the .cu file's PERSIST); the
-# same sums in the same order, so the same bits. 0: one block a unit.
-PERSIST = os.environ.get("FLASHDRAFT_MMA_PERSIST", "1") == "1"
-PERSIST_FENCE = int(os.environ.get("FLASHDRAFT_MMA_PERSIST_FENCE", "0"))
-PERSIST_X = 48 * 1024  # bytes of x (rows x (k + 32) bfloat16) that a walking block stages whole
 # Measurement only (benchmarks/profile_step.py --mma-probe), wrong output: 1 the weights loaded
 # but not multiplied (the .cu file's PROBE).
 PROBE = 0
@@ -119,15 +105,13 @@ def unavailable(device: torch.device | str, dtype: torch.dtype) -> str | None:
 @functools.cache
 def _kernel(name: str, device: int, row_blocks: int = 1, tn: int = TN, wk: int = WK,
             gmax: int = GMAX, gated: bool = False, min_blocks: int = 1, stream: bool = False,
-            probe: int = 0, norms: bool = False, sum_passes: int = 1, shared_sums: int = 0,
-            persist: bool = False, persist_fence: int = 0):
+            probe: int = 0, norms: bool = False, sum_passes: int = 1):
     """The compiled kernel, loaded into `device`'s context (a module belongs to one)."""
     source = SOURCE.read_text()
     options = [f"-DNB={row_blocks}", f"-DTN={tn}", f"-DWK={wk}", f"-DGMAX={gmax}",
                f"-DFOLD={FOLD}", f"-DMIN_BLOCKS={min_blocks}", f"-DGATED={int(gated)}",
                f"-DSTREAM={int(stream)}", f"-DPROBE={probe}", f"-DNORMS={int(norms)}",
-               f"-DSUM_PASSES={sum_passes}", f"-DSHARED_SUMS={shared_sums}",
-               f"-DPERSIST={int(persist)}", f"-DPERSIST_FENCE={persist_fence}"]
+               f"-DSUM_PASSES={sum_passes}"]
     try:
         with torch.cuda.device(device):
             return torch.cuda._compile_kernel(source, name, nvcc_options=options)
@@ -240,23 +224,14 @@ class MmaConfig:
 
 
 def _shared_bytes(rows: int, cfg: MmaConfig) -> int:
-    """Dynamic shared memory of a launch: x's rows over a split, the warps' sums, then (FOLD
-    and SHARED_SUMS, more than one row block) x's sums over each group of the split for each
-    row."""
+    """Dynamic shared memory of a launch: x's rows over a split, then the warps' sums."""
     nb = _row_blocks(rows)
-    sums = cfg.groups_per_split * nb * 8 * 4 if _shared_sums(nb) else 0
-    return (rows * (cfg.groups_per_split * GROUP + 32) * 2 + cfg.tn * cfg.wk * nb * 4 * 32 * 4
-            + sums)
+    return rows * (cfg.groups_per_split * GROUP + 32) * 2 + cfg.tn * cfg.wk * nb * 4 * 32 * 4
 
 
 # A block's dynamic shared memory on sm_90, 227 KB, less 1 KB for the static (sm_80: 163 KB, sm_86
 # and sm_89: 99 KB; `linear` passes the GPU's own through _shared_limit).
 SHARED_LIMIT = 226 * 1024
-
-
-@functools.cache
-def _multiprocessors(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.cache
@@ -300,24 +275,6 @@ def config(n: int, k: int, tn: int | None = None, wk: int | None = None,
         raise ValueError(f"groups_per_split={gps}: {MAX_ROWS} rows of x over a split must fit in "
                          f"{shared_limit} bytes of shared memory; use a shorter split")
     return cfg
-
-
-def _shared_sums(row_blocks: int) -> int:
-    return int(bool(FOLD and SHARED_SUMS and row_blocks > 1))
-
-
-@functools.cache
-def _resident_blocks(fn, threads: int, shared: int) -> int:
-    """Blocks of fn that fit a multiprocessor at once (the driver's occupancy calculator)."""
-    occupancy = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor
-    occupancy.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int,
-                          ctypes.c_size_t]
-    count = ctypes.c_int()
-    err = occupancy(ctypes.byref(count), fn.func, threads, shared)
-    if err or count.value < 1:
-        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed (CUDA error "
-                           f"{err}); set FLASHDRAFT_MMA_PERSIST=0")
-    return count.value
 
 
 def _row_blocks(rows: int) -> int:
@@ -387,27 +344,14 @@ def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         # the plain streamed kernel's 127 registers allow 4 blocks a multiprocessor; the norms'
         # code takes it to 128-136 unless bounded (no spills at 4: NVRTC, sm_90)
         resident = max(resident, 4)
-    variant = (device, nb, cfg.tn, cfg.wk, STREAM_SLOTS if stream else per_warp, gated, resident,
-               stream, PROBE, norms, SUM_PASSES, _shared_sums(nb))
-    fn = _kernel("int4_mma", *variant)
+    fn = _kernel("int4_mma", device, nb, cfg.tn, cfg.wk, STREAM_SLOTS if stream else per_warp,
+                 gated, resident, stream, PROBE, norms, SUM_PASSES)
     _allow_shared(fn, shared)
-    grid = (cfg.blocks_n, cfg.splits, 1)
-    whole_x = rows * (k + 32) * 2  # PERSIST stages all of x once
-    if PERSIST and stream and cfg.wk == 1 and nb == 1 and not norms and whole_x <= PERSIST_X:
-        # one wave: as many blocks as fit the GPU at once, when the units are more than that;
-        # 128 registers at most (4 blocks a multiprocessor; 132 unbounded)
-        walker = _kernel("int4_mma", *variant[:6], max(resident, 4), *variant[7:], persist=True,
-                         persist_fence=PERSIST_FENCE)
-        walker_shared = max(shared, whole_x)
-        _allow_shared(walker, walker_shared)
-        wave = _resident_blocks(walker, threads, walker_shared) * _multiprocessors(device)
-        if cfg.blocks_n * cfg.splits > wave:
-            fn, grid, shared = walker, (wave, 1, 1), walker_shared
-    _launch(fn, grid, (threads, 1, 1), shared,
+    _launch(fn, (cfg.blocks_n, cfg.splits, 1), (threads, 1, 1), shared,
             [qweight, scales, x2, bias if bias is not None else x2, out, parts, counters, norm_w,
              ss_in, ss_out, rows, n, k, x2.stride(0), out.stride(0), cfg.groups_per_split,
              int(bias is not None), int(norm is not None), int(residual is not None),
-             ss_in.shape[1] if norm is not None else 0, float(eps), cfg.blocks_n, cfg.splits],
+             ss_in.shape[1] if norm is not None else 0, float(eps)],
             "launch_pdl" in kernels._pdl(x2), device)
     return ss_out if residual is not None else out
 

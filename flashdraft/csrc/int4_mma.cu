@@ -22,8 +22,7 @@
 // The weight of code q in a group with scale s and zero z is (q - 8) s + z. With FOLD (the
 // default) a code becomes its operand with one lop3 a pair of weights (the bfloat16 pair
 // 128 + q), a group's products go to a fresh accumulator d, x's group sums come from one more
-// mma with an all-ones A (SHARED_SUMS: once a block for all its tiles, before the loop), and
-// the group is added in float32 as s d + (z - 136 s) sum x: about
+// mma with an all-ones A, and the group is added in float32 as s d + (z - 136 s) sum x: about
 // half the instructions a weight of the alternative (FOLD=0: each weight dequantized in full in
 // two fma.rn.bf16x2, every group summed into one accumulator), which rounds each weight to
 // bfloat16 where FOLD uses the exact quantized weight.
@@ -37,9 +36,7 @@
 // the first GMAX before the wait for the previous kernel. With STREAM, a warp may have more
 // groups than slots: each slot is loaded again with the warp's group GMAX further on as soon as
 // its group is multiplied, which keeps GMAX loads in flight a warp to the end of a long split
-// (one block's fixed costs, staging x and adding up, then serve more weight bytes). PERSIST:
-// the grid is one wave of blocks, each walking (column, split) units, and a warp's freed slots
-// take its next unit's first groups, so its loads stay in flight across units too. Sums: a
+// (one block's fixed costs, staging x and adding up, then serve more weight bytes). Sums: a
 // warp's groups in order (mma accumulate), then the WK warps in order (shared memory), then the
 // splits in order by the last block to finish (float32 slices, a counter per block column).
 // All of it is fixed by the weight's shape, and a row's result never depends on the other rows
@@ -84,22 +81,6 @@ struct __align__(8) u32x2 { u32 x, y; };
 #ifndef SUM_PASSES
 #define SUM_PASSES 1  // passes of the last block's loop whose slices are all loaded before any of
                       // them is added and stored (the sums' order is the same whatever it is)
-#endif
-#ifndef SHARED_SUMS
-#define SHARED_SUMS 0  // FOLD: x's group sums computed once a block into shared memory and read by
-                       // its TN tiles' warps, not by an all-ones mma in each of them (same bits)
-#endif
-#ifndef PERSIST
-#define PERSIST 0  // 1 (STREAM, WK = 1, NB = 1, not NORMS): gridDim.x blocks walk the (column,
-                   // split) units u = blockIdx.x + i gridDim.x, x staged whole once (no barrier
-                   // between units but the split sums'); a warp's slots, once free, load its next
-                   // unit's first groups while it finishes this one (where its groups a unit are a
-                   // multiple of GMAX, so each lands in the slot that unit starts from)
-#endif
-#ifndef PERSIST_FENCE
-#define PERSIST_FENCE 0  // PERSIST, split products: 0 every thread fences its slices before the
-                         // counter (and so waits for its carried loads); 1 a barrier, then thread
-                         // 0 alone fences; 2 the next unit's loads issued after the counter
 #endif
 #ifndef PROBE
 #define PROBE 0  // measurement only, wrong output: 1 the weights loaded but not multiplied (no
@@ -209,7 +190,6 @@ struct Args {
     float* __restrict__ ss_out;
     int rows, n, k, ldx, ldy, gps, has_bias, scaled, add, ss_cols;
     float eps;
-    int cols, splits;  // block columns and splits of K: the grid's units
 };
 
 __device__ __forceinline__ float scaled_by(float v, const Args& a, const float* row_scale,
@@ -255,13 +235,10 @@ __device__ __forceinline__ void load_weights(Weights& W, const Args& a, int bx, 
 
 // Block (column bx, split by) of `splits`, the first of its weights in W: stage x, multiply
 // (streaming the rest of the split's weights through W), add the warps along K, then write y or
-// this split's slice (and, last to finish its column, add the slices). PERSIST: (bxn, byn) is
-// the block's next unit (bxn < 0: none); returns whether this warp's slots now hold that unit's
-// first groups.
-__device__ __forceinline__ bool product(Weights& W, const Args& a, int bx, int by,
+// this split's slice (and, last to finish its column, add the slices).
+__device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int by,
                                         int splits, unsigned char* smem, int* is_last,
-                                        float* row_scale, float* ssp, int bxn = -1,
-                                        int byn = 0) {
+                                        float* row_scale, float* ssp) {
     const int rows = a.rows, n = a.n, gps = a.gps, has_bias = a.has_bias;
     const u16* __restrict__ bias = a.bias;
     u16* __restrict__ y = a.y;
@@ -271,25 +248,13 @@ __device__ __forceinline__ bool product(Weights& W, const Args& a, int bx, int b
     const int groups = a.k >> 7;
     const int g0 = by * gps, g1 = min(g0 + gps, groups);
     const bool live = tile < (n >> 4);
-#if PERSIST
-    // the next unit's groups for this warp, and whether the slots carry over: slot i frees with
-    // group j = i (mod GMAX), and takes the next unit's group j + GMAX - mine, which is i (mod
-    // GMAX) where mine is a multiple of GMAX
-    const int tile_n = bxn * TN + warp % TN, g0_n = byn * gps;
-    const int mine_n = bxn >= 0 && tile_n < (n >> 4) ? min(g0_n + gps, groups) - g0_n : 0;
-    const int mine_here = live ? g1 - g0 : 0;
-    const bool carry = mine_n > 0 && mine_here > 0 && mine_here % GMAX == 0;
-#else
-    const bool carry = false;
-#endif
     // x's rows over this split's inputs into shared memory (rows past `rows` are read as zeros
     // below). Row stride = 64 bytes more than a multiple of 128, so the lanes of a quarter-warp
     // hit distinct banks.
-    // PERSIST: all of x, staged once by the kernel (stage_x)
-    const int stride = PERSIST ? a.k + 32 : (gps << 7) + 32;  // bfloat16 elements
-    u16* xs = (u16*)smem + (PERSIST ? g0 << 7 : 0);
+    const int stride = (gps << 7) + 32;  // bfloat16 elements
+    u16* xs = (u16*)smem;
     const int chunks = (g1 - g0) << 4;  // 16-byte chunks of a row
-    const int total = PERSIST ? 0 : rows * chunks;
+    const int total = rows * chunks;
     for (int i = threadIdx.x; i < total; i += WARPS * 32) {
         const int r = i / chunks, c = i - r * chunks;
         u32x4 v = *(const u32x4*)(a.x + (size_t)r * a.ldx + (g0 << 7) + c * 8);
@@ -333,60 +298,6 @@ __device__ __forceinline__ bool product(Weights& W, const Args& a, int bx, int b
             }
         }
     }
-#if FOLD && SHARED_SUMS
-    // x's sums over each group of the split, [groups of the split][NB * 8 rows], after the warps'
-    // sums. They are the same for every tile, so one warp computes a group's sums for all TN of
-    // them, by the all-ones mma that the tiles' warps would otherwise each repeat (the same
-    // operands in the same order: the same bits, which FOLD's cancellation needs). SXQ groups a
-    // warp at a time, their chains of 8 mma interleaved; SXQ * NB * 4 accumulators beside the
-    // weights already in their slots (16: more cost 16- and 32-row kernels resident blocks).
-    constexpr int SXQ = STREAM ? (NB >= 4 ? 1 : 4 / NB) : 1;  // one-shot: a group a warp or fewer
-    float* sxs = (float*)(smem + rows * ((gps << 7) + 32) * 2 + WARPS * NB * 4 * 32 * 4);
-    __syncthreads();  // x staged
-    for (int j0 = warp; j0 < g1 - g0; j0 += SXQ * WARPS) {
-        float sx[SXQ][NB][4];
-#pragma unroll
-        for (int q = 0; q < SXQ; ++q)
-#pragma unroll
-            for (int b = 0; b < NB; ++b)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) sx[q][b][c] = 0.f;
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int q = 0; q < SXQ; ++q) {
-                const int j = j0 + q * WARPS;
-                if (j >= g1 - g0) break;
-#pragma unroll
-                for (int b = 0; b < NB; ++b) {
-                    const u16* xr = xs + (j << 7) + (b * 8 + g) * stride;
-                    u32x4 xa = u32x4{0u, 0u, 0u, 0u}, xb = xa;  // rows past `rows`: zeros
-                    if (b * 8 + g < rows) {
-                        xa = *(const u32x4*)(xr + 8 * (8 * h + t));
-                        xb = *(const u32x4*)(xr + 8 * (8 * h + 4 + t));
-                    }
-#pragma unroll
-                    for (int jj = 0; jj < 4; ++jj) {
-                        const u32x4 c = jj < 2 ? xa : xb;
-                        mma(sx[q][b], ONES, ONES, ONES, ONES, (jj & 1) ? c.z : c.x,
-                            (jj & 1) ? c.w : c.y);
-                    }
-                }
-            }
-        if (g == 0) {  // C fragment: rows 2t and 2t + 1 of the row block (every feature alike)
-#pragma unroll
-            for (int q = 0; q < SXQ; ++q) {
-                const int j = j0 + q * WARPS;
-                if (j >= g1 - g0) break;
-#pragma unroll
-                for (int b = 0; b < NB; ++b) {
-                    sxs[j * NB * 8 + b * 8 + 2 * t] = sx[q][b][0];
-                    sxs[j * NB * 8 + b * 8 + 2 * t + 1] = sx[q][b][1];
-                }
-            }
-        }
-    }
-#endif
     __syncthreads();
 
     float acc[NB][4];
@@ -407,21 +318,12 @@ __device__ __forceinline__ bool product(Weights& W, const Args& a, int bx, int b
             // The group's sums of x (128 + q) and of x, the latter from an mma with all-ones A
             // (its C fragment holds sum x of rows 2t and 2t + 1, as d's does, and its rounding
             // follows d's, which the cancellation in s d + (z - 136 s) sum x needs: sums added
-            // up apart measured less exact, and slower, in session 15). SHARED_SUMS: that mma
-            // ran once a block before the loop, its sums read from shared memory here.
-            float d[NB][4];
-#if !SHARED_SUMS
-            float sx[NB][4];
-#endif
+            // up apart measured less exact, and slower, in session 15).
+            float d[NB][4], sx[NB][4];
 #pragma unroll
             for (int b = 0; b < NB; ++b)
 #pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    d[b][c] = 0.f;
-#if !SHARED_SUMS
-                    sx[b][c] = 0.f;
-#endif
-                }
+                for (int c = 0; c < 4; ++c) d[b][c] = sx[b][c] = 0.f;
 #else
             const u32 s_lo = __byte_perm(W.sc[i].x, 0, 0x1010);
             const u32 z_lo = __byte_perm(W.sc[i].x, 0, 0x3232);
@@ -467,9 +369,7 @@ __device__ __forceinline__ bool product(Weights& W, const Args& a, int bx, int b
                         const u32 b0 = (jj & 1) ? c.z : c.x, b1 = (jj & 1) ? c.w : c.y;
 #if FOLD
                         mma(d[b], a0, a1, a2, a3, b0, b1);
-#if !SHARED_SUMS
                         mma(sx[b], ONES, ONES, ONES, ONES, b0, b1);
-#endif
 #else
                         mma(acc[b], a0, a1, a2, a3, b0, b1);
 #endif
@@ -484,29 +384,19 @@ __device__ __forceinline__ bool product(Weights& W, const Args& a, int bx, int b
 #pragma unroll
             for (int b = 0; b < NB; ++b)
 #pragma unroll
-                for (int c = 0; c < 4; ++c) {
-#if SHARED_SUMS
-                    const float sxv = sxs[(gr - g0) * NB * 8 + b * 8 + 2 * t + (c & 1)];
-#else
-                    const float sxv = sx[b][c];
-#endif
-                    acc[b][c] = fmaf(c < 2 ? c0 : c1, sxv,
+                for (int c = 0; c < 4; ++c)
+                    acc[b][c] = fmaf(c < 2 ? c0 : c1, sx[b][c],
                                      fmaf(c < 2 ? s0 : s1, d[b][c], acc[b][c]));
-                }
 #endif
 #if STREAM
             // the slot's next group: the warp's group j + GMAX
             if (j + GMAX < mine) load_group(W.wa[i], W.wb[i], W.sc[i], a, tile, gr + GMAX * WK);
-#if PERSIST
-            else if (carry && (PERSIST_FENCE != 2 || splits == 1) && j + GMAX - mine < mine_n)
-                load_group(W.wa[i], W.wb[i], W.sc[i], a, tile_n, g0_n + j + GMAX - mine);
-#endif
 #endif
         }
     }
 
     // The WK warps of a tile, added in order by the first.
-    float* red = (float*)(smem + rows * ((gps << 7) + 32) * 2);  // [WARPS][NB * 4][32]
+    float* red = (float*)(smem + rows * stride * 2);  // [WARPS][NB * 4][32]
     if (WK > 1) {
         if (wk > 0) {
 #pragma unroll
@@ -588,31 +478,18 @@ __device__ __forceinline__ bool product(Weights& W, const Args& a, int bx, int b
                 float v = 0.f;
 #pragma unroll
                 for (int j = 0; j < TN; ++j) v += ssp[j * 32 + threadIdx.x];
-                a.ss_out[(size_t)threadIdx.x * a.cols + bx] = v;
+                a.ss_out[(size_t)threadIdx.x * gridDim.x + bx] = v;
             }
         }
-        return carry;
+        return;
     }
 
     // The last block of a column adds the splits' slices in order.
-#if PERSIST && PERSIST_FENCE == 1
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        *is_last = atomicAdd(&a.counters[bx], 1) == splits - 1;
-    }
-#else
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) *is_last = atomicAdd(&a.counters[bx], 1) == splits - 1;
-#endif
     __syncthreads();
-#if PERSIST && PERSIST_FENCE == 2
-    if (bxn >= 0) load_weights(W, a, bxn, byn);
-    if (!*is_last) return bxn >= 0;
-#else
-    if (!*is_last) return carry;
-#endif
+    if (!*is_last) return;
     __threadfence();
     float* __restrict__ parts = a.parts;
     const int f0 = bx * TN * 16, nf = min(TN * 16, n - f0);
@@ -671,12 +548,11 @@ __device__ __forceinline__ bool product(Weights& W, const Args& a, int bx, int b
         if (threadIdx.x < rows) {
             float v = 0.f;
             for (int j = 0; j < nf; ++j) v += sqs[threadIdx.x * nf + j];
-            a.ss_out[(size_t)threadIdx.x * a.cols + bx] = v;
+            a.ss_out[(size_t)threadIdx.x * gridDim.x + bx] = v;
         }
     }
 #endif
     if (threadIdx.x == 0) a.counters[bx] = 0;
-    return PERSIST && PERSIST_FENCE == 2 ? bxn >= 0 : carry;
 }
 
 // Programmatic dependent launch: wait for the previous kernel's writes, then let the next
@@ -694,39 +570,16 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) int4_mma(co
          const u16* __restrict__ bias, u16* __restrict__ y, float* __restrict__ parts,
          int* __restrict__ counters, const u16* __restrict__ norm_w,
          const float* __restrict__ ss_in, float* __restrict__ ss_out, int rows, int n, int k,
-         int ldx, int ldy, int gps, int has_bias, int scaled, int add, int ss_cols, float eps,
-         int cols, int splits) {
+         int ldx, int ldy, int gps, int has_bias, int scaled, int add, int ss_cols, float eps) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ int is_last;
     __shared__ float row_scale[32], ssp[TN * 32];  // NORMS: rows' 1 / rms; tiles' sums of squares
     const Args a = {w, sz, x, bias, y, parts, counters, norm_w, ss_in, ss_out, rows, n, k, ldx,
-                    ldy, gps, has_bias, scaled, add, ss_cols, eps, cols, splits};
+                    ldy, gps, has_bias, scaled, add, ss_cols, eps};
     Weights W;
-#if PERSIST
-    const int units = cols * splits;
-    int u = blockIdx.x;
-    load_weights(W, a, u % cols, u / cols);
-    wait_for_previous_kernel();
-    {  // all of x's rows (row stride k + 32, as product() reads them)
-        const int chunks = k >> 3;
-        for (int i = threadIdx.x; i < rows * chunks; i += WARPS * 32) {
-            const int r = i / chunks, c = i - r * chunks;
-            *(u32x4*)((u16*)smem + r * (k + 32) + c * 8) =
-                *(const u32x4*)(x + (size_t)r * ldx + c * 8);
-        }
-        __syncthreads();
-    }
-    for (; u < units; u += gridDim.x) {
-        const int un = u + gridDim.x;
-        const bool carried = product(W, a, u % cols, u / cols, splits, smem, &is_last, row_scale,
-                                     ssp, un < units ? un % cols : -1, un / cols);
-        if (un < units && !carried) load_weights(W, a, un % cols, un / cols);
-    }
-#else
     load_weights(W, a, blockIdx.x, blockIdx.y);
     wait_for_previous_kernel();
-    product(W, a, blockIdx.x, blockIdx.y, splits, smem, &is_last, row_scale, ssp);
-#endif
+    product(W, a, blockIdx.x, blockIdx.y, gridDim.y, smem, &is_last, row_scale, ssp);
 }
 
 // The weight of the layout above as a bfloat16 [n, k] matrix, for products of more rows
