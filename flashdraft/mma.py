@@ -61,20 +61,18 @@ DECODE_RESIDENT = int(os.environ.get("FLASHDRAFT_MMA_DECODE_RESIDENT", "4"))
 # 1: a decoder block's two RMSNorms run inside the products around them (`linear`'s norm= and
 # residual=, through `quant.fuses_norm` and `model.Residual`): no norm kernels in decode,
 # verification and drafting steps. 0 (the default): a norm kernel each (with the residual add).
-# Off until measured as fast as the plain kernels: on the 32B int4 shape (47815d3) it made
-# decoding 2-6 % faster than the norm kernels with the same products, but those kernels then
-# needed 136 registers (3 blocks a multiprocessor, against 4 at 127: gate/up 42 -> 48 us) and
-# its 16-row steps waited on loads in series (t16 13.5 -> 15.5 ms). Both mended since (128
-# registers; loads before stores and reductions), neither timed nor run on the GPU yet.
-# RESULTS.md and NOTES-gpu.md, session 15.
+# Off because it is not faster: with 128-register kernels and the epilogues' loads ahead of
+# their stores (acaa867, H200), 32B and 8B int4 decode came out level with the norm kernels,
+# the 27B's slower, and 16-row steps 13-19 % slower (32B t16 13.0 -> 15.4 ms). RESULTS.md,
+# sessions 15 and 16.
 NORMS = os.environ.get("FLASHDRAFT_MMA_NORMS", "0") == "1"
 # 1: an MLP's [gate; up] layer is stored for the gated kernel (SiLU · up in the product's
 # epilogue, one kernel fewer a layer); 0: stored as is, SiLU · up its own kernel. Read when a
 # layer is quantized.
 GATED = os.environ.get("FLASHDRAFT_MMA_GATED", "1") == "1"
 # Passes of a split product's last block whose slices are loaded before any is added and stored
-# (the .cu file's SUM_PASSES; the order of every sum is the same for any value). 1, the measured
-# default; more may shorten steps of many rows (rows * 64 / 128 passes), not yet timed.
+# (the .cu file's SUM_PASSES; the order of every sum is the same for any value). 1: 4 measured
+# 2-3 % slower decode and no faster 16-row steps (acaa867, H200; RESULTS.md session 16).
 SUM_PASSES = int(os.environ.get("FLASHDRAFT_MMA_SUM_PASSES", "1"))
 if not 1 <= SUM_PASSES <= 8:
     raise ValueError(f"FLASHDRAFT_MMA_SUM_PASSES={SUM_PASSES}: 1 to 8, or unset it for 1")
