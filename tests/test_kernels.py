@@ -556,3 +556,83 @@ def test_gated_setting_other_than_auto_1_or_0_is_refused():
     run = subprocess.run([sys.executable, "-c", "import flashdraft.kernels"], capture_output=True,
                          text=True, env={**os.environ, "FLASHDRAFT_GATED": "yes"})
     assert run.returncode != 0 and "FLASHDRAFT_GATED='yes': use auto, 1 or 0" in run.stderr
+
+
+def _aligned_views(sizes: list[int], gap: int = 512) -> list[torch.Tensor]:
+    """uint8 tensors of `sizes` bytes at 256-byte aligned addresses, gap bytes apart."""
+    buf = torch.empty(sum(sizes) + gap * len(sizes) + 256, dtype=torch.uint8)
+    at = -buf.data_ptr() % 256
+    views = []
+    for n in sizes:
+        views.append(buf[at:at + n])
+        at += n + gap
+    return views
+
+
+def test_l2_plan_asks_for_each_step_byte_once_lead_bytes_ahead(monkeypatch):
+    """plan_l2_lead: product i asks for the stream's bytes [start_i + lead, end_i + lead), in
+    the step's order and wrapping to its start, as (address, offset, bytes) pieces; so every
+    weight byte of a step is asked for exactly once, lead bytes before its product starts."""
+    sizes = [[4096, 1024], [2048], [16384, 512, 512], [8192], [3072]]
+    views = _aligned_views([n for ts in sizes for n in ts])
+    products, i = [], 0
+    for ts in sizes:
+        products.append(views[i:i + len(ts)])
+        i += len(ts)
+    stream = [t.data_ptr() + j for ts in products for t in ts for j in range(0, t.numel(), 256)]
+    total, lead = 256 * len(stream), 5120
+    kernels.plan_l2_lead(products, lead)
+    monkeypatch.setattr(kernels, "L2_LEAD", lead)
+    asked, start = [], 0
+    for ts in products:
+        own = sum(t.numel() for t in ts)
+        table = kernels._l2_args(ts[0])["l2_ptr"]
+        assert table.shape == (kernels.L2_SEGS + 1, 3) and table.dtype == torch.int64
+        n_bytes, pieces = int(table[0, 0]), int(table[0, 1])
+        assert n_bytes == own and 1 <= pieces <= kernels.L2_SEGS
+        lines, offset = [], 0
+        for addr, off, n in table[1:1 + pieces].tolist():
+            assert off == offset and n % 256 == 0 and addr % 256 == 0
+            lines += range(addr, addr + n, 256)
+            offset += n
+        want = [stream[(j // 256) % len(stream)]
+                for j in range(start + lead, start + own + lead, 256)]
+        assert lines == want
+        asked += lines
+        start += own
+    assert sorted(asked) == sorted(stream) and start == total
+    kernels.plan_l2_lead(products, 0)  # lead 0 takes the plans away
+    assert all(kernels._l2_args(ts[0]) == {} for ts in products)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("quantized", [False, True])
+def test_l2_lead_changes_no_bit(monkeypatch, quantized):
+    """The products' L2 prefetch of the weights after them (kernels.L2_LEAD) is a hint: the
+    same logits bit for bit, eager and graph-replayed, for bf16 (folded norms) and int4 (mma)
+    models, decoding and verifying."""
+    from flashdraft import quant
+    from flashdraft.cuda_graphs import StepRunner
+    from flashdraft.shapes import build_random_model
+    if quantized:
+        monkeypatch.setattr(kernels, "FOLD_NORMS", False)
+    cfg = ModelConfig("qwen2", 4096, 256, 768, 3, 8, 2, 32, qkv_bias=True)
+    model = build_random_model(cfg, torch.bfloat16, "cuda", quant="int4" if quantized else None)
+    if quantized:
+        assert all(m.backend == "mma" for m in model.modules() if isinstance(m, quant.QuantLinear))
+    prompt = torch.randint(0, cfg.vocab_size, (1, 40), device="cuda")
+    out = {}
+    for lead in (0, 1 << 20):
+        monkeypatch.setattr(kernels, "L2_LEAD", lead)
+        cache = KVCache.for_model(cfg, 1, 256, torch.bfloat16, "cuda")
+        runner = StepRunner(model, "cuda")
+        with torch.inference_mode():
+            model(prompt[:, :30], torch.arange(30, device="cuda")[None], cache)
+            steps = [runner(prompt[:, 30:31], 30, cache)[0].clone(),
+                     runner(prompt[:, 31:40], 31, cache)[0].clone(),
+                     model(prompt[:, 30:31], torch.tensor([[30]], device="cuda"), cache,
+                           kv_len=64)[0]]
+        out[lead] = torch.cat(steps, 1)
+        assert bool(kernels._l2_args(model.products()[0][0])) == bool(lead)
+    assert torch.equal(out[0], out[1 << 20])
