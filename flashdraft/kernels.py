@@ -210,25 +210,28 @@ if triton is not None:
                         "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }")
 
     @triton.jit
-    def _l2_prefetch(a0, n0, a1, n1, ON: tl.constexpr, CHUNK: tl.constexpr, PTX: tl.constexpr):
+    def _l2_prefetch(l2_ptr, SEGS: tl.constexpr, CHUNK: tl.constexpr, PTX: tl.constexpr):
         # This program's share of the weight bytes that the products after this one read next
-        # (`plan_l2_lead`: bytes n0 at address a0, then n1 at a1), asked of the L2 with no
-        # load before it: programs (n block, K slice) share the range evenly; row blocks past
-        # the first ask nothing.
-        if ON:
+        # (`plan_l2_lead`'s table at l2_ptr: [total, pieces, 0] then (address, offset, bytes)
+        # per piece), asked of the L2 before anything else: weights never depend on an earlier
+        # kernel. Programs (n block, K slice) share the range evenly; row blocks past the first
+        # ask nothing.
+        if SEGS > 0:
             if tl.program_id(2) == 0:
                 programs = tl.num_programs(0) * tl.num_programs(1)
                 p = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-                piece = ((n0 + n1 + programs - 1) // programs + 255) // 256 * 256
+                total = tl.load(l2_ptr)
+                piece = ((total + programs - 1) // programs + 255) // 256 * 256
                 lo = p * piece
-                hi = tl.minimum(lo + piece, n0 + n1)
-                for c in range(lo, tl.minimum(hi, n0), CHUNK):
-                    tl.inline_asm_elementwise(PTX, "=r,l,r", [a0 + c, tl.minimum(
-                        tl.minimum(hi, n0) - c, CHUNK).to(tl.int32)], dtype=tl.int32,
-                        is_pure=False, pack=1)
-                for c in range(tl.maximum(lo, n0), hi, CHUNK):
-                    tl.inline_asm_elementwise(PTX, "=r,l,r", [a1 + (c - n0), tl.minimum(
-                        hi - c, CHUNK).to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+                hi = tl.minimum(lo + piece, total)
+                for s in tl.static_range(SEGS):
+                    addr = tl.load(l2_ptr + 3 + 3 * s)
+                    off = tl.load(l2_ptr + 4 + 3 * s)
+                    end = tl.minimum(hi, off + tl.load(l2_ptr + 5 + 3 * s))
+                    for c in range(tl.maximum(lo, off), end, CHUNK):
+                        tl.inline_asm_elementwise(PTX, "=r,l,r", [addr + (c - off),
+                                                  tl.minimum(end - c, CHUNK).to(tl.int32)],
+                                                  dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n, eps, stride_x, stride_r, stride_o,
@@ -496,8 +499,8 @@ if triton is not None:
                        BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
                        LAST_REDUCE: tl.constexpr, USE_PDL: tl.constexpr,
                        SCALE_TILES: tl.constexpr = 0, ADD_RESIDUAL: tl.constexpr = False,
-                       EARLY_LAUNCH: tl.constexpr = False, l2_a0=0, l2_n0=0, l2_a1=0,
-                       l2_n1=0, L2_ON: tl.constexpr = False, L2_CHUNK: tl.constexpr = 65536,
+                       EARLY_LAUNCH: tl.constexpr = False, l2_ptr=None,
+                       L2_SEGS: tl.constexpr = 0, L2_CHUNK: tl.constexpr = 65536,
                        L2_PTX: tl.constexpr = ""):
         # out [m, n] = x [m, k] @ w [n, k]^T, as (w @ x^T)^T so that the few rows of x are the
         # narrow side of the tensor-core product. With GATED, w is [2 n, k] (gate rows, then up
@@ -508,9 +511,9 @@ if triton is not None:
         # gets the sums of squares of the result (`_skinny_epilogue`).
         # Program (n block, K slice, row block of BLOCK_M = 16). A row's result depends on that
         # row and the weights alone, never on m: the decode of one token and the verification
-        # of k+1 tokens compute each row bit for bit alike. L2_ON: the weights of the products
-        # that follow are asked of the L2 (`plan_l2_lead`) once this program's first tiles are
-        # on their way, which changes no bit.
+        # of k+1 tokens compute each row bit for bit alike. L2_SEGS > 0: the weights of the
+        # products that follow are asked of the L2 first (`plan_l2_lead`), which changes no bit.
+        _l2_prefetch(l2_ptr, L2_SEGS, L2_CHUNK, L2_PTX)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -531,7 +534,6 @@ if triton is not None:
         if GATED:
             u_pre = tl.load(w_rows + n * stride_wn + offs_p[None, :],
                             mask=n_ok[:, None] & p_ok[None, :], other=0.0)
-        _l2_prefetch(l2_a0, l2_n0, l2_a1, l2_n1, L2_ON, L2_CHUNK, L2_PTX)
         if PREFETCH:
             _pdl_wait(USE_PDL, EARLY_LAUNCH)
         x_pre = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_p[None, :],
@@ -785,7 +787,7 @@ def _counters(device: torch.device, needed: int) -> torch.Tensor:
 # (`_l2_prefetch`, int4_mma.cu's `prefetch_ahead`; sm_90 on), nothing held, no bit changed.
 # FLASHDRAFT_L2_LEAD_MB: the lead in MB (0: off).
 L2_LEAD = int(float(os.environ.get("FLASHDRAFT_L2_LEAD_MB", "0")) * 2 ** 20)
-L2_SEGS = 2  # pieces (parts of weight tensors) of a product's range; the rest is dropped
+L2_SEGS = 8  # pieces (parts of weight tensors) a product's range may span; the rest is dropped
 _L2_ALIGN = 256
 
 
@@ -811,30 +813,35 @@ def plan_l2_lead(products: list[list[torch.Tensor]], lead: int) -> None:
     """Give each product of a step (products: the tensors each reads, in the order a step runs
     them; the first is the one its kernel is launched with) the range of weight bytes it asks
     the L2 for (`_l2_prefetch`): from `lead` bytes past the start of its own weights to `lead`
-    bytes past their end, in the step's order, as up to L2_SEGS (address, bytes) pieces. Kept
-    on the product's first tensor (`_l2_args`); `lead` 0 removes the plans."""
+    bytes past their end, in the step's order. Kept on the product's first tensor
+    (`_l2_args`); `lead` 0 removes the plans."""
     sizes = [(t.data_ptr(), t.numel() * t.element_size()) for ts in products for t in ts]
     total = sum(n for _, n in sizes)
     lead = min(lead, total // 2)
     start = 0
     for ts in products:
         own = sum(t.numel() * t.element_size() for t in ts)
-        ts[0].__dict__.pop("_flashdraft_l2", None)
-        if lead:
-            pieces = _l2_pieces(sizes, start + lead, start + own + lead)[:L2_SEGS]
-            ts[0]._flashdraft_l2 = tuple(pieces + [(0, 0)] * (L2_SEGS - len(pieces)))
+        if not lead:
+            ts[0].__dict__.pop("_flashdraft_l2", None)
+            start += own
+            continue
+        pieces = _l2_pieces(sizes, start + lead, start + own + lead)[:L2_SEGS]
+        rows, offset = [[sum(n for _, n in pieces), len(pieces), 0]], 0
+        for addr, n in pieces:
+            rows.append([addr, offset, n])
+            offset += n
+        rows += [[0, 0, 0]] * (L2_SEGS + 1 - len(rows))
+        ts[0]._flashdraft_l2 = torch.tensor(rows, dtype=torch.int64, device=ts[0].device)
         start += own
 
 
 def _l2_args(w: torch.Tensor) -> dict:
     """The skinny kernel's L2 prefetch arguments for weight w: its plan (`plan_l2_lead`) where
     L2_LEAD is on and w has one, else none (the kernel compiles without it)."""
-    plan = w.__dict__.get("_flashdraft_l2") if L2_LEAD else None
-    if plan is None:
+    table = w.__dict__.get("_flashdraft_l2") if L2_LEAD else None
+    if table is None:
         return {}
-    (a0, n0), (a1, n1) = plan
-    return {"l2_a0": a0, "l2_n0": n0, "l2_a1": a1, "l2_n1": n1, "L2_ON": True,
-            "L2_PTX": _L2_PREFETCH_PTX}
+    return {"l2_ptr": table, "L2_SEGS": L2_SEGS, "L2_PTX": _L2_PREFETCH_PTX}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -355,10 +355,10 @@ def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 
 def _l2_args(qweight: torch.Tensor) -> list:
-    """The kernel's L2 prefetch arguments (a0, n0, a1, n1): qweight's plan where it has one and
-    kernels.L2_LEAD is on (kernels.plan_l2_lead), else nothing to ask for."""
+    """The kernel's L2 prefetch arguments (table, pieces): qweight's plan where it has one and
+    kernels.L2_LEAD is on (kernels.plan_l2_lead), else none."""
     args = kernels._l2_args(qweight)
-    return [ctypes.c_longlong(args.get(key, 0)) for key in ("l2_a0", "l2_n0", "l2_a1", "l2_n1")]
+    return [args["l2_ptr"], args["L2_SEGS"]] if args else [qweight, 0]
 
 
 class _Attribute(ctypes.Structure):  # CUlaunchAttribute
@@ -385,11 +385,9 @@ def _launch_kernel_ex():
 def _launch(fn, grid, block, shared: int, args: list, pdl: bool, device: int) -> None:
     """fn on the current stream through cuLaunchKernelEx, with programmatic dependent launch
     when pdl (the kernel then overlaps its weight loads with the previous kernel's tail, as the
-    Triton kernels do); tensors pass as pointers, ints as int, floats as float, c_longlong as
-    it is."""
+    Triton kernels do); tensors pass as pointers, ints as int, floats as float."""
     values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
-              else ctypes.c_float(a) if isinstance(a, float)
-              else a if isinstance(a, ctypes.c_longlong) else ctypes.c_int(a) for a in args]
+              else ctypes.c_float(a) if isinstance(a, float) else ctypes.c_int(a) for a in args]
     pointers = (ctypes.c_void_p * len(values))(
         *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
     attribute = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)

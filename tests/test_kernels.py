@@ -571,9 +571,8 @@ def _aligned_views(sizes: list[int], gap: int = 512) -> list[torch.Tensor]:
 
 def test_l2_plan_asks_for_each_step_byte_once_lead_bytes_ahead(monkeypatch):
     """plan_l2_lead: product i asks for the stream's bytes [start_i + lead, end_i + lead), in
-    the step's order and wrapping to its start, as (address, bytes) pieces; so every weight
-    byte of a step is asked for exactly once, lead bytes before its product starts. The
-    kernels take the first two pieces."""
+    the step's order and wrapping to its start, as (address, offset, bytes) pieces; so every
+    weight byte of a step is asked for exactly once, lead bytes before its product starts."""
     sizes = [[4096, 1024], [2048], [16384, 512, 512], [8192], [3072]]
     views = _aligned_views([n for ts in sizes for n in ts])
     products, i = [], 0
@@ -581,27 +580,27 @@ def test_l2_plan_asks_for_each_step_byte_once_lead_bytes_ahead(monkeypatch):
         products.append(views[i:i + len(ts)])
         i += len(ts)
     stream = [t.data_ptr() + j for ts in products for t in ts for j in range(0, t.numel(), 256)]
-    lead = 5120
-    monkeypatch.setattr(kernels, "L2_SEGS", 8)
+    total, lead = 256 * len(stream), 5120
     kernels.plan_l2_lead(products, lead)
+    monkeypatch.setattr(kernels, "L2_LEAD", lead)
     asked, start = [], 0
     for ts in products:
         own = sum(t.numel() for t in ts)
-        plan = ts[0]._flashdraft_l2
-        assert len(plan) == 8 and all(a % 256 == 0 and n % 256 == 0 for a, n in plan)
-        lines = [line for a, n in plan for line in range(a, a + n, 256)]
-        assert lines == [stream[(j // 256) % len(stream)]
-                         for j in range(start + lead, start + own + lead, 256)]
+        table = kernels._l2_args(ts[0])["l2_ptr"]
+        assert table.shape == (kernels.L2_SEGS + 1, 3) and table.dtype == torch.int64
+        n_bytes, pieces = int(table[0, 0]), int(table[0, 1])
+        assert n_bytes == own and 1 <= pieces <= kernels.L2_SEGS
+        lines, offset = [], 0
+        for addr, off, n in table[1:1 + pieces].tolist():
+            assert off == offset and n % 256 == 0 and addr % 256 == 0
+            lines += range(addr, addr + n, 256)
+            offset += n
+        want = [stream[(j // 256) % len(stream)]
+                for j in range(start + lead, start + own + lead, 256)]
+        assert lines == want
         asked += lines
         start += own
-    assert sorted(asked) == sorted(stream)
-    monkeypatch.setattr(kernels, "L2_SEGS", 2)
-    kernels.plan_l2_lead(products, lead)
-    monkeypatch.setattr(kernels, "L2_LEAD", lead)
-    (a0, n0), (a1, n1) = products[2][0]._flashdraft_l2
-    assert kernels._l2_args(products[2][0]) == {"l2_a0": a0, "l2_n0": n0, "l2_a1": a1,
-                                                "l2_n1": n1, "L2_ON": True,
-                                                "L2_PTX": kernels._L2_PREFETCH_PTX}
+    assert sorted(asked) == sorted(stream) and start == total
     kernels.plan_l2_lead(products, 0)  # lead 0 takes the plans away
     assert all(kernels._l2_args(ts[0]) == {} for ts in products)
 

@@ -565,21 +565,23 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
 }
 
 // The L2 asked for this block's share of the weight bytes that the products after this one
-// read next (flashdraft.kernels.plan_l2_lead: n0 bytes at a0, then n1 at a1; the Triton
-// kernels' _l2_prefetch): one bulk prefetch a 64 KB, by the block's first thread, nothing held.
-__device__ __forceinline__ void prefetch_ahead(long long a0, long long n0, long long a1,
-                                               long long n1) {
+// read next (flashdraft.kernels.plan_l2_lead's table: [total, pieces, 0], then (address,
+// offset, bytes) a piece; the Triton kernels' _l2_prefetch): one bulk prefetch a 64 KB, by the
+// block's first thread, nothing held.
+__device__ __forceinline__ void prefetch_ahead(const long long* __restrict__ l2, int segs) {
 #if __CUDA_ARCH__ >= 900
     const long long blocks = (long long)gridDim.x * gridDim.y;
     const long long b = (long long)blockIdx.y * gridDim.x + blockIdx.x;
-    const long long piece = ((n0 + n1 + blocks - 1) / blocks + 255) / 256 * 256;
-    const long long lo = b * piece, hi = min(lo + piece, n0 + n1);
-    for (long long c = lo, end = min(hi, n0); c < end; c += 65536)
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
-                     :: "l"(a0 + c), "r"((u32)min(end - c, 65536LL)) : "memory");
-    for (long long c = max(lo, n0); c < hi; c += 65536)
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
-                     :: "l"(a1 + (c - n0)), "r"((u32)min(hi - c, 65536LL)) : "memory");
+    const long long total = l2[0];
+    const long long piece = ((total + blocks - 1) / blocks + 255) / 256 * 256;
+    const long long lo = b * piece, hi = min(lo + piece, total);
+    for (int s = 0; s < segs; ++s) {
+        const long long addr = l2[3 + 3 * s], off = l2[4 + 3 * s];
+        const long long end = min(hi, off + l2[5 + 3 * s]);
+        for (long long c = max(lo, off); c < end; c += 65536)
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
+                         :: "l"(addr + c - off), "r"((u32)min(end - c, 65536LL)) : "memory");
+    }
 #endif
 }
 
@@ -590,15 +592,15 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) int4_mma(co
          int* __restrict__ counters, const u16* __restrict__ norm_w,
          const float* __restrict__ ss_in, float* __restrict__ ss_out, int rows, int n, int k,
          int ldx, int ldy, int gps, int has_bias, int scaled, int add, int ss_cols, float eps,
-         long long l2_a0, long long l2_n0, long long l2_a1, long long l2_n1) {
+         const long long* __restrict__ l2, int l2_segs) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ int is_last;
     __shared__ float row_scale[32], ssp[TN * 32];  // NORMS: rows' 1 / rms; tiles' sums of squares
     const Args a = {w, sz, x, bias, y, parts, counters, norm_w, ss_in, ss_out, rows, n, k, ldx,
                     ldy, gps, has_bias, scaled, add, ss_cols, eps};
+    if (l2_segs && threadIdx.x == 0) prefetch_ahead(l2, l2_segs);
     Weights W;
     load_weights(W, a, blockIdx.x, blockIdx.y);
-    if (l2_n0 + l2_n1 > 0 && threadIdx.x == 0) prefetch_ahead(l2_a0, l2_n0, l2_a1, l2_n1);
     wait_for_previous_kernel();
     product(W, a, blockIdx.x, blockIdx.y, gridDim.y, smem, &is_last, row_scale, ssp);
 }
