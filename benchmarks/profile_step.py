@@ -457,8 +457,6 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
       wkN    int4 products' one-shot splits with N warps along K a tile (mma.WK)
       sumN   int4 split products' last block loading N passes' slices before adding any
              (mma.SUM_PASSES, 1-8)
-      l2leadN  each product asks the L2 for the weights of the products after it, N MB ahead
-             of its own in the step's order (kernels.L2_LEAD; l2lead0: off)
     Switches joined by "+" (e.g. "early+nopdl") are toggled together in one run."""
     from flashdraft import mma
     set_path(DEFAULT)
@@ -466,8 +464,7 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
              "ROPE_ATTENTION": kernels.ROPE_ATTENTION, "rms_norm": kernels.rms_norm,
              "FOLD_NORMS": kernels.FOLD_NORMS, "MMA_SPLIT_GROUPS": mma.SPLIT_GROUPS,
              "rope_attention": kernels.rope_attention,
-             "MMA_WK": mma.WK, "MMA_NORMS": mma.NORMS, "MMA_SUM_PASSES": mma.SUM_PASSES,
-             "L2_LEAD": kernels.L2_LEAD}
+             "MMA_WK": mma.WK, "MMA_NORMS": mma.NORMS, "MMA_SUM_PASSES": mma.SUM_PASSES}
     default = target(shape, quant, context)
     split_len = default[2].split_len
     runs = {"default": (default, {})}
@@ -507,15 +504,12 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
         if switch.startswith("sum") and switch[3:].isdigit() and 1 <= int(switch[3:]) <= 8:
             passes = int(switch[3:])
             return f"int4 split sums {passes} passes at a time", {"MMA_SUM_PASSES": passes}
-        if switch.startswith("l2lead") and switch[6:].isdigit():
-            mb = int(switch[6:])
-            return f"L2 lead {mb} MB", {"L2_LEAD": mb * 2 ** 20}
         if switch.startswith("wk") and switch[2:].isdigit() and 1 <= int(switch[2:]) <= 4:
             warps = int(switch[2:])
             return f"int4 one-shot splits of {warps} warps", {"MMA_WK": warps}
         raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, halfsplit, "
                          f"unfolded, nonorm, noattn, nopdl, mmanorms, streamN, "
-                         f"wkN (N 1-4), sumN (N 1-8), l2leadN, or several joined by '+'")
+                         f"wkN (N 1-4), sumN (N 1-8), or several joined by '+'")
 
     for switch in switches:
         if switch == "gated" and (quant or "").startswith("int4"):
@@ -614,7 +608,7 @@ def main() -> None:
     ap.add_argument("--breakdown", default=None, metavar="SWITCHES",
                     help="the default decode path against each comma-separated switch "
                          "toggled (gated, early, rope, split, halfsplit, unfolded, nonorm, "
-                         "noattn, nopdl, mmanorms, sumN, l2leadN, "
+                         "noattn, nopdl, mmanorms, sumN, "
                          "streamN, wkN, or several joined by '+': see breakdown), in turn, with "
                          "kernel tables")
     ap.add_argument("--repeats", type=int, default=2,

@@ -204,35 +204,6 @@ if triton is not None:
                 tl.extra.cuda.gdc_wait()
                 tl.extra.cuda.gdc_launch_dependents()
 
-    # One bulk prefetch into the L2 (sm_90: the copy engine fetches `size` bytes, nothing is
-    # held), issued by the program's first thread only.
-    _L2_PREFETCH_PTX = ("{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-                        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }")
-
-    @triton.jit
-    def _l2_prefetch(l2_ptr, SEGS: tl.constexpr, CHUNK: tl.constexpr, PTX: tl.constexpr):
-        # This program's share of the weight bytes that the products after this one read next
-        # (`plan_l2_lead`'s table at l2_ptr: [total, pieces, 0] then (address, offset, bytes)
-        # per piece), asked of the L2 before anything else: weights never depend on an earlier
-        # kernel. Programs (n block, K slice) share the range evenly; row blocks past the first
-        # ask nothing.
-        if SEGS > 0:
-            if tl.program_id(2) == 0:
-                programs = tl.num_programs(0) * tl.num_programs(1)
-                p = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-                total = tl.load(l2_ptr)
-                piece = ((total + programs - 1) // programs + 255) // 256 * 256
-                lo = p * piece
-                hi = tl.minimum(lo + piece, total)
-                for s in tl.static_range(SEGS):
-                    addr = tl.load(l2_ptr + 3 + 3 * s)
-                    off = tl.load(l2_ptr + 4 + 3 * s)
-                    end = tl.minimum(hi, off + tl.load(l2_ptr + 5 + 3 * s))
-                    for c in range(tl.maximum(lo, off), end, CHUNK):
-                        tl.inline_asm_elementwise(PTX, "=r,l,r", [addr + (c - off),
-                                                  tl.minimum(end - c, CHUNK).to(tl.int32)],
-                                                  dtype=tl.int32, is_pure=False, pack=1)
-
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n, eps, stride_x, stride_r, stride_o,
                          HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr, EARLY_LAUNCH: tl.constexpr = False):
@@ -499,9 +470,7 @@ if triton is not None:
                        BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
                        LAST_REDUCE: tl.constexpr, USE_PDL: tl.constexpr,
                        SCALE_TILES: tl.constexpr = 0, ADD_RESIDUAL: tl.constexpr = False,
-                       EARLY_LAUNCH: tl.constexpr = False, l2_ptr=None,
-                       L2_SEGS: tl.constexpr = 0, L2_CHUNK: tl.constexpr = 65536,
-                       L2_PTX: tl.constexpr = ""):
+                       EARLY_LAUNCH: tl.constexpr = False):
         # out [m, n] = x [m, k] @ w [n, k]^T, as (w @ x^T)^T so that the few rows of x are the
         # narrow side of the tensor-core product. With GATED, w is [2 n, k] (gate rows, then up
         # rows) and out = SiLU(x @ gate^T) * (x @ up^T): the MLP's first product and its
@@ -511,9 +480,7 @@ if triton is not None:
         # gets the sums of squares of the result (`_skinny_epilogue`).
         # Program (n block, K slice, row block of BLOCK_M = 16). A row's result depends on that
         # row and the weights alone, never on m: the decode of one token and the verification
-        # of k+1 tokens compute each row bit for bit alike. L2_SEGS > 0: the weights of the
-        # products that follow are asked of the L2 first (`plan_l2_lead`), which changes no bit.
-        _l2_prefetch(l2_ptr, L2_SEGS, L2_CHUNK, L2_PTX)
+        # of k+1 tokens compute each row bit for bit alike.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -776,72 +743,6 @@ def _counters(device: torch.device, needed: int) -> torch.Tensor:
     if buf is None:
         buf = _COUNTERS[device] = torch.zeros(_N_COUNTERS, dtype=torch.int32, device=device)
     return buf
-
-
-# Weights asked of the L2 ahead of the products that read them. A step reads every weight
-# once, in an order fixed by the model (`Transformer.products`), and the weights depend on
-# nothing, so each product may ask for the bytes that the products after it will read, up to
-# L2_LEAD bytes beyond its own end in that order (wrapping to the step's first product): the
-# memory then keeps streaming while attention, the small kernels and each product's start and
-# tail run, and the next product finds its first bytes in the L2. One bulk prefetch a program
-# (`_l2_prefetch`, int4_mma.cu's `prefetch_ahead`; sm_90 on), nothing held, no bit changed.
-# FLASHDRAFT_L2_LEAD_MB: the lead in MB (0: off).
-L2_LEAD = int(float(os.environ.get("FLASHDRAFT_L2_LEAD_MB", "0")) * 2 ** 20)
-L2_SEGS = 8  # pieces (parts of weight tensors) a product's range may span; the rest is dropped
-_L2_ALIGN = 256
-
-
-def _l2_pieces(sizes: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
-    """(address, bytes) of the parts of the stream of tensors `sizes` [(address, bytes)] that
-    lie in [lo, hi) of the stream's bytes (wrapping once past its end), each trimmed to
-    _L2_ALIGN-byte bounds (a bulk prefetch takes 16-byte ones)."""
-    total = sum(n for _, n in sizes)
-    out = []
-    for base in (0, total):
-        start = base
-        for addr, n in sizes:
-            a, b = max(lo, start), min(hi, start + n)
-            first = -(-(addr + a - start) // _L2_ALIGN) * _L2_ALIGN
-            last = (addr + b - start) // _L2_ALIGN * _L2_ALIGN
-            if b > a and last > first:
-                out.append((first, last - first))
-            start += n
-    return out
-
-
-def plan_l2_lead(products: list[list[torch.Tensor]], lead: int) -> None:
-    """Give each product of a step (products: the tensors each reads, in the order a step runs
-    them; the first is the one its kernel is launched with) the range of weight bytes it asks
-    the L2 for (`_l2_prefetch`): from `lead` bytes past the start of its own weights to `lead`
-    bytes past their end, in the step's order. Kept on the product's first tensor
-    (`_l2_args`); `lead` 0 removes the plans."""
-    sizes = [(t.data_ptr(), t.numel() * t.element_size()) for ts in products for t in ts]
-    total = sum(n for _, n in sizes)
-    lead = min(lead, total // 2)
-    start = 0
-    for ts in products:
-        own = sum(t.numel() * t.element_size() for t in ts)
-        if not lead:
-            ts[0].__dict__.pop("_flashdraft_l2", None)
-            start += own
-            continue
-        pieces = _l2_pieces(sizes, start + lead, start + own + lead)[:L2_SEGS]
-        rows, offset = [[sum(n for _, n in pieces), len(pieces), 0]], 0
-        for addr, n in pieces:
-            rows.append([addr, offset, n])
-            offset += n
-        rows += [[0, 0, 0]] * (L2_SEGS + 1 - len(rows))
-        ts[0]._flashdraft_l2 = torch.tensor(rows, dtype=torch.int64, device=ts[0].device)
-        start += own
-
-
-def _l2_args(w: torch.Tensor) -> dict:
-    """The skinny kernel's L2 prefetch arguments for weight w: its plan (`plan_l2_lead`) where
-    L2_LEAD is on and w has one, else none (the kernel compiles without it)."""
-    table = w.__dict__.get("_flashdraft_l2") if L2_LEAD else None
-    if table is None:
-        return {}
-    return {"l2_ptr": table, "L2_SEGS": L2_SEGS, "L2_PTX": _L2_PREFETCH_PTX}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -1146,7 +1047,7 @@ def _skinny(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated:
         BLOCK_K=cfg.block_k, BLOCK_M=16, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         PREFETCH=PREFETCH, LAST_REDUCE=last, SCALE_TILES=0 if ss is None else ss.shape[1],
         ADD_RESIDUAL=residual is not None, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **_pdl(x2), **_l2_args(w))
+        num_stages=cfg.num_stages, **_pdl(x2))
     if cfg.split > 1 and not last:
         total = rows * n
         _sum_slices_kernel[(triton.cdiv(total, 1024),)](

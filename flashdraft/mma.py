@@ -349,16 +349,9 @@ def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             [qweight, scales, x2, bias if bias is not None else x2, out, parts, counters, norm_w,
              ss_in, ss_out, rows, n, k, x2.stride(0), out.stride(0), cfg.groups_per_split,
              int(bias is not None), int(norm is not None), int(residual is not None),
-             ss_in.shape[1] if norm is not None else 0, float(eps), *_l2_args(qweight)],
+             ss_in.shape[1] if norm is not None else 0, float(eps)],
             "launch_pdl" in kernels._pdl(x2), device)
     return ss_out if residual is not None else out
-
-
-def _l2_args(qweight: torch.Tensor) -> list:
-    """The kernel's L2 prefetch arguments (table, pieces): qweight's plan where it has one and
-    kernels.L2_LEAD is on (kernels.plan_l2_lead), else none."""
-    args = kernels._l2_args(qweight)
-    return [args["l2_ptr"], args["L2_SEGS"]] if args else [qweight, 0]
 
 
 class _Attribute(ctypes.Structure):  # CUlaunchAttribute

@@ -246,7 +246,6 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
         self.norms_folded = False  # fold_norms
-        self.l2_lead = 0  # the lead of the products' L2 plans (kernels.plan_l2_lead), 0: none
 
     @torch.no_grad()
     def fold_norms(self) -> None:
@@ -273,17 +272,6 @@ class Transformer(nn.Module):
             norm.weight = nn.Parameter(torch.ones_like(norm.weight), requires_grad=False)
         self.norms_folded = True
 
-    def products(self) -> list[list[torch.Tensor]]:
-        """The weight tensors of each product in the order a step runs them (a layer's qkv, o,
-        gate/up and down, then the head), the one its kernel is launched with first."""
-        def tensors(m: nn.Module) -> list[torch.Tensor]:
-            if hasattr(m, "qweight"):  # quant.QuantLinear
-                return [t for t in (m.qweight, m.scale, m.zero) if t is not None]
-            return [m.weight]
-        mods = [m for block in self.layers for m in (block.attn.wqkv, block.attn.wo,
-                                                     block.mlp.w_gate_up, block.mlp.w_down)]
-        return [tensors(m) for m in mods + [self.lm_head]]
-
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 kv_len: int | None = None, hidden_layers: tuple[int, ...] = (),
                 last_only: bool = False, logits_at: torch.Tensor | None = None):
@@ -303,10 +291,6 @@ class Transformer(nn.Module):
         """
         if kv_len is None:
             kv_len = int(positions.max()) + 1
-        if (self.l2_lead != kernels.L2_LEAD and tokens.is_cuda
-                and not torch.cuda.is_current_stream_capturing()):
-            kernels.plan_l2_lead(self.products(), kernels.L2_LEAD)
-            self.l2_lead = kernels.L2_LEAD
         residual = self.embed(tokens)  # the residual stream
         cos, sin = rope_cos_sin(positions, self.inv_freq, residual.dtype)
         small = tokens.shape[1] <= SMALL_T

@@ -348,8 +348,6 @@ def quantize_model(model: nn.Module, mode: str, backend: str = "auto",
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child_name,
                 quantize_linear(name, getattr(parent, child_name), mode, backend))
-    if hasattr(model, "l2_lead"):
-        model.l2_lead = 0  # new weights: plan their L2 prefetch again (kernels.plan_l2_lead)
     return model
 
 

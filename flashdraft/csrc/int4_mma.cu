@@ -564,41 +564,18 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
 #endif
 }
 
-// The L2 asked for this block's share of the weight bytes that the products after this one
-// read next (flashdraft.kernels.plan_l2_lead's table: [total, pieces, 0], then (address,
-// offset, bytes) a piece; the Triton kernels' _l2_prefetch): one bulk prefetch a 64 KB, by the
-// block's first thread, nothing held.
-__device__ __forceinline__ void prefetch_ahead(const long long* __restrict__ l2, int segs) {
-#if __CUDA_ARCH__ >= 900
-    const long long blocks = (long long)gridDim.x * gridDim.y;
-    const long long b = (long long)blockIdx.y * gridDim.x + blockIdx.x;
-    const long long total = l2[0];
-    const long long piece = ((total + blocks - 1) / blocks + 255) / 256 * 256;
-    const long long lo = b * piece, hi = min(lo + piece, total);
-    for (int s = 0; s < segs; ++s) {
-        const long long addr = l2[3 + 3 * s], off = l2[4 + 3 * s];
-        const long long end = min(hi, off + l2[5 + 3 * s]);
-        for (long long c = max(lo, off); c < end; c += 65536)
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
-                         :: "l"(addr + c - off), "r"((u32)min(end - c, 65536LL)) : "memory");
-    }
-#endif
-}
-
 // One block a (column, split): grid (columns, splits). The weights do not depend on the
 // previous kernel: each warp's first GMAX groups are loaded before waiting for it.
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* __restrict__ x,
          const u16* __restrict__ bias, u16* __restrict__ y, float* __restrict__ parts,
          int* __restrict__ counters, const u16* __restrict__ norm_w,
          const float* __restrict__ ss_in, float* __restrict__ ss_out, int rows, int n, int k,
-         int ldx, int ldy, int gps, int has_bias, int scaled, int add, int ss_cols, float eps,
-         const long long* __restrict__ l2, int l2_segs) {
+         int ldx, int ldy, int gps, int has_bias, int scaled, int add, int ss_cols, float eps) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ int is_last;
     __shared__ float row_scale[32], ssp[TN * 32];  // NORMS: rows' 1 / rms; tiles' sums of squares
     const Args a = {w, sz, x, bias, y, parts, counters, norm_w, ss_in, ss_out, rows, n, k, ldx,
                     ldy, gps, has_bias, scaled, add, ss_cols, eps};
-    if (l2_segs && threadIdx.x == 0) prefetch_ahead(l2, l2_segs);
     Weights W;
     load_weights(W, a, blockIdx.x, blockIdx.y);
     wait_for_previous_kernel();
