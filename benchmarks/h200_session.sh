@@ -102,7 +102,7 @@ for phase in "$@"; do
     ;;
   breakdown)
     # The default decode path against switches toggled (BREAKDOWN: gated, early, rope, split,
-    # halfsplit, unfolded, nonorm, noattn, nopdl, mmanorms, streamN, wkN, sumN; several
+    # halfsplit, unfolded, nonorm, noattn, nopdl, streamN, wkN; several
     # joined by "+"),
     # in turn in one process, with kernel tables (profile_step.breakdown); BREAKDOWN_ARGS e.g.
     # "--context 200".

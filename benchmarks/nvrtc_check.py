@@ -4,7 +4,7 @@ no GPU: NVRTC compiles flashdraft/csrc/int4_mma.cu for sm_90 and ptxas reports i
     pip install nvidia-cuda-nvrtc-cu12        # NVRTC alone, no CUDA toolkit
     python benchmarks/nvrtc_check.py [--lib PATH/libnvrtc.so.12] [-D NAME=VALUE ...]
 
-The variants are the ones mma.linear launches (decode, streamed, 16 and 32 rows, gated, norms),
+The variants are the ones mma.linear launches (decode, streamed, 16 and 32 rows, gated),
 each with the options mma._kernel passes. A register count over 65,536 / (blocks x threads)
 costs resident blocks (session 15: 136 registers, 3 blocks a multiprocessor instead of 4)."""
 from __future__ import annotations
@@ -18,16 +18,14 @@ from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parents[1] / "flashdraft" / "csrc" / "int4_mma.cu"
 
-# name: (NB, TN, WK, GMAX, MIN_BLOCKS, GATED, STREAM, NORMS), as mma.linear picks them
+# name: (NB, TN, WK, GMAX, MIN_BLOCKS, GATED, STREAM), as mma.linear picks them
 VARIANTS = {
-    "decode one-shot": (1, 4, 2, 4, 4, 0, 0, 0),
-    "decode streamed": (1, 4, 1, 8, 2, 0, 1, 0),
-    "decode streamed gated": (1, 4, 1, 8, 2, 1, 1, 0),
-    "decode streamed norms": (1, 4, 1, 8, 4, 0, 1, 1),
-    "16 rows streamed": (2, 4, 1, 8, 1, 0, 1, 0),
-    "32 rows streamed": (4, 4, 1, 8, 1, 0, 1, 0),
-    "32 rows one-shot": (4, 4, 2, 4, 1, 0, 0, 0),
-    "16 rows streamed norms": (2, 4, 1, 8, 1, 0, 1, 1),
+    "decode one-shot": (1, 4, 2, 4, 4, 0, 0),
+    "decode streamed": (1, 4, 1, 8, 2, 0, 1),
+    "decode streamed gated": (1, 4, 1, 8, 2, 1, 1),
+    "16 rows streamed": (2, 4, 1, 8, 1, 0, 1),
+    "32 rows streamed": (4, 4, 1, 8, 1, 0, 1),
+    "32 rows one-shot": (4, 4, 2, 4, 1, 0, 0),
 }
 
 
@@ -63,13 +61,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lib", default=None, help="path of libnvrtc.so.12")
     ap.add_argument("-D", dest="defines", action="append", default=[],
-                    help="more macros for every variant, e.g. -D SUM_PASSES=4")
+                    help="more macros for every variant, e.g. -D FOLD=0")
     args = ap.parse_args()
     lib, source = _library(args.lib), SOURCE.read_text()
-    for name, (nb, tn, wk, gmax, min_blocks, gated, stream, norms) in VARIANTS.items():
+    for name, (nb, tn, wk, gmax, min_blocks, gated, stream) in VARIANTS.items():
         options = ["-arch=sm_90", "-Xptxas=-v", f"-DNB={nb}", f"-DTN={tn}", f"-DWK={wk}",
                    f"-DGMAX={gmax}", f"-DMIN_BLOCKS={min_blocks}", f"-DGATED={gated}",
-                   f"-DSTREAM={stream}", f"-DNORMS={norms}"] + [f"-D{d}" for d in args.defines]
+                   f"-DSTREAM={stream}"] + [f"-D{d}" for d in args.defines]
         log = compile_report(lib, source, options)
         # ptxas reports each kernel; keep int4_mma's lines
         block = log[log.find("int4_mma'"):] if "int4_mma'" in log else log

@@ -451,12 +451,9 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
       noattn attention skipped (rope, cache write and attention: an empty output, no kernel);
              wrong output, speed only, the most that a faster attention could give
       nopdl  no programmatic dependent launch
-      mmanorms  int4 models' block norms inside the mma products (mma.NORMS) toggled
       streamN  int4 products with streamed splits of K of up to N groups (mma.SPLIT_GROUPS;
              "stream0": none, session 13's launch rule)
       wkN    int4 products' one-shot splits with N warps along K a tile (mma.WK)
-      sumN   int4 split products' last block loading N passes' slices before adding any
-             (mma.SUM_PASSES, 1-8)
     Switches joined by "+" (e.g. "early+nopdl") are toggled together in one run."""
     from flashdraft import mma
     set_path(DEFAULT)
@@ -464,7 +461,7 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
              "ROPE_ATTENTION": kernels.ROPE_ATTENTION, "rms_norm": kernels.rms_norm,
              "FOLD_NORMS": kernels.FOLD_NORMS, "MMA_SPLIT_GROUPS": mma.SPLIT_GROUPS,
              "rope_attention": kernels.rope_attention,
-             "MMA_WK": mma.WK, "MMA_NORMS": mma.NORMS, "MMA_SUM_PASSES": mma.SUM_PASSES}
+             "MMA_WK": mma.WK}
     default = target(shape, quant, context)
     split_len = default[2].split_len
     runs = {"default": (default, {})}
@@ -494,22 +491,16 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
             return "no attention (wrong output)", {"rope_attention": no_attention}
         if switch == "nopdl":
             return "nopdl", {"PDL": False}
-        if switch == "mmanorms":
-            return (f"int4 norms in the products {not saved['MMA_NORMS']}",
-                    {"MMA_NORMS": not saved["MMA_NORMS"]})
         if switch.startswith("stream") and switch[6:].isdigit():
             groups = int(switch[6:])
             return (f"int4 streamed splits up to {groups} groups" if groups else
                     "no streamed int4 splits"), {"MMA_SPLIT_GROUPS": groups}
-        if switch.startswith("sum") and switch[3:].isdigit() and 1 <= int(switch[3:]) <= 8:
-            passes = int(switch[3:])
-            return f"int4 split sums {passes} passes at a time", {"MMA_SUM_PASSES": passes}
         if switch.startswith("wk") and switch[2:].isdigit() and 1 <= int(switch[2:]) <= 4:
             warps = int(switch[2:])
             return f"int4 one-shot splits of {warps} warps", {"MMA_WK": warps}
         raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, halfsplit, "
-                         f"unfolded, nonorm, noattn, nopdl, mmanorms, streamN, "
-                         f"wkN (N 1-4), sumN (N 1-8), or several joined by '+'")
+                         f"unfolded, nonorm, noattn, nopdl, streamN, "
+                         f"wkN (N 1-4), or several joined by '+'")
 
     for switch in switches:
         if switch == "gated" and (quant or "").startswith("int4"):
@@ -608,7 +599,7 @@ def main() -> None:
     ap.add_argument("--breakdown", default=None, metavar="SWITCHES",
                     help="the default decode path against each comma-separated switch "
                          "toggled (gated, early, rope, split, halfsplit, unfolded, nonorm, "
-                         "noattn, nopdl, mmanorms, sumN, "
+                         "noattn, nopdl, "
                          "streamN, wkN, or several joined by '+': see breakdown), in turn, with "
                          "kernel tables")
     ap.add_argument("--repeats", type=int, default=2,

@@ -11,9 +11,6 @@ wrapper: no compiler, headers or build step beyond torch's CUDA build) and launc
   batch-invariant (see the .cu file's header). FLASHDRAFT_MMA_FOLD,
   FLASHDRAFT_MMA_DECODE_RESIDENT, FLASHDRAFT_MMA_STREAM_SLOTS and FLASHDRAFT_MMA_STREAM_RESIDENT
   choose compile-time variants; FLASHDRAFT_MMA_SPLIT_GROUPS bounds the launch rule's splits.
-- `linear(..., norm=(weight, ss, eps))`: the RMSNorm before the product applied in it;
-  `linear(..., residual=r)`: r += the product, returning r's sums of squares for the next one's
-  norm (the model takes them with FLASHDRAFT_MMA_NORMS=1, off by default).
 - `dequantize(qweight, scales, n, k)`: W [n, k] bfloat16 (for prefill through cuBLAS).
 - `linear(..., gated=True)`: SiLU(gate) · up of the MLP's [gate; up] product in the same kernel,
   its rows stored in `gate_up_order` (each tile's output features pair a gate with its up).
@@ -58,24 +55,10 @@ FOLD = int(os.environ.get("FLASHDRAFT_MMA_FOLD", "1"))
 # bounds; 4 spills a few bytes and was the fastest decode, 3 % over 1). Kernels for more rows
 # keep 1 (4 spilled heavily: 2x slower for 32 rows). Registers change no result.
 DECODE_RESIDENT = int(os.environ.get("FLASHDRAFT_MMA_DECODE_RESIDENT", "4"))
-# 1: a decoder block's two RMSNorms run inside the products around them (`linear`'s norm= and
-# residual=, through `quant.fuses_norm` and `model.Residual`): no norm kernels in decode,
-# verification and drafting steps. 0 (the default): a norm kernel each (with the residual add).
-# Off because it is not faster: with 128-register kernels and the epilogues' loads ahead of
-# their stores (acaa867, H200), 32B and 8B int4 decode came out level with the norm kernels,
-# the 27B's slower, and 16-row steps 13-19 % slower (32B t16 13.0 -> 15.4 ms). RESULTS.md,
-# sessions 15 and 16.
-NORMS = os.environ.get("FLASHDRAFT_MMA_NORMS", "0") == "1"
 # 1: an MLP's [gate; up] layer is stored for the gated kernel (SiLU · up in the product's
 # epilogue, one kernel fewer a layer); 0: stored as is, SiLU · up its own kernel. Read when a
 # layer is quantized.
 GATED = os.environ.get("FLASHDRAFT_MMA_GATED", "1") == "1"
-# Passes of a split product's last block whose slices are loaded before any is added and stored
-# (the .cu file's SUM_PASSES; the order of every sum is the same for any value). 1: 4 measured
-# 2-3 % slower decode and no faster 16-row steps (acaa867, H200; RESULTS.md session 16).
-SUM_PASSES = int(os.environ.get("FLASHDRAFT_MMA_SUM_PASSES", "1"))
-if not 1 <= SUM_PASSES <= 8:
-    raise ValueError(f"FLASHDRAFT_MMA_SUM_PASSES={SUM_PASSES}: 1 to 8, or unset it for 1")
 # Measurement only (benchmarks/profile_step.py --mma-probe), wrong output: 1 the weights loaded
 # but not multiplied (the .cu file's PROBE).
 PROBE = 0
@@ -103,13 +86,12 @@ def unavailable(device: torch.device | str, dtype: torch.dtype) -> str | None:
 @functools.cache
 def _kernel(name: str, device: int, row_blocks: int = 1, tn: int = TN, wk: int = WK,
             gmax: int = GMAX, gated: bool = False, min_blocks: int = 1, stream: bool = False,
-            probe: int = 0, norms: bool = False, sum_passes: int = 1):
+            probe: int = 0):
     """The compiled kernel, loaded into `device`'s context (a module belongs to one)."""
     source = SOURCE.read_text()
     options = [f"-DNB={row_blocks}", f"-DTN={tn}", f"-DWK={wk}", f"-DGMAX={gmax}",
                f"-DFOLD={FOLD}", f"-DMIN_BLOCKS={min_blocks}", f"-DGATED={int(gated)}",
-               f"-DSTREAM={int(stream)}", f"-DPROBE={probe}", f"-DNORMS={int(norms)}",
-               f"-DSUM_PASSES={sum_passes}"]
+               f"-DSTREAM={int(stream)}", f"-DPROBE={probe}"]
     try:
         with torch.cuda.device(device):
             return torch.cuda._compile_kernel(source, name, nvcc_options=options)
@@ -279,25 +261,11 @@ def _row_blocks(rows: int) -> int:
     return 1 if rows <= 8 else 2 if rows <= 16 else 4
 
 
-def adds_into(n: int, cfg: MmaConfig | None = None) -> bool:
-    """Whether `linear(..., residual=)` serves an n-feature product (its blocks' sums of squares
-    need whole block columns of an even number of tiles)."""
-    tn = cfg.tn if cfg else TN
-    return n % (16 * tn) == 0 and tn % 2 == 0
-
-
 def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
            bias: torch.Tensor | None, n: int, cfg: MmaConfig | None = None,
-           gated: bool = False, norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
+           gated: bool = False) -> torch.Tensor:
     """x2 [rows, k] bfloat16 (rows <= MAX_ROWS) @ W^T + bias -> [rows, n] bfloat16; gated
-    (W and bias in `gate_up_order`): SiLU(gate) · up of that, [rows, n / 2].
-
-    norm = (weight [k], ss [rows, cols] float32, eps): x2 is an RMSNorm's input, normalised in
-    the kernel (x2 · weight staged, each row's product scaled by rsqrt(ss.sum(-1) / k + eps)).
-    residual [rows, n] bfloat16, contiguous (not gated; `adds_into(n)`): residual += the
-    product, in place; returns the sums of squares of residual's new rows by block column,
-    [rows, cfg.blocks_n] float32 (the next product's norm's ss)."""
+    (W and bias in `gate_up_order`): SiLU(gate) · up of that, [rows, n / 2]."""
     rows, k = x2.shape
     if rows > MAX_ROWS or x2.dtype != torch.bfloat16:
         raise ValueError(f"the int4 mma kernel takes up to {MAX_ROWS} bfloat16 rows, "
@@ -306,27 +274,7 @@ def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         x2 = x2.clone(memory_format=torch.contiguous_format)  # rows read in 16-byte chunks
     cfg = cfg or config(n, k, shared_limit=_shared_limit(_device_index(x2)))
     nb = _row_blocks(rows)
-    if residual is not None:
-        if gated or not adds_into(n, cfg) or residual.shape != (rows, n) or (
-                not residual.is_contiguous()) or residual.dtype != torch.bfloat16:
-            raise ValueError(f"residual= takes a contiguous bfloat16 [{rows}, {n}] stream and "
-                             f"an ungated product of whole block columns; got "
-                             f"{tuple(residual.shape)} {residual.dtype}, gated={gated}, {cfg}")
-        out = residual
-        ss_out = torch.empty(rows, cfg.blocks_n, dtype=torch.float32, device=x2.device)
-    else:
-        out = torch.empty(rows, n // 2 if gated else n, dtype=x2.dtype, device=x2.device)
-        ss_out = out
-    if norm is not None:
-        norm_w, ss_in, eps = norm
-        if norm_w.shape != (k,) or norm_w.dtype != torch.bfloat16 or not norm_w.is_contiguous() \
-                or ss_in.shape[0] != rows or ss_in.dtype != torch.float32:
-            raise ValueError(f"norm= takes a contiguous bfloat16 [{k}] weight and float32 "
-                             f"[{rows}, cols] sums of squares; got {tuple(norm_w.shape)} "
-                             f"{norm_w.dtype}, {tuple(ss_in.shape)} {ss_in.dtype}")
-        ss_in = ss_in.contiguous()
-    else:
-        norm_w, ss_in, eps = x2, out, 0.0
+    out = torch.empty(rows, n // 2 if gated else n, dtype=x2.dtype, device=x2.device)
     if cfg.splits > 1:
         parts = torch.empty(cfg.splits * rows * n, dtype=torch.float32, device=x2.device)
         counters = kernels._counters(x2.device, cfg.blocks_n)
@@ -337,21 +285,15 @@ def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     per_warp = -(-cfg.groups_per_split // cfg.wk)
     stream = per_warp > GMAX  # else one-shot: the slots hold all of a warp's groups
     resident = (STREAM_RESIDENT if stream else DECODE_RESIDENT) if nb == 1 else 1
-    norms = norm is not None or residual is not None
-    if norms and stream and nb == 1:
-        # the plain streamed kernel's 127 registers allow 4 blocks a multiprocessor; the norms'
-        # code takes it to 128-136 unless bounded (no spills at 4: NVRTC, sm_90)
-        resident = max(resident, 4)
     fn = _kernel("int4_mma", device, nb, cfg.tn, cfg.wk, STREAM_SLOTS if stream else per_warp,
-                 gated, resident, stream, PROBE, norms, SUM_PASSES)
+                 gated, resident, stream, PROBE)
     _allow_shared(fn, shared)
     _launch(fn, (cfg.blocks_n, cfg.splits, 1), (threads, 1, 1), shared,
-            [qweight, scales, x2, bias if bias is not None else x2, out, parts, counters, norm_w,
-             ss_in, ss_out, rows, n, k, x2.stride(0), out.stride(0), cfg.groups_per_split,
-             int(bias is not None), int(norm is not None), int(residual is not None),
-             ss_in.shape[1] if norm is not None else 0, float(eps)],
+            [qweight, scales, x2, bias if bias is not None else x2, out, parts, counters,
+             rows, n, k, x2.stride(0), out.stride(0), cfg.groups_per_split,
+             int(bias is not None)],
             "launch_pdl" in kernels._pdl(x2), device)
-    return ss_out if residual is not None else out
+    return out
 
 
 class _Attribute(ctypes.Structure):  # CUlaunchAttribute

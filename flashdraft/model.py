@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import kernels, quant
+from . import kernels
 from .config import ModelConfig
 from .kv_cache import KVCache
 
@@ -163,13 +163,12 @@ class Residual:
       (`kernels.norm_linear`: the add and the norm in one kernel, then the product).
     - With the add in the product, which leaves each row's sums of squares in `ss`; the next
       product applies the norm itself: the norm runs no kernel of its own.
-      - Unquantized models: `kernels.add_linear`, then `kernels.scaled_linear` (the norm's weight
-        folded into the product's, `Transformer.fold_norms`: a scale of the product's rows),
-        where the model's norms are folded and the skinny kernel serves both products
-        (`kernels.folds_norm`).
-      - int4 models: `QuantLinear.forward_add`, then `forward_normed` (the norm's weight applied
-        to x as the kernel stages it), where the mma kernel serves both (`quant.fuses_norm`).
-      Both: decode, verification and drafting steps on the GPU. Else the first way.
+      `kernels.add_linear`, then `kernels.scaled_linear` (the norm's weight folded into the
+      product's, `Transformer.fold_norms`: a scale of the product's rows), where the model's
+      norms are folded and the skinny kernel serves both products (`kernels.folds_norm`):
+      decode, verification and drafting steps of unquantized models on the GPU. Else the first
+      way (quantized models keep their norm kernels; an int4 model's norms inside the mma
+      products measured no faster, sessions 15-16, and were removed in session 17).
     """
 
     def __init__(self, x: torch.Tensor, folded: bool):
@@ -183,11 +182,8 @@ class Residual:
                folded: bool = True) -> torch.Tensor:
         """module(norm(stream)) (gated: SiLU(gate) · up of it); folded: whether the model's
         norm weights were folded into module."""
-        if self.ss is not None:
-            if quant.fuses_norm(self.x, module):
-                return module.forward_normed(self.x, self.ss, norm, gated)
-            if folded and self.folded:
-                return kernels.scaled_linear(self.x, self.ss, norm.eps, module, gated)
+        if self.ss is not None and folded and self.folded:
+            return kernels.scaled_linear(self.x, self.ss, norm.eps, module, gated)
         out, self.x = kernels.norm_linear(self.delta, self.x, norm, module, gated)
         self.delta = self.ss = None
         return out
@@ -196,8 +192,6 @@ class Residual:
         """The sublayer output module(x) into the stream (after `normed`: no delta waits)."""
         if self.folded and kernels.folds_norm(x, module):
             self.ss = kernels.add_linear(x, module, self.x)
-        elif quant.fuses_norm(x, module, self.x):
-            self.ss = module.forward_add(x, self.x)
         else:
             self.delta, self.ss = kernels.linear(x, module), None
 

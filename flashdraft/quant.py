@@ -258,29 +258,6 @@ class QuantLinear(nn.Module):
             return y.reshape(*x.shape[:-1], self.out_features // 2)
         return kernels.silu_mul(self(x))
 
-    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual += self(x) in the product's kernel (`fuses_norm(x, self, residual)`);
-        returns residual's rows' sums of squares by block column, [rows, blocks] float32, for
-        the next product's `forward_normed`."""
-        return mma.linear(x.reshape(-1, x.shape[-1]), self.qweight, self.scale, self.bias,
-                          self.out_features, residual=residual.view(-1, self.out_features))
-
-    def forward_normed(self, x: torch.Tensor, ss: torch.Tensor, norm: nn.Module,
-                       gated: bool = False) -> torch.Tensor:
-        """self(norm(x)), or with gated SiLU(gate) · up of it (`forward_gated`), with the
-        RMSNorm (weight, eps) applied in the product's kernel (`fuses_norm(x, self)`): ss, the
-        sums of squares of x's rows [rows, cols] float32 (`forward_add`)."""
-        x2 = x.reshape(-1, x.shape[-1])
-        spec = (norm.weight, ss, norm.eps)
-        if gated and self.gated_layout:
-            y = mma.linear(x2, self.qweight, self.scale, None, self.out_features, gated=True,
-                           norm=spec)
-            return y.reshape(*x.shape[:-1], self.out_features // 2)
-        y = self._stored_to_true(mma.linear(x2, self.qweight, self.scale, self.bias,
-                                            self.out_features, norm=spec), -1)
-        y = y.reshape(*x.shape[:-1], self.out_features)
-        return kernels.silu_mul(y) if gated else y
-
     def _stored_to_true(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """t indexed by stored output row along dim -> by the layer's output feature."""
         if not self.gated_layout:
@@ -289,20 +266,6 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, {self.mode}, backend={self.backend}"
-
-
-def fuses_norm(x: torch.Tensor, module: nn.Module, residual: torch.Tensor | None = None) -> bool:
-    """Whether module runs a decoder block's RMSNorm in its own kernel for x: a QuantLinear on
-    the mma backend, in a step of at most mma.MAX_ROWS bfloat16 rows (decode, verification,
-    drafting), with mma.NORMS on. Given the residual stream: the residual add after the product
-    (`forward_add`, which needs an ungated product of whole block columns and a contiguous
-    stream); else the norm before it (`forward_normed`)."""
-    if not (isinstance(module, QuantLinear) and module.backend == "mma" and mma.NORMS
-            and x.dtype == torch.bfloat16 and x.numel() // x.shape[-1] <= mma.MAX_ROWS):
-        return False
-    return residual is None or (not module.gated_layout and residual.is_contiguous()
-                                and residual.dtype == torch.bfloat16
-                                and mma.adds_into(module.out_features))
 
 
 def _tinygemm_pack(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):

@@ -155,35 +155,6 @@ def test_quantized_speculative_decoding_equals_quantized_plain(tmp_path, mode):
         assert [o.token_ids for o in outs] == plain, draft
 
 
-@gpu
-@needs_cuda
-def test_norms_inside_the_int4_products_decode_as_the_norm_kernels(monkeypatch):
-    """A decoder block's two RMSNorms inside the int4 mma products around them (mma.NORMS):
-    the same logits as with a norm kernel each, to the rounding, at 1 and 9 rows (norm weights
-    that are not ones; a qkv bias; verification-sized steps)."""
-    from flashdraft import mma
-    monkeypatch.setattr(kernels, "FOLD_NORMS", False)
-    cfg = ModelConfig("qwen2", 512, 256, 512, 3, 4, 2, 64, qkv_bias=True)
-    model = build_random_model(cfg, torch.bfloat16, "cuda", quant="int4")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-    assert all(m.backend == "mma" for m in model.modules() if isinstance(m, quant.QuantLinear))
-    tokens = torch.randint(0, 512, (1, 40), device="cuda")
-    logits = {}
-    for norms in (False, True):
-        monkeypatch.setattr(mma, "NORMS", norms)
-        cache = KVCache.for_model(cfg, 1, 64, torch.bfloat16, "cuda")
-        model(tokens[:, :30], torch.arange(30, device="cuda")[None], cache)  # prefill: norm kernels
-        steps = [model(tokens[:, 30:31], torch.tensor([[30]], device="cuda"), cache, kv_len=64)[0],
-                 model(tokens[:, 31:40], torch.arange(31, 40, device="cuda")[None], cache,
-                       kv_len=64)[0]]
-        logits[norms] = torch.cat(steps, 1)
-    rel = ((logits[True] - logits[False]).norm() / logits[False].norm()).item()
-    assert 0 < rel < 2e-2, rel  # another rounding, the same function
-
-
 def test_quantize_model_refuses_a_model_with_folded_norms():
     """Folded norm weights would change what int4/int8 round: the message says how to
     quantize instead."""

@@ -75,13 +75,6 @@ struct __align__(8) u32x2 { u32 x, y; };
 #ifndef STREAM
 #define STREAM 0  // 0: at most GMAX groups a warp, all loaded up front; 1: any number, streamed
 #endif
-#ifndef NORMS
-#define NORMS 0  // 1: the scaled (norm=) and add (residual=) epilogues compiled in (see Args)
-#endif
-#ifndef SUM_PASSES
-#define SUM_PASSES 1  // passes of the last block's loop whose slices are all loaded before any of
-                      // them is added and stored (the sums' order is the same whatever it is)
-#endif
 #ifndef PROBE
 #define PROBE 0  // measurement only, wrong output: 1 the weights loaded but not multiplied (no
                  // conversion, x not read, no mma)
@@ -171,12 +164,6 @@ __device__ __forceinline__ u16 silu_mul(float gate, float up) {
     return to_bf16(gate / (1.f + __expf(-gate)) * up);
 }
 
-// SCALED: x is an RMSNorm's input. It is staged as x * norm_w (the norm's weight, [k]) and each
-// row's product scaled by 1 / rms = rsqrt(sum(ss_in[row][0 .. ss_cols)) / k + eps), its sums of
-// squares added in a fixed order. ADD: y is the residual stream, y += the product (rounded to
-// bfloat16 first, as a separate add would be), and ss_out[row][block column] gets the sum of
-// squares of the block's TN * 16 new values of the row (n a multiple of TN * 16, TN even, not
-// GATED): the next SCALED product's ss_in. The two norms of a decoder block then run no kernel.
 struct Args {
     const u32x4* __restrict__ w;
     const u32x2* __restrict__ sz;
@@ -185,24 +172,8 @@ struct Args {
     u16* __restrict__ y;
     float* __restrict__ parts;
     int* __restrict__ counters;
-    const u16* __restrict__ norm_w;
-    const float* __restrict__ ss_in;
-    float* __restrict__ ss_out;
-    int rows, n, k, ldx, ldy, gps, has_bias, scaled, add, ss_cols;
-    float eps;
+    int rows, n, k, ldx, ldy, gps, has_bias;
 };
-
-__device__ __forceinline__ float scaled_by(float v, const Args& a, const float* row_scale,
-                                           int row) {
-    return NORMS && a.scaled ? row_scale[row] * v : v;
-}
-
-// ADD: the residual value old plus v, v rounded to bfloat16 first (as a separate add would).
-__device__ __forceinline__ u16 added(u16 old, float v) {
-    return to_bf16(lo_f32(old) + lo_f32(to_bf16(v)));
-}
-
-__device__ __forceinline__ float squared(u16 v) { return lo_f32(v) * lo_f32(v); }
 
 // A warp's register slots: GMAX groups of its tile (16-byte halves and scale pairs).
 struct Weights {
@@ -237,8 +208,7 @@ __device__ __forceinline__ void load_weights(Weights& W, const Args& a, int bx, 
 // (streaming the rest of the split's weights through W), add the warps along K, then write y or
 // this split's slice (and, last to finish its column, add the slices).
 __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int by,
-                                        int splits, unsigned char* smem, int* is_last,
-                                        float* row_scale, float* ssp) {
+                                        int splits, unsigned char* smem, int* is_last) {
     const int rows = a.rows, n = a.n, gps = a.gps, has_bias = a.has_bias;
     const u16* __restrict__ bias = a.bias;
     u16* __restrict__ y = a.y;
@@ -257,46 +227,8 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
     const int total = rows * chunks;
     for (int i = threadIdx.x; i < total; i += WARPS * 32) {
         const int r = i / chunks, c = i - r * chunks;
-        u32x4 v = *(const u32x4*)(a.x + (size_t)r * a.ldx + (g0 << 7) + c * 8);
-        if (NORMS && a.scaled) {  // x * the norm's weight, rounded to bfloat16 once
-            const u32x4 nw = *(const u32x4*)(a.norm_w + (g0 << 7) + c * 8);
-            u32* vv = &v.x;
-            const u32* ww = &nw.x;
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                vv[e] = (u32)to_bf16(lo_f32(vv[e]) * lo_f32(ww[e])) |
-                        ((u32)to_bf16(hi_f32(vv[e]) * hi_f32(ww[e])) << 16);
-        }
+        const u32x4 v = *(const u32x4*)(a.x + (size_t)r * a.ldx + (g0 << 7) + c * 8);
         *(u32x4*)(xs + r * stride + c * 8) = v;
-    }
-    // 1 / rms of each row: a warp takes rows warp, warp + WARPS, ... four at a time, every load
-    // of a pass issued before any is added (one wait a pass, not one a row); each lane's sums in
-    // order, then a tree. (Loading the first row's sums before staging x took the streamed
-    // kernel from 127 to 136 registers, 3 blocks a multiprocessor instead of 4; session 15.)
-    if (NORMS && a.scaled) {
-        for (int r0 = warp; r0 < rows; r0 += 4 * WARPS) {
-            float sum[4] = {0.f, 0.f, 0.f, 0.f};
-            for (int j0 = 0; j0 < a.ss_cols; j0 += 64) {
-                float v[4][2];
-#pragma unroll
-                for (int q = 0; q < 4; ++q)
-#pragma unroll
-                    for (int u = 0; u < 2; ++u) {
-                        const int r = r0 + q * WARPS, j = j0 + u * 32 + lane;
-                        v[q][u] = r < rows && j < a.ss_cols
-                                      ? load_cg(a.ss_in + (size_t)r * a.ss_cols + j) : 0.f;
-                    }
-#pragma unroll
-                for (int q = 0; q < 4; ++q) sum[q] += v[q][0] + v[q][1];
-            }
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) sum[q] += __shfl_xor_sync(0xffffffffu, sum[q], o);
-                const int r = r0 + q * WARPS;
-                if (lane == 0 && r < rows) row_scale[r] = rsqrtf(sum[q] / (float)a.k + a.eps);
-            }
-        }
     }
     __syncthreads();
 
@@ -420,17 +352,6 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
     // features g and g + 8 of a tile are the gate and the up of output column 8 tile + g, so
     // fragments c and c + 2 make one output.
     if (wk == 0 && live) {
-        float sq[NB][2] = {};  // ADD: squares of the new values of rows 2t, 2t + 1 (c & 1)
-        u16 old[NB][4] = {};  // ADD, one split: the residual's values, all read before any store
-        if (NORMS && a.add && splits == 1) {
-#pragma unroll
-            for (int b = 0; b < NB; ++b)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    const int row = b * 8 + 2 * t + (c & 1), f = tile * 16 + g + 8 * (c >> 1);
-                    if (row < rows) old[b][c] = y[(size_t)row * a.ldy + f];
-                }
-        }
 #pragma unroll
         for (int b = 0; b < NB; ++b)
 #pragma unroll
@@ -441,48 +362,16 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
                     a.parts[((size_t)by * rows + row) * n + f] = acc[b][c];
 #if GATED
                 else if (c < 2)
-                    y[(size_t)row * a.ldy + tile * 8 + g] = silu_mul(
-                        with_bias(scaled_by(acc[b][c], a, row_scale, row), bias, f, has_bias),
-                        with_bias(scaled_by(acc[b][c + 2], a, row_scale, row), bias, f + 8,
-                                  has_bias));
+                    y[(size_t)row * a.ldy + tile * 8 + g] =
+                        silu_mul(with_bias(acc[b][c], bias, f, has_bias),
+                                 with_bias(acc[b][c + 2], bias, f + 8, has_bias));
 #else
-                else {
-                    const float v =
-                        with_bias(scaled_by(acc[b][c], a, row_scale, row), bias, f, has_bias);
-                    if (NORMS && a.add) {
-                        const u16 out = added(old[b][c], v);
-                        y[(size_t)row * a.ldy + f] = out;
-                        sq[b][c & 1] += squared(out);
-                    } else
-                        y[(size_t)row * a.ldy + f] = to_bf16(v);
-                }
+                else
+                    y[(size_t)row * a.ldy + f] = to_bf16(with_bias(acc[b][c], bias, f, has_bias));
 #endif
             }
-        if (NORMS && a.add && splits == 1) {  // the tile's 16 features of a row: lanes g, a tree
-#pragma unroll
-            for (int b = 0; b < NB; ++b)
-#pragma unroll
-                for (int p = 0; p < 2; ++p) {
-                    float v = sq[b][p];
-#pragma unroll
-                    for (int o = 4; o < 32; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-                    const int row = b * 8 + 2 * t + p;
-                    if (g == 0 && row < rows) ssp[(warp % TN) * 32 + row] = v;
-                }
-        }
     }
-    if (splits == 1) {
-        if (NORMS && a.add) {  // the block's tiles in order
-            __syncthreads();
-            if (threadIdx.x < rows) {
-                float v = 0.f;
-#pragma unroll
-                for (int j = 0; j < TN; ++j) v += ssp[j * 32 + threadIdx.x];
-                a.ss_out[(size_t)threadIdx.x * gridDim.x + bx] = v;
-            }
-        }
-        return;
-    }
+    if (splits == 1) return;
 
     // The last block of a column adds the splits' slices in order.
     __threadfence();
@@ -496,60 +385,21 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
     const size_t slice = (size_t)rows * n;
 #if GATED
     const int outs = nf >> 1;  // output columns of this block column
-    for (int i0 = threadIdx.x; i0 < rows * outs; i0 += SUM_PASSES * WARPS * 32) {
-        float gu[SUM_PASSES][2];
-#pragma unroll
-        for (int u = 0; u < SUM_PASSES; ++u) {
-            const int i = i0 + u * WARPS * 32, row = i / outs, j = i - row * outs;
-            const int f = f0 + ((j >> 3) << 4) + (j & 7);
-            const float* p = parts + (size_t)row * n + f;
-            if (i < rows * outs) sum_slices<2>(p, p + 8, splits, slice, gu[u]);
-        }
-#pragma unroll
-        for (int u = 0; u < SUM_PASSES; ++u) {
-            const int i = i0 + u * WARPS * 32, row = i / outs, j = i - row * outs;
-            const int f = f0 + ((j >> 3) << 4) + (j & 7);
-            if (i < rows * outs)
-                y[(size_t)row * a.ldy + (f0 >> 1) + j] = silu_mul(
-                    with_bias(scaled_by(gu[u][0], a, row_scale, row), bias, f, has_bias),
-                    with_bias(scaled_by(gu[u][1], a, row_scale, row), bias, f + 8, has_bias));
-        }
+    for (int i = threadIdx.x; i < rows * outs; i += WARPS * 32) {
+        const int row = i / outs, j = i - row * outs;
+        const int f = f0 + ((j >> 3) << 4) + (j & 7);
+        const float* p = parts + (size_t)row * n + f;
+        float gu[2];
+        sum_slices<2>(p, p + 8, splits, slice, gu);
+        y[(size_t)row * a.ldy + (f0 >> 1) + j] = silu_mul(with_bias(gu[0], bias, f, has_bias),
+                                                          with_bias(gu[1], bias, f + 8, has_bias));
     }
 #else
-    // ADD: each new value's square into shared memory ([rows][nf] float32 from the start of the
-    // dynamic area, x's staging and the warps' sums, which every warp has finished with; it
-    // fits, since the warps' sums alone take TN * NB * 512 bytes), added up row by row after
-    // the loop, not by a warp shuffle in each pass. A pass's stores follow from its loads, so
-    // the next pass's loads wait for them: SUM_PASSES > 1 loads that many passes' slices first.
-    float* sqs = (float*)smem;
-    for (int i0 = threadIdx.x; i0 < rows * nf; i0 += SUM_PASSES * WARPS * 32) {
-        float sum[SUM_PASSES];
-#pragma unroll
-        for (int u = 0; u < SUM_PASSES; ++u) {
-            const int i = i0 + u * WARPS * 32, row = i / nf, f = f0 + i - row * nf;
-            if (i < rows * nf)
-                sum_slices<1>(parts + (size_t)row * n + f, nullptr, splits, slice, &sum[u]);
-        }
-#pragma unroll
-        for (int u = 0; u < SUM_PASSES; ++u) {
-            const int i = i0 + u * WARPS * 32, row = i / nf, f = f0 + i - row * nf;
-            if (i >= rows * nf) continue;
-            const float v = with_bias(scaled_by(sum[u], a, row_scale, row), bias, f, has_bias);
-            if (NORMS && a.add) {
-                const u16 out = added(y[(size_t)row * a.ldy + f], v);
-                y[(size_t)row * a.ldy + f] = out;
-                sqs[i] = squared(out);
-            } else
-                y[(size_t)row * a.ldy + f] = to_bf16(v);
-        }
-    }
-    if (NORMS && a.add) {  // each row's nf squares in order
-        __syncthreads();
-        if (threadIdx.x < rows) {
-            float v = 0.f;
-            for (int j = 0; j < nf; ++j) v += sqs[threadIdx.x * nf + j];
-            a.ss_out[(size_t)threadIdx.x * gridDim.x + bx] = v;
-        }
+    for (int i = threadIdx.x; i < rows * nf; i += WARPS * 32) {
+        const int row = i / nf, f = f0 + i - row * nf;
+        float sum;
+        sum_slices<1>(parts + (size_t)row * n + f, nullptr, splits, slice, &sum);
+        y[(size_t)row * a.ldy + f] = to_bf16(with_bias(sum, bias, f, has_bias));
     }
 #endif
     if (threadIdx.x == 0) a.counters[bx] = 0;
@@ -568,18 +418,15 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
 // previous kernel: each warp's first GMAX groups are loaded before waiting for it.
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) int4_mma(const u32x4* __restrict__ w, const u32x2* __restrict__ sz, const u16* __restrict__ x,
          const u16* __restrict__ bias, u16* __restrict__ y, float* __restrict__ parts,
-         int* __restrict__ counters, const u16* __restrict__ norm_w,
-         const float* __restrict__ ss_in, float* __restrict__ ss_out, int rows, int n, int k,
-         int ldx, int ldy, int gps, int has_bias, int scaled, int add, int ss_cols, float eps) {
+         int* __restrict__ counters, int rows, int n, int k, int ldx, int ldy, int gps,
+         int has_bias) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ int is_last;
-    __shared__ float row_scale[32], ssp[TN * 32];  // NORMS: rows' 1 / rms; tiles' sums of squares
-    const Args a = {w, sz, x, bias, y, parts, counters, norm_w, ss_in, ss_out, rows, n, k, ldx,
-                    ldy, gps, has_bias, scaled, add, ss_cols, eps};
+    const Args a = {w, sz, x, bias, y, parts, counters, rows, n, k, ldx, ldy, gps, has_bias};
     Weights W;
     load_weights(W, a, blockIdx.x, blockIdx.y);
     wait_for_previous_kernel();
-    product(W, a, blockIdx.x, blockIdx.y, gridDim.y, smem, &is_last, row_scale, ssp);
+    product(W, a, blockIdx.x, blockIdx.y, gridDim.y, smem, &is_last);
 }
 
 // The weight of the layout above as a bfloat16 [n, k] matrix, for products of more rows
