@@ -451,6 +451,8 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
       noattn attention skipped (rope, cache write and attention: an empty output, no kernel);
              wrong output, speed only, the most that a faster attention could give
       nopdl  no programmatic dependent launch
+      silu   SiLU · up inside the down product's input (kernels.SILU_DOWN) toggled (MLPs
+             whose gate/up product does not compute it: kernels.gated_for)
       streamN  int4 products with streamed splits of K of up to N groups (mma.SPLIT_GROUPS;
              "stream0": none, session 13's launch rule)
       wkN    int4 products' one-shot splits with N warps along K a tile (mma.WK)
@@ -461,7 +463,7 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
              "ROPE_ATTENTION": kernels.ROPE_ATTENTION, "rms_norm": kernels.rms_norm,
              "FOLD_NORMS": kernels.FOLD_NORMS, "MMA_SPLIT_GROUPS": mma.SPLIT_GROUPS,
              "rope_attention": kernels.rope_attention,
-             "MMA_WK": mma.WK}
+             "MMA_WK": mma.WK, "SILU_DOWN": kernels.SILU_DOWN}
     default = target(shape, quant, context)
     split_len = default[2].split_len
     runs = {"default": (default, {})}
@@ -491,6 +493,9 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
             return "no attention (wrong output)", {"rope_attention": no_attention}
         if switch == "nopdl":
             return "nopdl", {"PDL": False}
+        if switch == "silu":
+            return (f"silu-in-down {not saved['SILU_DOWN']}",
+                    {"SILU_DOWN": not saved["SILU_DOWN"]})
         if switch.startswith("stream") and switch[6:].isdigit():
             groups = int(switch[6:])
             return (f"int4 streamed splits up to {groups} groups" if groups else
@@ -499,7 +504,7 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
             warps = int(switch[2:])
             return f"int4 one-shot splits of {warps} warps", {"MMA_WK": warps}
         raise ValueError(f"unknown switch {switch!r}: use gated, early, rope, split, halfsplit, "
-                         f"unfolded, nonorm, noattn, nopdl, streamN, "
+                         f"unfolded, nonorm, noattn, nopdl, silu, streamN, "
                          f"wkN (N 1-4), or several joined by '+'")
 
     for switch in switches:
@@ -599,7 +604,7 @@ def main() -> None:
     ap.add_argument("--breakdown", default=None, metavar="SWITCHES",
                     help="the default decode path against each comma-separated switch "
                          "toggled (gated, early, rope, split, halfsplit, unfolded, nonorm, "
-                         "noattn, nopdl, "
+                         "noattn, nopdl, silu, "
                          "streamN, wkN, or several joined by '+': see breakdown), in turn, with "
                          "kernel tables")
     ap.add_argument("--repeats", type=int, default=2,

@@ -463,6 +463,19 @@ if triton is not None:
         tl.store(ptrs, y, mask=ok)
 
     @triton.jit
+    def _x_tile(x_ptr, offs_m, m_ok, offs_k, k_ok, k, stride_xm, SILU_X: tl.constexpr):
+        # x's [BLOCK_M, len(offs_k)] tile; SILU_X: x is the MLP's [gate, up] output (each k
+        # wide) and the tile SiLU(gate) · up of it, rounded as `_silu_mul_kernel` rounds.
+        ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+        ok = m_ok[:, None] & k_ok[None, :]
+        if SILU_X:
+            gate = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+            up = tl.load(ptrs + k, mask=ok, other=0.0).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
+            return (act * up).to(x_ptr.dtype.element_ty)
+        return tl.load(ptrs, mask=ok, other=0.0)
+
+    @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, ss_ptr, ss_out_ptr, eps,
                        m, n, k, stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr,
                        GATED: tl.constexpr, SPLIT: tl.constexpr, K_STEPS: tl.constexpr,
@@ -470,14 +483,15 @@ if triton is not None:
                        BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
                        LAST_REDUCE: tl.constexpr, USE_PDL: tl.constexpr,
                        SCALE_TILES: tl.constexpr = 0, ADD_RESIDUAL: tl.constexpr = False,
-                       EARLY_LAUNCH: tl.constexpr = False):
+                       EARLY_LAUNCH: tl.constexpr = False, SILU_X: tl.constexpr = False):
         # out [m, n] = x [m, k] @ w [n, k]^T, as (w @ x^T)^T so that the few rows of x are the
         # narrow side of the tensor-core product. With GATED, w is [2 n, k] (gate rows, then up
         # rows) and out = SiLU(x @ gate^T) * (x @ up^T): the MLP's first product and its
         # activation in one kernel. SCALE_TILES > 0: each row of the product is scaled by the
         # row's 1 / rms from ss [m, SCALE_TILES] (an RMSNorm folded into w, `_row_scale`);
         # ADD_RESIDUAL: out is the residual stream, the product is added into it and ss_out
-        # gets the sums of squares of the result (`_skinny_epilogue`).
+        # gets the sums of squares of the result (`_skinny_epilogue`). SILU_X: x is [m, 2 k],
+        # the MLP's gate and up, and the product's input SiLU(gate) · up of it (`_x_tile`).
         # Program (n block, K slice, row block of BLOCK_M = 16). A row's result depends on that
         # row and the weights alone, never on m: the decode of one token and the verification
         # of k+1 tokens compute each row bit for bit alike.
@@ -503,8 +517,7 @@ if triton is not None:
                             mask=n_ok[:, None] & p_ok[None, :], other=0.0)
         if PREFETCH:
             _pdl_wait(USE_PDL, EARLY_LAUNCH)
-        x_pre = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_p[None, :],
-                        mask=m_ok[:, None] & p_ok[None, :], other=0.0)
+        x_pre = _x_tile(x_ptr, offs_m, m_ok, offs_p, p_ok, k, stride_xm, SILU_X)
         r = _row_scale(ss_ptr, offs_m, m_ok, k, eps, SCALE_TILES, BLOCK_M)
         acc = tl.dot(w_pre, tl.trans(x_pre), input_precision=PRECISION, out_dtype=tl.float32)
         acc_up = acc
@@ -514,8 +527,7 @@ if triton is not None:
         for i in range(PRE_STEPS, K_STEPS):
             offs_k = k0 + i * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = offs_k < k
-            xk = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                         mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            xk = _x_tile(x_ptr, offs_m, m_ok, offs_k, k_ok, k, stride_xm, SILU_X)
             w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(w, tl.trans(xk), acc, input_precision=PRECISION)
             if GATED:
@@ -1023,13 +1035,14 @@ def _split_buffers(out: torch.Tensor, grid: tuple, split: int, width: int):
 
 def _skinny(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated: bool,
             cfg: SkinnyConfig, ss: torch.Tensor | None = None, eps: float = 0.0,
-            residual: torch.Tensor | None = None) -> torch.Tensor:
+            residual: torch.Tensor | None = None, silu_x: bool = False) -> torch.Tensor:
     """x2 [rows, k] @ w^T through `_skinny_kernel` with launch parameters cfg (see there for
     gated). ss [rows, tiles] (float32, from a product with a residual): each row of the product
     scaled by the row's 1 / rms (eps inside the root), the RMSNorm whose weight is folded into w.
     residual [rows, n] (contiguous rows): the product is added into it instead, and the result's
-    sums of squares over each column tile, [rows, tiles], are returned."""
-    rows, k = x2.shape
+    sums of squares over each column tile, [rows, tiles], are returned. silu_x: x2 is
+    [rows, 2 k], an MLP's gate and up, and the product's input SiLU(gate) · up of it."""
+    rows, k = x2.shape[0], w.shape[1]
     n = w.shape[0] // 2 if gated else w.shape[0]
     out = residual if residual is not None else torch.empty(rows, n, dtype=x2.dtype,
                                                              device=x2.device)
@@ -1046,7 +1059,7 @@ def _skinny(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated:
         GATED=gated, SPLIT=cfg.split, K_STEPS=cfg.k_steps, PRE_STEPS=cfg.pre_steps, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, BLOCK_M=16, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         PREFETCH=PREFETCH, LAST_REDUCE=last, SCALE_TILES=0 if ss is None else ss.shape[1],
-        ADD_RESIDUAL=residual is not None, num_warps=cfg.num_warps,
+        ADD_RESIDUAL=residual is not None, SILU_X=silu_x, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **_pdl(x2))
     if cfg.split > 1 and not last:
         total = rows * n
@@ -1209,6 +1222,22 @@ def norm_linear(delta: torch.Tensor | None, residual: torch.Tensor, norm: torch.
     return (gated_linear(h, module) if gated else linear(h, module)), residual
 
 
+# SiLU · up of an MLP whose gate/up product does not compute it itself (`gated_for`) computed by
+# the down product as it loads its input (`_x_tile`), not by a kernel of its own, where the
+# norms are folded (`scaled_linear` hands on a `SiluPending`, `add_linear` takes it).
+# FLASHDRAFT_SILU_DOWN=0: the silu_mul kernel.
+SILU_DOWN = os.environ.get("FLASHDRAFT_SILU_DOWN", "1") != "0"
+
+
+class SiluPending(NamedTuple):
+    """SiLU(gate) · up of gate_up [..., 2 n] (gate first), not computed yet: `add_linear`
+    computes it inside the down product; `value()` anywhere else."""
+    gate_up: torch.Tensor
+
+    def value(self) -> torch.Tensor:
+        return silu_mul(self.gate_up)
+
+
 # Each RMSNorm of a decoder block folded into the product after it (its weight into the
 # product's, `model.Transformer.fold_norms`), and each residual add into the product before it:
 # the norms run no kernel of their own where the skinny kernel serves both products (decode,
@@ -1235,18 +1264,22 @@ def scaled_linear(x: torch.Tensor, ss: torch.Tensor, eps: float, module: torch.n
     fused = gated and _gates(w)
     out = _skinny(_rows(x), w, module.bias, fused, _launch(w, fused), ss=ss, eps=eps)
     out = out.view(*x.shape[:-1], out.shape[-1])
-    return silu_mul(out) if gated and not fused else out
+    if gated and not fused:
+        return SiluPending(out) if SILU_DOWN else silu_mul(out)
+    return out
 
 
-def add_linear(x: torch.Tensor, module: torch.nn.Module, residual: torch.Tensor) -> torch.Tensor:
+def add_linear(x: torch.Tensor | SiluPending, module: torch.nn.Module,
+               residual: torch.Tensor) -> torch.Tensor:
     """residual += module(x), in place (rounded as the separate add would be); returns the
     sums of squares of residual's rows, [rows, tiles] float32, for `scaled_linear`. One
-    `_skinny_kernel` where `folds_norm`."""
-    if not (folds_norm(x, module) and residual.is_contiguous()):
-        return add_linear_reference(x, module, residual)
+    `_skinny_kernel` where `folds_norm`, which computes a SiluPending x as it loads it."""
+    silu = isinstance(x, SiluPending)
+    if not (folds_norm(x.gate_up if silu else x, module) and residual.is_contiguous()):
+        return add_linear_reference(x.value() if silu else x, module, residual)
     w = module.weight
-    return _skinny(_rows(x), w, module.bias, False, _launch(w, False),
-                   residual=residual.view(-1, w.shape[0]))
+    return _skinny(_rows(x.gate_up if silu else x), w, module.bias, False, _launch(w, False),
+                   residual=residual.view(-1, w.shape[0]), silu_x=silu)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -188,12 +188,15 @@ class Residual:
         self.delta = self.ss = None
         return out
 
-    def add(self, x: torch.Tensor, module: nn.Module) -> None:
-        """The sublayer output module(x) into the stream (after `normed`: no delta waits)."""
-        if self.folded and kernels.folds_norm(x, module):
+    def add(self, x: torch.Tensor | kernels.SiluPending, module: nn.Module) -> None:
+        """The sublayer output module(x) into the stream (after `normed`: no delta waits); x
+        may be an MLP's activation not computed yet (`kernels.SiluPending`), which the product
+        then computes."""
+        pending = isinstance(x, kernels.SiluPending)
+        if self.folded and kernels.folds_norm(x.gate_up if pending else x, module):
             self.ss = kernels.add_linear(x, module, self.x)
         else:
-            self.delta, self.ss = kernels.linear(x, module), None
+            self.delta, self.ss = kernels.linear(x.value() if pending else x, module), None
 
     def value(self) -> torch.Tensor:
         """The stream as a new tensor."""

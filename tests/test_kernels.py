@@ -218,6 +218,29 @@ def test_model_forward_with_kernels_equals_pytorch_path(monkeypatch, t, gated, f
         close(a, b, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", DTYPES[:1] + DTYPES[2:])
+def test_silu_inside_the_down_product_changes_no_bit(monkeypatch, dtype):
+    """FLASHDRAFT_SILU_DOWN: an MLP's SiLU · up computed by the down product as it loads its
+    input (`SiluPending`, `_x_tile`) gives the bits the silu_mul kernel gives, decoding and
+    verifying (folded norms, an MLP narrower than `gated_for`'s)."""
+    monkeypatch.setattr(kernels, "GATED", False)
+    torch.manual_seed(0)
+    model = Transformer(CFG).to(DEVICE, dtype)
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    model.fold_norms()
+    tokens = torch.randint(0, CFG.vocab_size, (1, 6), device=DEVICE)
+    out = {}
+    for silu_down in (False, True):
+        monkeypatch.setattr(kernels, "SILU_DOWN", silu_down)
+        cache = KVCache.for_model(CFG, 1, 64, dtype, DEVICE)
+        with run_kernels(), torch.inference_mode():
+            model(tokens[:, :1], torch.tensor([[0]], device=DEVICE), cache, kv_len=16)
+            out[silu_down] = model(tokens[:, 1:], torch.arange(1, 6, device=DEVICE)[None], cache,
+                                   kv_len=16)[0]
+    assert torch.equal(out[False], out[True])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k,bias", [(100, 256, False), (2048, 1536, True), (40, 900, True),
                                       (6000, 128, False)])
