@@ -180,8 +180,9 @@ class Residual:
 
     def normed(self, norm: RMSNorm, module: nn.Module, gated: bool = False,
                folded: bool = True) -> torch.Tensor:
-        """module(norm(stream)) (gated: SiLU(gate) · up of it); folded: whether the model's
-        norm weights were folded into module."""
+        """module(norm(stream)) (gated: SiLU(gate) · up of it, which may come as a
+        `kernels.SiluPending` for `add` to hand to the down product); folded: whether the
+        model's norm weights were folded into module."""
         if self.ss is not None and folded and self.folded:
             return kernels.scaled_linear(self.x, self.ss, norm.eps, module, gated)
         out, self.x = kernels.norm_linear(self.delta, self.x, norm, module, gated)
