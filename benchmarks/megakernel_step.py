@@ -1,0 +1,150 @@
+"""The decode megakernel (flashdraft.megakernel) against the model's CUDA-graph step, in one
+process, random weights (speed only), context 512 in the cache.
+
+For each shape: the copy bandwidth and the bytes a step reads (the roofline), the graph step
+(t1, and plain decoding's tokens/s with one host read a step), then for each megakernel variant
+its step time (back-to-back launches timed with events), its decode loop as the engine would
+run it (one launch and one host read a step), and the largest logit difference from the graph
+step at the same position. Variants: the ring (SLOTSxBYTES), chunks asked of the L2 ahead of the
+ring, and the `nowait` probe (no op waits for the one before: wrong output, the weight
+stream's own speed, the most that faster dependencies could give).
+
+    PYTHONPATH=. python3 benchmarks/megakernel_step.py --out DIR \
+        [--shapes qwen2.5-1.5b qwen2.5-0.5b] [--variants 8x24576 4x49152 8x24576+l2:8 8x24576+nowait]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flashdraft.cuda_graphs import StepRunner  # noqa: E402
+from flashdraft.kv_cache import KVCache  # noqa: E402
+from flashdraft.megakernel import DecodeMegakernel  # noqa: E402
+from flashdraft.shapes import (_decode_loop, _time_steps, build_random_model, get_shape,  # noqa: E402
+                               measure_copy_bandwidth, step_bytes)
+
+CONTEXT = 512
+
+
+def parse_variant(v: str) -> dict:
+    ring, *opts = v.split("+")
+    out = {"ring": ring, "l2ahead": 0, "probe": ""}
+    for o in opts:
+        if o.startswith("l2:"):
+            out["l2ahead"] = int(o[3:])
+        elif o == "nowait":
+            out["probe"] = "nowait"
+        else:
+            raise SystemExit(f"variant option {o!r}: l2:N or nowait")
+    return out
+
+
+def time_launches(mk: DecodeMegakernel, n: int = 200, repeats: int = 5) -> float:
+    """Median seconds a step over `repeats` runs of n back-to-back launches."""
+    for _ in range(5):
+        mk.launch()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            mk.launch()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / n)
+    return statistics.median(times)
+
+
+def decode_loop(mk: DecodeMegakernel, steps: int = 256) -> float:
+    """Tokens/s of greedy decoding through the kernel with one host read a step, as the engine
+    reads each token; positions advance from CONTEXT."""
+    token = torch.zeros(1, dtype=torch.int64, device="cuda")
+    pos = torch.tensor([CONTEXT], dtype=torch.int64, device="cuda")
+    for i in range(4):
+        pos.fill_(CONTEXT + i)
+        _, token = mk.step(token, pos)
+        int(token)
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for i in range(steps):
+        mk.pos_in.fill_(CONTEXT + i)
+        mk.launch()  # reads token_in: the last step's token, copied below
+        mk.token_in.copy_(mk.token_out)
+        int(mk.token_out)
+    return steps / (time.perf_counter() - began)
+
+
+@torch.inference_mode()
+def run_shape(shape: str, variants: list[str], bandwidth: float) -> dict:
+    cfg = get_shape(shape)
+    model = build_random_model(cfg, torch.bfloat16, "cuda")
+    cache = KVCache.for_model(cfg, 1, 1024, torch.bfloat16, "cuda")
+    cache.kv.normal_()
+    need = step_bytes(model, cfg, CONTEXT, 1, torch.bfloat16)["bytes"]
+    roof = bandwidth / need
+    runner = StepRunner(model, "cuda")
+    t1 = _time_steps(runner, cache, 1, CONTEXT, cfg.vocab_size, 30)
+    tps = _decode_loop(runner, cache, CONTEXT, cfg.vocab_size, 128)
+    out = {"shape": shape, "bytes_per_step": need, "roofline_tok_s": roof,
+           "graph": {"t1_ms": t1 * 1e3, "roofline_t1": need / bandwidth / t1, "decode_tok_s": tps,
+                     "roofline_decode": tps / roof}, "megakernel": {}}
+    print(f"{shape}: roofline {roof:.0f} tok/s; graph t1 {t1 * 1e3:.3f} ms "
+          f"({need / bandwidth / t1:.1%}), decode {tps:.1f} tok/s ({tps / roof:.1%})", flush=True)
+    token = torch.randint(0, cfg.vocab_size, (1, 1), device="cuda")
+    ref, _ = runner(token, CONTEXT, cache)
+    ref = ref[0, -1].float()
+    for v in variants:
+        opts = parse_variant(v)
+        try:
+            mk = DecodeMegakernel(model, cache, **opts)
+            logits, _ = mk.step(token.view(1), torch.tensor([CONTEXT], device="cuda"))
+            torch.cuda.synchronize()
+            mk.check()
+            err = (logits - ref).abs().max().item()
+            t = time_launches(mk)
+            mk.check()
+            d = decode_loop(mk) if not opts["probe"] else None
+            mk.check()
+        except Exception as e:  # noqa: BLE001 - a variant that fails is recorded, not fatal
+            out["megakernel"][v] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"  {v}: FAILED {type(e).__name__}: {e}", flush=True)
+            continue
+        r = {"t1_ms": t * 1e3, "roofline_t1": need / bandwidth / t, "decode_tok_s": d,
+             "roofline_decode": d / roof if d else None, "max_logit_diff": err,
+             "ref_logit_absmax": ref.abs().max().item()}
+        out["megakernel"][v] = r
+        print(f"  {v}: t1 {t * 1e3:.3f} ms ({r['roofline_t1']:.1%})"
+              + (f", decode {d:.1f} tok/s ({d / roof:.1%})" if d else "")
+              + f"; max |logit diff| {err:.4f} (|logit| max {r['ref_logit_absmax']:.3f})", flush=True)
+        del mk
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--shapes", nargs="+", default=["qwen2.5-1.5b", "qwen2.5-0.5b"])
+    ap.add_argument("--variants", nargs="+",
+                    default=["8x24576", "4x49152", "8x24576+l2:8", "8x24576+nowait"])
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    bandwidth = measure_copy_bandwidth("cuda")
+    print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s", flush=True)
+    results = {"copy_bandwidth": bandwidth, "device": torch.cuda.get_device_name(),
+               "torch": torch.__version__, "shapes": []}
+    for shape in args.shapes:
+        results["shapes"].append(run_shape(shape, args.variants, bandwidth))
+        (args.out / "megakernel_step.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,685 @@
+// One decode step (one token) of a dense bfloat16 decoder in one persistent kernel: the
+// "megakernel" of flashdraft.megakernel. Compiled at run time by NVRTC for one model shape (the
+// -D constants below); no headers.
+//
+// Why: a decode step of a small model is ~150 kernels whose fixed costs (ramp before the first
+// weight bytes arrive, the tail of the last wave, the dependency round trip) add up to as much
+// as the weight bytes themselves (benchmarks/NOTES-gpu.md, sessions 9-17). Here one block a
+// multiprocessor runs every layer, and the weights never wait for the activations:
+//
+// - A producer warp streams the block's share of every weight matrix of the step, in the
+//   order the step uses them, into a ring of NS shared-memory slots (cp.async.bulk: one copy a
+//   chunk of whole rows, completion counted on an mbarrier a slot). It waits only for a free
+//   slot, never for a layer: while the consumers wait for the rest of the GPU (a grid-wide
+//   dependency between two products, attention), the ring keeps filling.
+// - NCW consumer warps run the ops in order. Before an op they wait until every block has
+//   finished the op before (a counter per op: one acquire poll by one thread, then a named
+//   barrier); after it they add one to its counter (release). Ops of a layer:
+//     QKV   qkv = r · (W_qkv x) + b          r = 1 / rms(x), the norm folded into W_qkv
+//     ATT   rope on q and the new k, the new k and v into the cache, attention over 0 .. pos
+//           (units of (kv head, split of positions); the last unit of a head merges its splits)
+//     O     x += W_o att
+//     GU    h = SiLU(r · (W_gate x)) · (r · (W_up x))
+//     DOWN  x += W_down h
+//   then HEAD: logits = W_head (x / rms(x) · g_final), and each block's best logit; the last
+//   block to finish picks the token (ties: the lower id) and resets the counters.
+// - Each output row's dot product is computed by one block: a warp (or, for long rows, NCW / R
+//   warps' segments added in a fixed order) over the row's chunk in shared memory, against x
+//   held in registers; the chunking and the split of rows over blocks are fixed by the shape
+//   and the block count, so the result does not depend on timing.
+//
+// Layout assumed (flashdraft.megakernel checks it): row-major bfloat16 matrices [out, in], the
+// MLP's [gate; up] as one matrix of 2 I rows, the cache [layers, 2, 1, NKV, max_len, HD].
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+struct __align__(16) u32x4 { u32 x, y, z, w; };
+
+#ifndef H
+#define H 1536  // hidden size
+#endif
+#ifndef INTER
+#define INTER 8960  // MLP features
+#endif
+#ifndef NQ
+#define NQ 12  // query heads
+#endif
+#ifndef NKV
+#define NKV 2  // key/value heads
+#endif
+#ifndef HD
+#define HD 128  // head dim (64 or 128)
+#endif
+#ifndef NL
+#define NL 28  // layers
+#endif
+#ifndef VOCAB
+#define VOCAB 151936
+#endif
+#ifndef QKV_BIAS
+#define QKV_BIAS 1
+#endif
+#ifndef NS
+#define NS 8  // ring slots
+#endif
+#ifndef SLOT
+#define SLOT 24576  // bytes a slot
+#endif
+#ifndef NCW
+#define NCW 8  // consumer warps
+#endif
+#ifndef L2AHEAD
+#define L2AHEAD 0  // chunks past the ring asked of the L2 (cp.async.bulk.prefetch.L2), 0: none
+#endif
+#ifndef ATT_MIN
+#define ATT_MIN 32  // fewest positions an attention unit takes (fewer units below it)
+#endif
+#ifndef NOWAIT
+#define NOWAIT 0  // measurement only, wrong output: no op waits for the one before
+#endif
+#define QD (NQ * HD)
+#define KVD (NKV * HD)
+#define NQKV (QD + 2 * KVD)
+#define GS (NQ / NKV)  // query heads a kv head
+#define EPL (HD / 32)  // head elements a lane
+#define CT (NCW * 32)  // consumer threads
+#define NOPS (5 * NL + 1)
+#define RED_ROWS 64
+#define SPIN_LIMIT (1u << 26)
+
+enum { OP_QKV = 0, OP_ATT = 1, OP_O = 2, OP_GU = 3, OP_DOWN = 4, OP_HEAD = 5 };
+
+struct Args {
+    const u64* table;      // [NL][5]: wqkv, bqkv (0: none), wo, w_gate_up, w_down
+    const u16* embed;      // [VOCAB][H]
+    const u16* head;       // [VOCAB][H]
+    const u16* fnorm;      // [H]
+    const float* inv_freq; // [HD / 2]
+    u16* kv;               // cache
+    const long long* token;
+    const long long* pos;
+    u16* x;                // [H] the residual stream
+    u16* qkv;              // [NQKV]
+    u16* att;              // [QD]
+    u16* hbuf;             // [INTER]
+    float* part;           // attention partials [NKV][G][GS][HD + 2]
+    float* logits;         // [VOCAB]
+    float* best;           // [G][2]: value, id (as float bits)
+    u32* counters;         // [NOPS + NKV], zero between steps
+    long long* out_token;
+    u32* error;            // set when a wait gave up
+    int max_len;
+    float eps;
+};
+
+// -- small helpers --------------------------------------------------------------------------------
+
+__device__ __forceinline__ float lo_f32(u32 v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float hi_f32(u32 v) { return __uint_as_float(v & 0xffff0000u); }
+__device__ __forceinline__ float bf(u16 v) { return __uint_as_float(((u32)v) << 16); }
+__device__ __forceinline__ u16 to_bf16(float v) {
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+    return r;
+}
+__device__ __forceinline__ float round_bf16(float v) { return bf(to_bf16(v)); }
+
+__device__ __forceinline__ u32x4 ld_cg4(const void* p) {  // other blocks' outputs: past L1
+    u32x4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ u32 ld_cg(const void* p) {
+    u32 v;
+    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ u16 ld_cg16(const u16* p) {
+    u16 v;
+    asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ float ld_cgf(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ u32 ld_acquire(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void red_release(u32* p) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(p) : "memory");
+}
+__device__ __forceinline__ void consumer_sync() {
+    asm volatile("bar.sync 1, %0;" :: "n"(CT) : "memory");
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u64 a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return (u32)a;
+}
+__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+    u32 addr = smem_addr(bar), done = 0;
+    while (!done) {
+        asm volatile("{\n .reg .pred p;\n"
+                     " mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     " selp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done) : "r"(addr), "r"(parity) : "memory");
+    }
+}
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes, u64* bar) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                 :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[%0], [%1], %2, [%3];"
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void bulk_prefetch_l2(const void* src, u32 bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(src), "r"(bytes) : "memory");
+}
+
+// Rows [r0, r1) of an n-row op j for block b of G. The blocks that take one row more than the
+// others rotate from op to op, so that no block takes the extra rows of every op.
+__device__ __forceinline__ void rows_of(int n, int j, int b, int G, int& r0, int& r1) {
+    const int base = n / G, rem = n % G;
+    const int vb = (b + j * 53) % G;
+    r0 = vb * base + min(vb, rem);
+    r1 = r0 + base + (vb < rem ? 1 : 0);
+}
+
+// Rows a chunk of a matrix with k columns: the largest power of two up to 16 that fits a slot.
+__host__ __device__ constexpr int rows_per_chunk(int k) {
+    return 2 * k * 16 <= SLOT ? 16 : 2 * k * 8 <= SLOT ? 8 : 2 * k * 4 <= SLOT ? 4
+         : 2 * k * 2 <= SLOT ? 2 : 1;
+}
+static_assert(2 * INTER <= SLOT && 2 * H <= SLOT && 2 * QD <= SLOT, "a row must fit a slot");
+static_assert(rows_per_chunk(H) >= NCW && rows_per_chunk(QD) >= NCW,
+              "QKV, O, GU and HEAD need a warp a row (NCW rows of H and of NQ * HD a slot)");
+static_assert(H % 8 == 0 && INTER % 8 == 0 && QD % 8 == 0, "rows are read in 16-byte pieces");
+static_assert(HD == 64 || HD == 128, "head dim 64 or 128");
+
+// -- the weight stream: the same sequence of chunks for the producer and the consumers ---------
+
+struct Chunk {
+    const u16* src;
+    u32 bytes;
+};
+
+struct Cursor {  // position in the block's sequence of weight chunks
+    int layer, op, i;  // op: 0 QKV, 1 O, 2 GU, 3 DOWN, 4 HEAD; i: chunk within the op
+};
+
+__device__ __forceinline__ bool next_chunk(const Args& a, Cursor& c, int b, int G, Chunk& out) {
+    while (c.layer <= NL) {
+        const int op = c.layer == NL ? 4 : c.op;
+        int n, k, j;
+        const u16* w;
+        if (op == 4) {
+            n = VOCAB; k = H; j = 5 * NL; w = a.head;
+        } else {
+            const u64* t = a.table + 5 * c.layer;
+            if (op == 0) { n = NQKV; k = H; j = 5 * c.layer; w = (const u16*)t[0]; }
+            else if (op == 1) { n = H; k = QD; j = 5 * c.layer + 2; w = (const u16*)t[2]; }
+            else if (op == 2) { n = INTER; k = H; j = 5 * c.layer + 3; w = (const u16*)t[3]; }
+            else { n = H; k = INTER; j = 5 * c.layer + 4; w = (const u16*)t[4]; }
+        }
+        const int r = rows_per_chunk(k);
+        int r0, r1;
+        rows_of(n, j, b, G, r0, r1);
+        const int chunks = (r1 - r0 + r - 1) / r;
+        const int total = op == 2 ? 2 * chunks : chunks;
+        if (c.i < total) {
+            const int ci = op == 2 ? c.i >> 1 : c.i;
+            const int row = r0 + ci * r + (op == 2 && (c.i & 1) ? INTER : 0);
+            const int nr = min(r, r1 - r0 - ci * r);
+            out.src = w + (size_t)row * k;
+            out.bytes = (u32)(nr * k * 2);
+            c.i++;
+            return true;
+        }
+        c.i = 0;
+        if (op == 4) { c.layer = NL + 1; break; }
+        if (++c.op == 4) { c.op = 0; c.layer++; }
+    }
+    return false;
+}
+
+// -- shared memory --------------------------------------------------------------------------------
+
+struct Shared {
+    u64 full[NS], empty[NS];
+    float red[RED_ROWS][NCW];     // segment sums of rows split over warps
+    float st_m[NCW][GS], st_l[NCW][GS];
+    float st_acc[NCW][GS][HD];    // attention: each warp's running state
+    float best_v[NCW];
+    int best_i[NCW];
+    int flag;
+};
+
+__device__ __forceinline__ unsigned char* slot_ptr(unsigned char* ring, u32 c) {
+    return ring + (size_t)(c % NS) * SLOT;
+}
+
+// -- consumers: waits and signals between ops ------------------------------------------------------
+
+__device__ __forceinline__ void wait_op(const Args& a, int j, int G) {
+    if (!NOWAIT && threadIdx.x == 0) {
+        u32 spins = 0;
+        while (ld_acquire(&a.counters[j]) < (u32)G) {
+            if (++spins == SPIN_LIMIT) { atomicExch(a.error, 1u + j); break; }
+        }
+        __threadfence();
+    }
+    consumer_sync();
+}
+
+__device__ __forceinline__ void signal_op(const Args& a, int j) {
+    consumer_sync();  // every consumer thread's stores are issued
+    if (threadIdx.x == 0) {
+        __threadfence();
+        red_release(&a.counters[j]);
+    }
+}
+
+// -- consumers: a matrix op -------------------------------------------------------------------------
+
+// One op's products for this block: its rows of W (streamed into the ring) against x (in each
+// lane's registers), with the op's epilogue. c: the consumers' chunk count (the slot sequence).
+template <int K, int KIND>
+__device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int layer,
+                          int b, int G) {
+    constexpr int R = rows_per_chunk(K);
+    constexpr int WPR = R >= NCW ? 1 : NCW / R;   // warps a row
+    constexpr int RPW = R >= NCW ? R / NCW : 1;   // rows a warp a chunk
+    constexpr int NVEC = K / 8;                    // 16-byte pieces a row
+    constexpr int VS = (NVEC + WPR - 1) / WPR;     // pieces a warp's segment
+    constexpr int NV = (VS + 31) / 32;             // pieces a lane
+    static_assert(WPR == 1 || KIND == OP_DOWN, "only DOWN splits its rows over warps");
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int seg = warp % WPR, wrow = warp / WPR;
+    const int v_end = min(NVEC, (seg + 1) * VS);
+    const long long tok = *a.token;
+
+    const u16* src;
+    if (KIND == OP_QKV || KIND == OP_GU || KIND == OP_HEAD)
+        src = (layer == 0 && KIND == OP_QKV) ? a.embed + (size_t)tok * H : a.x;
+    else
+        src = KIND == OP_O ? a.att : a.hbuf;
+    float xr[NV * 8];
+#pragma unroll
+    for (int v = 0; v < NV; v++) {
+        const int idx = seg * VS + lane + 32 * v;
+        u32x4 q = {0u, 0u, 0u, 0u};
+        if (idx < v_end) q = ld_cg4(src + 8 * idx);
+        xr[8 * v + 0] = lo_f32(q.x); xr[8 * v + 1] = hi_f32(q.x);
+        xr[8 * v + 2] = lo_f32(q.y); xr[8 * v + 3] = hi_f32(q.y);
+        xr[8 * v + 4] = lo_f32(q.z); xr[8 * v + 5] = hi_f32(q.z);
+        xr[8 * v + 6] = lo_f32(q.w); xr[8 * v + 7] = hi_f32(q.w);
+    }
+    float scale = 1.f;
+    if (KIND == OP_QKV || KIND == OP_GU || KIND == OP_HEAD) {  // RMS of x: a warp holds all of it
+        float ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < NV * 8; i++) ss = fmaf(xr[i], xr[i], ss);
+        scale = rsqrtf(warp_sum(ss) / (float)K + a.eps);
+    }
+    if (KIND == OP_HEAD) {  // the final norm, rounded as its own kernel would round it
+#pragma unroll
+        for (int v = 0; v < NV; v++) {
+            const int idx = lane + 32 * v;
+            if (idx < NVEC) {
+                u32x4 g = *(const u32x4*)(a.fnorm + 8 * idx);
+                const u32 gw[4] = {g.x, g.y, g.z, g.w};
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    xr[8 * v + 2 * e] = round_bf16(xr[8 * v + 2 * e] * scale * lo_f32(gw[e]));
+                    xr[8 * v + 2 * e + 1] = round_bf16(xr[8 * v + 2 * e + 1] * scale * hi_f32(gw[e]));
+                }
+            }
+        }
+        scale = 1.f;
+    }
+
+    int n, j;
+    if (KIND == OP_QKV) { n = NQKV; j = 5 * layer; }
+    else if (KIND == OP_O) { n = H; j = 5 * layer + 2; }
+    else if (KIND == OP_GU) { n = INTER; j = 5 * layer + 3; }
+    else if (KIND == OP_DOWN) { n = H; j = 5 * layer + 4; }
+    else { n = VOCAB; j = 5 * NL; }
+    int r0, r1;
+    rows_of(n, j, b, G, r0, r1);
+    const int chunks = (r1 - r0 + R - 1) / R;
+    const int total = KIND == OP_GU ? 2 * chunks : chunks;
+    const u16* bias = nullptr;
+    if (KIND == OP_QKV && QKV_BIAS) bias = (const u16*)a.table[5 * layer + 1];
+    float gate[RPW];
+    float best_v = -3.0e38f;
+    int best_i = 0x7fffffff;
+
+    for (int i = 0; i < total; i++, c++) {
+        const int ci = KIND == OP_GU ? i >> 1 : i;
+        const int nr = min(R, r1 - r0 - ci * R);
+        mbar_wait(&s.full[c % NS], (c / NS) & 1);
+        const u16* w = (const u16*)slot_ptr(ring, c);
+#pragma unroll
+        for (int rr = 0; rr < RPW; rr++) {
+            const int r = wrow + NCW * rr;
+            if (r < nr) {
+                const u32x4* row = (const u32x4*)(w + (size_t)r * K);
+                float acc = 0.f;
+#pragma unroll
+                for (int v = 0; v < NV; v++) {
+                    const int idx = seg * VS + lane + 32 * v;
+                    if ((NVEC % (32 * WPR) == 0) || idx < v_end) {
+                        const u32x4 q = row[idx];
+                        acc = fmaf(lo_f32(q.x), xr[8 * v + 0], acc);
+                        acc = fmaf(hi_f32(q.x), xr[8 * v + 1], acc);
+                        acc = fmaf(lo_f32(q.y), xr[8 * v + 2], acc);
+                        acc = fmaf(hi_f32(q.y), xr[8 * v + 3], acc);
+                        acc = fmaf(lo_f32(q.z), xr[8 * v + 4], acc);
+                        acc = fmaf(hi_f32(q.z), xr[8 * v + 5], acc);
+                        acc = fmaf(lo_f32(q.w), xr[8 * v + 6], acc);
+                        acc = fmaf(hi_f32(q.w), xr[8 * v + 7], acc);
+                    }
+                }
+                acc = warp_sum(acc);
+                const int row_id = r0 + ci * R + r;  // the op's output feature
+                if (WPR > 1) {
+                    if (lane == 0) s.red[ci * R + r][seg] = acc;
+                } else if (KIND == OP_QKV) {
+                    float y = acc * scale;
+                    if (QKV_BIAS) y += bf(bias[row_id]);
+                    if (lane == 0) a.qkv[row_id] = to_bf16(y);
+                } else if (KIND == OP_O) {
+                    const u16* res = layer == 0 ? a.embed + (size_t)tok * H : a.x;
+                    if (lane == 0) a.x[row_id] = to_bf16(bf(ld_cg16(res + row_id)) + acc);
+                } else if (KIND == OP_GU) {
+                    const float y = round_bf16(acc * scale);
+                    if ((i & 1) == 0) {
+                        gate[rr] = y;
+                    } else {
+                        const float g = gate[rr];
+                        if (lane == 0) a.hbuf[row_id] = to_bf16(g / (1.f + __expf(-g)) * y);
+                    }
+                } else if (KIND == OP_DOWN) {
+                    if (lane == 0) a.x[row_id] = to_bf16(bf(ld_cg16(a.x + row_id)) + acc);
+                } else {  // HEAD
+                    const float y = round_bf16(acc);
+                    if (lane == 0) a.logits[row_id] = y;
+                    if (y > best_v || (y == best_v && row_id < best_i)) { best_v = y; best_i = row_id; }
+                }
+            }
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&s.empty[c % NS]);
+    }
+    if (WPR > 1) {  // DOWN over several warps a row: the segments added in order
+        consumer_sync();
+        for (int r = threadIdx.x; r < r1 - r0; r += CT) {
+            float acc = 0.f;
+#pragma unroll
+            for (int sg = 0; sg < WPR; sg++) acc += s.red[r][sg];
+            a.x[r0 + r] = to_bf16(bf(ld_cg16(a.x + r0 + r)) + acc);
+        }
+    }
+    if (KIND == OP_HEAD) {
+        if (lane == 0) { s.best_v[warp] = best_v; s.best_i[warp] = best_i; }
+        consumer_sync();
+        if (threadIdx.x == 0) {
+            float bv = s.best_v[0];
+            int bi = s.best_i[0];
+            for (int w = 1; w < NCW; w++)
+                if (s.best_v[w] > bv || (s.best_v[w] == bv && s.best_i[w] < bi)) {
+                    bv = s.best_v[w]; bi = s.best_i[w];
+                }
+            a.best[2 * b] = bv;
+            a.best[2 * b + 1] = __int_as_float(bi);
+        }
+    }
+}
+
+// -- consumers: attention ---------------------------------------------------------------------------
+
+// x[d] and its rope partner (d ± HD/2, lane ± 16 for HD 128, lane ± 16 for HD 64 too: EPL
+// elements a lane, the first half of the head in lanes 0-15).
+__device__ __forceinline__ void rope_lane(float* v, const float* cs, const float* sn, int lane) {
+#pragma unroll
+    for (int e = 0; e < EPL; e++) {
+        const float other = __shfl_xor_sync(0xffffffffu, v[e], 16);
+        v[e] = lane < 16 ? v[e] * cs[e] - other * sn[e] : v[e] * cs[e] + other * sn[e];
+    }
+}
+
+__device__ __forceinline__ void load_head(const u16* p, float* v) {  // EPL bfloat16, this lane's
+    if (EPL == 4) {
+        const u32 w0 = ld_cg(p), w1 = ld_cg(p + 2);
+        v[0] = lo_f32(w0); v[1] = hi_f32(w0); v[2] = lo_f32(w1); v[3] = hi_f32(w1);
+    } else {
+        const u32 w0 = ld_cg(p);
+        v[0] = lo_f32(w0); v[1] = hi_f32(w0);
+    }
+}
+
+__device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int p = (int)*a.pos;
+    const int by_len = (p + ATT_MIN) / ATT_MIN;  // ceil((p + 1) / ATT_MIN)
+    const int nsplit = max(1, min(G / NKV, by_len));
+    const int ch = (p + nsplit) / nsplit;  // ceil((p + 1) / nsplit)
+    const float qscale = rsqrtf((float)HD) * 1.4426950408889634f;  // softmax in base 2
+    // rope angles of this lane's elements, rounded to bfloat16 as the model's cos/sin are
+    float cs[EPL], sn[EPL];
+#pragma unroll
+    for (int e = 0; e < EPL; e++) {
+        const int d = (lane * EPL + e) % (HD / 2);
+        const float ang = (float)p * a.inv_freq[d];
+        cs[e] = round_bf16(cosf(ang));
+        sn[e] = round_bf16(sinf(ang));
+    }
+    const size_t head_stride = (size_t)a.max_len * HD;
+    for (int u = b; u < NKV * nsplit; u += G) {
+        const int g = u / nsplit, sp = u % nsplit;
+        const int j0 = sp * ch, j1 = min(p + 1, j0 + ch);
+        u16* kcache = a.kv + ((size_t)(2 * layer) * NKV + g) * head_stride;
+        u16* vcache = a.kv + ((size_t)(2 * layer + 1) * NKV + g) * head_stride;
+        // the new key and value (rope on the key), rounded to the cache's bfloat16
+        float kn[EPL], vn[EPL];
+        load_head(a.qkv + QD + g * HD + lane * EPL, kn);
+        load_head(a.qkv + QD + KVD + g * HD + lane * EPL, vn);
+        rope_lane(kn, cs, sn, lane);
+#pragma unroll
+        for (int e = 0; e < EPL; e++) kn[e] = round_bf16(kn[e]);
+        if (sp == 0 && warp == 0) {
+#pragma unroll
+            for (int e = 0; e < EPL; e++) {
+                kcache[(size_t)p * HD + lane * EPL + e] = to_bf16(kn[e]);
+                vcache[(size_t)p * HD + lane * EPL + e] = to_bf16(vn[e]);
+            }
+        }
+        float q[GS][EPL], acc[GS][EPL], m[GS], l[GS];
+#pragma unroll
+        for (int hh = 0; hh < GS; hh++) {
+            load_head(a.qkv + (g * GS + hh) * HD + lane * EPL, q[hh]);
+            rope_lane(q[hh], cs, sn, lane);
+#pragma unroll
+            for (int e = 0; e < EPL; e++) {
+                q[hh][e] = round_bf16(q[hh][e]) * qscale;
+                acc[hh][e] = 0.f;
+            }
+            m[hh] = -1.0e30f;
+            l[hh] = 0.f;
+        }
+        for (int jp = j0 + warp; jp < j1; jp += NCW) {
+            float kk[EPL], vv[EPL];
+            if (jp == p) {
+#pragma unroll
+                for (int e = 0; e < EPL; e++) { kk[e] = kn[e]; vv[e] = round_bf16(vn[e]); }
+            } else {
+                load_head(kcache + (size_t)jp * HD + lane * EPL, kk);
+                load_head(vcache + (size_t)jp * HD + lane * EPL, vv);
+            }
+#pragma unroll
+            for (int hh = 0; hh < GS; hh++) {
+                float sc = 0.f;
+#pragma unroll
+                for (int e = 0; e < EPL; e++) sc = fmaf(q[hh][e], kk[e], sc);
+                sc = warp_sum(sc);
+                const float mn = fmaxf(m[hh], sc);
+                const float corr = exp2f(m[hh] - mn), pr = exp2f(sc - mn);
+                l[hh] = l[hh] * corr + pr;
+#pragma unroll
+                for (int e = 0; e < EPL; e++) acc[hh][e] = fmaf(pr, vv[e], acc[hh][e] * corr);
+                m[hh] = mn;
+            }
+        }
+#pragma unroll
+        for (int hh = 0; hh < GS; hh++) {
+            if (lane == 0) { s.st_m[warp][hh] = m[hh]; s.st_l[warp][hh] = l[hh]; }
+#pragma unroll
+            for (int e = 0; e < EPL; e++) s.st_acc[warp][hh][lane * EPL + e] = acc[hh][e];
+        }
+        consumer_sync();
+        float* mine = a.part + ((size_t)(g * G + sp) * GS) * (HD + 2);
+        for (int idx = threadIdx.x; idx < GS * HD; idx += CT) {
+            const int hh = idx / HD, d = idx % HD;
+            float mm = -1.0e30f;
+            for (int w = 0; w < NCW; w++) mm = fmaxf(mm, s.st_m[w][hh]);
+            float o = 0.f, ll = 0.f;
+            for (int w = 0; w < NCW; w++) {
+                const float f = exp2f(s.st_m[w][hh] - mm);
+                o = fmaf(s.st_acc[w][hh][d], f, o);
+                ll = fmaf(s.st_l[w][hh], f, ll);
+            }
+            if (nsplit == 1) {
+                a.att[(g * GS + hh) * HD + d] = to_bf16(o / ll);
+            } else {
+                mine[hh * (HD + 2) + d] = o;
+                if (d == 0) { mine[hh * (HD + 2) + HD] = mm; mine[hh * (HD + 2) + HD + 1] = ll; }
+            }
+        }
+        consumer_sync();
+        if (nsplit > 1) {  // the last unit of kv head g adds the splits, in order
+            if (threadIdx.x == 0) {
+                __threadfence();
+                s.flag = atomicAdd(&a.counters[NOPS + g], 1u) == (u32)(nsplit - 1);
+                __threadfence();
+            }
+            consumer_sync();
+            if (s.flag) {
+                const float* all = a.part + (size_t)g * G * GS * (HD + 2);
+                for (int idx = threadIdx.x; idx < GS * HD; idx += CT) {
+                    const int hh = idx / HD, d = idx % HD;
+                    float mm = -1.0e30f;
+                    for (int t = 0; t < nsplit; t++)
+                        mm = fmaxf(mm, ld_cgf(all + (size_t)(t * GS + hh) * (HD + 2) + HD));
+                    float o = 0.f, ll = 0.f;
+                    for (int t = 0; t < nsplit; t++) {
+                        const float* pt = all + (size_t)(t * GS + hh) * (HD + 2);
+                        const float f = exp2f(ld_cgf(pt + HD) - mm);
+                        o = fmaf(ld_cgf(pt + d), f, o);
+                        ll = fmaf(ld_cgf(pt + HD + 1), f, ll);
+                    }
+                    a.att[(g * GS + hh) * HD + d] = to_bf16(o / ll);
+                }
+                if (threadIdx.x == 0) a.counters[NOPS + g] = 0u;
+            }
+            consumer_sync();
+        }
+    }
+}
+
+// -- the kernel -------------------------------------------------------------------------------------
+
+extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1)
+decode_step(Args a) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    unsigned char* ring = smem;
+    Shared& s = *(Shared*)(smem + (size_t)NS * SLOT);
+    const int b = blockIdx.x, G = gridDim.x;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < NS; i++) {
+            mbar_init(&s.full[i], 1);
+            mbar_init(&s.empty[i], NCW);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp == NCW) {  // the producer: every weight chunk of the step, in order
+        if (lane == 0) {
+            Cursor cur = {0, 0, 0};
+            Chunk ch;
+#if L2AHEAD
+            Cursor ahead = {0, 0, 0};
+            Chunk pc;
+            for (int i = 0; i < NS; i++) next_chunk(a, ahead, b, G, pc);
+            for (int i = 0; i < L2AHEAD; i++)
+                if (next_chunk(a, ahead, b, G, pc)) bulk_prefetch_l2(pc.src, pc.bytes);
+#endif
+            for (u32 c = 0; next_chunk(a, cur, b, G, ch); c++) {
+                if (c >= NS) mbar_wait(&s.empty[c % NS], ((c / NS) - 1) & 1);
+                bulk_load(slot_ptr(ring, c), ch.src, ch.bytes, &s.full[c % NS]);
+#if L2AHEAD
+                if (next_chunk(a, ahead, b, G, pc)) bulk_prefetch_l2(pc.src, pc.bytes);
+#endif
+            }
+        }
+        return;
+    }
+
+    u32 c = 0;
+    for (int layer = 0; layer < NL; layer++) {
+        const int j = 5 * layer;
+        if (layer > 0) wait_op(a, j - 1, G);
+        matrix_op<H, OP_QKV>(a, s, ring, c, layer, b, G);
+        signal_op(a, j);
+        wait_op(a, j, G);
+        attention_op(a, s, layer, b, G);
+        signal_op(a, j + 1);
+        wait_op(a, j + 1, G);
+        matrix_op<QD, OP_O>(a, s, ring, c, layer, b, G);
+        signal_op(a, j + 2);
+        wait_op(a, j + 2, G);
+        matrix_op<H, OP_GU>(a, s, ring, c, layer, b, G);
+        signal_op(a, j + 3);
+        wait_op(a, j + 3, G);
+        matrix_op<INTER, OP_DOWN>(a, s, ring, c, layer, b, G);
+        signal_op(a, j + 4);
+    }
+    wait_op(a, 5 * NL - 1, G);
+    matrix_op<H, OP_HEAD>(a, s, ring, c, NL, b, G);
+    consumer_sync();
+    if (threadIdx.x == 0) {  // the last block picks the token and clears the counters
+        __threadfence();
+        const bool last = atomicAdd(&a.counters[NOPS - 1], 1u) == (u32)(G - 1);
+        if (last) {
+            __threadfence();
+            float bv = ld_cgf(a.best);
+            int bi = __float_as_int(ld_cgf(a.best + 1));
+            for (int t = 1; t < G; t++) {
+                const float v = ld_cgf(a.best + 2 * t);
+                const int i = __float_as_int(ld_cgf(a.best + 2 * t + 1));
+                if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
+            }
+            *a.out_token = bi;
+            for (int t = 0; t < NOPS + NKV; t++) a.counters[t] = 0u;
+        }
+    }
+}

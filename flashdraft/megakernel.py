@@ -1,0 +1,205 @@
+"""A whole decode step of a small dense model in one persistent CUDA kernel (`csrc/decode_mk.cu`).
+
+Measurement first (issue 5: the real 1.5B decodes at ~52 % of its memory roofline, its step
+being ~150 kernels whose fixed costs cost as much as its weight bytes). One block a
+multiprocessor runs every layer; a producer warp streams the block's rows of every matrix into
+a ring of shared memory while the consumer warps wait for the rest of the GPU between ops, so
+the weight stream never waits for the activations. `benchmarks/megakernel_step.py` times it
+against the model's CUDA-graph step in one process; `tests/test_megakernel.py` checks its
+logits and tokens against `Transformer.forward` on the GPU.
+
+Not wired into the engine: its reductions are not the skinny kernel's, so its tokens can differ
+from the graph path's where two logits nearly tie, and speculative verification (T > 1) has no
+megakernel; plain decoding through it would not be the reference that speculation reproduces.
+
+    mk = DecodeMegakernel(model, cache)      # a folded bfloat16 Qwen2 / Llama model on CUDA
+    logits, token = mk.step(token, position)  # int64 tensors [1] on the device, in and out
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from . import mma
+from .kv_cache import KVCache
+from .model import Transformer
+
+SOURCE = Path(__file__).with_name("csrc") / "decode_mk.cu"
+# Ring of shared-memory slots a block (FLASHDRAFT_MK_RING="slots x bytes"); measured choices
+# live in benchmarks/RESULTS.md.
+RING = os.environ.get("FLASHDRAFT_MK_RING", "8x24576")
+L2AHEAD = int(os.environ.get("FLASHDRAFT_MK_L2AHEAD", "0"))
+CONSUMER_WARPS = 8
+
+
+def unsupported(model: Transformer, cache: KVCache, ring: str | None = None) -> str | None:
+    """Why the megakernel cannot run this model and cache, or None when it can."""
+    cfg = model.cfg
+    device = model.embed.weight.device
+    why = mma.unavailable(device, model.embed.weight.dtype)
+    if why:
+        return why
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return "it needs an sm_90 (Hopper) or newer GPU (bulk copies and mbarriers)"
+    if cfg.qk_norm:
+        return "Qwen3's per-head q/k norms are not in the kernel"
+    if not model.norms_folded:
+        return "the model's block norms must be folded into its products (Transformer.fold_norms)"
+    if cfg.head_dim not in (64, 128):
+        return f"head_dim {cfg.head_dim} (the kernel takes 64 or 128)"
+    slots, slot = _ring(ring)
+    h, inter, qd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
+    if 16 * max(h, qd) > slot:
+        return (f"hidden size {h} / q width {qd}: a warp a row needs 8 rows of them in a "
+                f"{slot}-byte slot (FLASHDRAFT_MK_RING)")
+    if 2 * inter > slot:
+        return f"intermediate size {inter}: a row must fit a {slot}-byte slot"
+    if cache.kv.shape[2] != 1 or cache.kv.dtype != torch.bfloat16:
+        return "the cache must hold one bfloat16 sequence"
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if -(-h // sms) > 64:
+        return f"hidden size {h} over {sms} multiprocessors: at most 64 rows a block"
+    for block in model.layers:
+        for lin in (block.attn.wqkv, block.attn.wo, block.mlp.w_gate_up, block.mlp.w_down):
+            if type(lin) is not torch.nn.Linear or not lin.weight.is_contiguous():
+                return "every product must be a contiguous bfloat16 nn.Linear (not quantized)"
+    return None
+
+
+def _ring(ring: str | None = None) -> tuple[int, int]:
+    ring = ring or RING
+    try:
+        slots, slot = (int(v) for v in ring.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"ring {ring!r} (FLASHDRAFT_MK_RING): write SLOTSxBYTES, e.g. 8x24576") from None
+    if slots < 2 or slot % 16 or slot < 1024:
+        raise ValueError(f"ring {ring!r} (FLASHDRAFT_MK_RING): 2 or more slots of a multiple of 16 bytes")
+    return slots, slot
+
+
+class _Args(ctypes.Structure):  # decode_mk.cu's Args, field for field
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "table", "embed", "head", "fnorm", "inv_freq", "kv", "token", "pos", "x", "qkv", "att",
+        "hbuf", "part", "logits", "best", "counters", "out_token", "error")] + [
+        ("max_len", ctypes.c_int), ("eps", ctypes.c_float)]
+
+
+@functools.cache
+def _kernel(defines: tuple[tuple[str, int], ...], device: int):
+    options = [f"-D{k}={v}" for k, v in defines]
+    try:
+        with torch.cuda.device(device):
+            return torch.cuda._compile_kernel(SOURCE.read_text(), "decode_step",
+                                              nvcc_options=options)
+    except Exception as err:
+        raise RuntimeError(f"compiling {SOURCE.name} with NVRTC failed: {err}") from err
+
+
+class DecodeMegakernel:
+    """One decode step of `model` (one sequence, one token) as one kernel launch."""
+
+    def __init__(self, model: Transformer, cache: KVCache, ring: str | None = None,
+                 l2ahead: int | None = None, probe: str = ""):
+        """ring: "SLOTSxBYTES" (default FLASHDRAFT_MK_RING); l2ahead: weight chunks past the
+        ring asked of the L2 (default FLASHDRAFT_MK_L2AHEAD); probe: "nowait" (measurement
+        only, wrong output: no op waits for the one before, the weight stream's own speed)."""
+        why = unsupported(model, cache, ring)
+        if why:
+            raise ValueError(f"the decode megakernel cannot run this model: {why}")
+        cfg = model.cfg
+        self.model, self.cache, self.cfg = model, cache, cfg
+        dev = model.embed.weight.device
+        self.device = dev
+        self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        slots, slot = _ring(ring)
+        if probe not in ("", "nowait"):
+            raise ValueError(f"probe {probe!r}: '' or 'nowait'")
+        h, inter = cfg.hidden_size, cfg.intermediate_size
+        qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        ptrs = []
+        for block in model.layers:
+            bias = block.attn.wqkv.bias
+            ptrs += [block.attn.wqkv.weight.data_ptr(), bias.data_ptr() if bias is not None else 0,
+                     block.attn.wo.weight.data_ptr(), block.mlp.w_gate_up.weight.data_ptr(),
+                     block.mlp.w_down.weight.data_ptr()]
+        self.table = torch.tensor(ptrs, dtype=torch.int64, device=dev)
+        bf16 = dict(dtype=torch.bfloat16, device=dev)
+        self.x = torch.zeros(h, **bf16)
+        self.qkv = torch.zeros(qd + 2 * kvd, **bf16)
+        self.att = torch.zeros(qd, **bf16)
+        self.hbuf = torch.zeros(inter, **bf16)
+        group = cfg.num_heads // cfg.num_kv_heads
+        self.part = torch.zeros(cfg.num_kv_heads * self.sms * group * (cfg.head_dim + 2),
+                                dtype=torch.float32, device=dev)
+        self.logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=dev)
+        self.best = torch.zeros(2 * self.sms, dtype=torch.float32, device=dev)
+        self.counters = torch.zeros(5 * cfg.num_layers + 1 + cfg.num_kv_heads, dtype=torch.int32,
+                                    device=dev)
+        self.error = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.token_in = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.pos_in = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.token_out = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.fnorm = model.norm.weight.detach().to(torch.bfloat16).contiguous()
+        self.inv_freq = model.inv_freq.float().contiguous()
+        defines = (("H", h), ("INTER", inter), ("NQ", cfg.num_heads), ("NKV", cfg.num_kv_heads),
+                   ("HD", cfg.head_dim), ("NL", cfg.num_layers), ("VOCAB", cfg.vocab_size),
+                   ("QKV_BIAS", int(cfg.qkv_bias)), ("NS", slots), ("SLOT", slot),
+                   ("NCW", CONSUMER_WARPS), ("L2AHEAD", L2AHEAD if l2ahead is None else l2ahead),
+                   ("NOWAIT", int(probe == "nowait")))
+        self.fn = _kernel(defines, dev.index if dev.index is not None else torch.cuda.current_device())
+        # shared memory: the ring, then decode_mk.cu's Shared (mbarriers, sums, attention state)
+        shared_struct = (16 * slots + 4 * 64 * CONSUMER_WARPS
+                         + 4 * CONSUMER_WARPS * group * (2 + cfg.head_dim) + 8 * CONSUMER_WARPS + 16)
+        self.shared = slots * slot + shared_struct + 128
+        limit = mma._shared_limit(self.fn_device)
+        if self.shared > limit:
+            raise ValueError(f"the megakernel needs {self.shared} bytes of shared memory a block, "
+                             f"the GPU allows {limit}: use a smaller FLASHDRAFT_MK_RING")
+        mma._allow_shared(self.fn, self.shared)
+        self.args = _Args(
+            self.table.data_ptr(), model.embed.weight.data_ptr(), model.lm_head.weight.data_ptr(),
+            self.fnorm.data_ptr(), self.inv_freq.data_ptr(), cache.kv.data_ptr(),
+            self.token_in.data_ptr(), self.pos_in.data_ptr(), self.x.data_ptr(),
+            self.qkv.data_ptr(), self.att.data_ptr(), self.hbuf.data_ptr(), self.part.data_ptr(),
+            self.logits.data_ptr(), self.best.data_ptr(), self.counters.data_ptr(),
+            self.token_out.data_ptr(), self.error.data_ptr(), cache.max_len,
+            float(cfg.rms_norm_eps))
+
+    @property
+    def fn_device(self) -> int:
+        return self.device.index if self.device.index is not None else torch.cuda.current_device()
+
+    def launch(self) -> None:
+        """One step on the current stream, reading token_in and pos_in, writing logits and
+        token_out (capturable in a CUDA graph: every address is fixed)."""
+        params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(self.args), ctypes.c_void_p))
+        config = mma._Launch((ctypes.c_uint * 3)(self.sms, 1, 1),
+                             (ctypes.c_uint * 3)(32 * (CONSUMER_WARPS + 1), 1, 1), self.shared,
+                             torch.cuda.current_stream(self.device).cuda_stream, None, 0)
+        err = mma._launch_kernel_ex()(ctypes.byref(config), self.fn.func, params, None)
+        if err:
+            raise RuntimeError(f"cuLaunchKernelEx failed with CUDA error {err}")
+
+    def step(self, token: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [vocab] float32 and the greedy token [1] int64 of `token` ([1] int64) at
+        `position` ([1] int64), its key and value written into the cache. The tensors returned
+        are this object's buffers, overwritten by the next step."""
+        if position.numel() != 1 or token.numel() != 1:
+            raise ValueError("the megakernel decodes one token of one sequence a step")
+        self.token_in.copy_(token.reshape(1))
+        self.pos_in.copy_(position.reshape(1))
+        self.launch()
+        return self.logits, self.token_out
+
+    def check(self) -> None:
+        """Raise if a wait between ops gave up (the blocks were not all resident at once)."""
+        code = int(self.error.item())
+        if code:
+            self.error.zero_()
+            self.counters.zero_()
+            raise RuntimeError(f"the decode megakernel's wait for op {code - 1} gave up: its blocks "
+                               f"were not all resident (another kernel sharing the GPU?)")

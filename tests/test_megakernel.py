@@ -1,0 +1,72 @@
+"""The decode megakernel (flashdraft.megakernel): logits, tokens and cache writes against
+Transformer.forward on the GPU; a clear refusal elsewhere."""
+import pytest
+import torch
+
+from flashdraft.config import ModelConfig
+from flashdraft.kv_cache import KVCache
+from flashdraft.shapes import build_random_model
+
+# Two tiny shapes that take every path of the kernel: head dim 128 and 64; an MLP whose rows
+# are split over several warps (4,608 features: 2 rows a 24 KB slot) and one whose are not.
+SHAPES = {
+    "hd128-split-down": ModelConfig("qwen2", 1000, 256, 4608, 3, 4, 2, 128, qkv_bias=True,
+                                    rope_theta=1e6),
+    "hd64-llama": ModelConfig("llama", 777, 384, 512, 2, 6, 2, 64, rope_theta=5e5),
+}
+
+
+def test_refused_without_cuda_with_the_reason():
+    cfg = SHAPES["hd64-llama"]
+    model = build_random_model(cfg, torch.bfloat16, "cpu")
+    cache = KVCache.for_model(cfg, 1, 64, torch.bfloat16, "cpu")
+    from flashdraft import megakernel
+    assert megakernel.unsupported(model, cache) == "it needs CUDA"
+    with pytest.raises(ValueError, match="cannot run this model: it needs CUDA"):
+        megakernel.DecodeMegakernel(model, cache)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("prompt", [5, 100])  # one attention split, and several merged
+@pytest.mark.parametrize("ring", ["8x24576", "4x49152"])
+def test_megakernel_matches_the_model(shape, prompt, ring):
+    from flashdraft.megakernel import DecodeMegakernel
+    torch.manual_seed(0)
+    cfg = SHAPES[shape]
+    model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
+    with torch.no_grad():  # sharper logits than N(0, 0.02) gives: fewer near ties
+        model.lm_head.weight.mul_(20)
+    ref_cache = KVCache.for_model(cfg, 1, 256, torch.bfloat16, "cuda")
+    mk_cache = KVCache.for_model(cfg, 1, 256, torch.bfloat16, "cuda")
+    tokens = torch.randint(0, cfg.vocab_size, (1, prompt), device="cuda")
+    positions = torch.arange(prompt, device="cuda")[None]
+    with torch.inference_mode():
+        logits, _ = model(tokens, positions, ref_cache)
+        mk_cache.kv.copy_(ref_cache.kv)
+        mk = DecodeMegakernel(model, mk_cache, ring=ring)
+        token = logits[0, -1].argmax().view(1)
+        compared = 0
+        for step in range(24):
+            pos = prompt + step
+            ref, _ = model(token.view(1, 1), torch.tensor([[pos]], device="cuda"), ref_cache,
+                           kv_len=pos + 1)
+            ref = ref[0, -1]
+            got, got_token = mk.step(token, torch.tensor([pos], device="cuda"))
+            torch.cuda.synchronize()
+            mk.check()
+            err = (got - ref).abs().max().item()
+            assert err <= 0.03 * ref.abs().max().item() + 0.05, (step, err)
+            # the kernel's token is the argmax of its own logits (lowest id on ties) ...
+            assert int(got_token) == int(got.argmax())
+            # ... and the model's wherever the model's top two are apart by more than the error
+            top2 = ref.topk(2).values
+            if (top2[0] - top2[1]).item() > 2 * err:
+                assert int(got_token) == int(ref.argmax()), step
+                compared += 1
+            # the step's key and value went into the cache where the model put them
+            for layer in range(cfg.num_layers):
+                a, b = mk_cache.kv[layer, :, 0, :, pos], ref_cache.kv[layer, :, 0, :, pos]
+                assert (a.float() - b.float()).abs().max().item() <= 0.02 * b.abs().max().item() + 0.02
+            token = ref.argmax().view(1)
+    assert compared >= 12  # most steps decided the token
