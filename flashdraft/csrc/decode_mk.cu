@@ -86,7 +86,7 @@ struct __align__(16) u32x4 { u32 x, y, z, w; };
 #define CT (NCW * 32)  // consumer threads
 #define NOPS (5 * NL + 1)
 #define RED_ROWS 64
-#define SPIN_LIMIT (1u << 26)
+#define SPIN_LIMIT (1u << 22)  // polls before a wait gives up (~seconds; a step waits microseconds)
 
 enum { OP_QKV = 0, OP_ATT = 1, OP_O = 2, OP_GU = 3, OP_DOWN = 4, OP_HEAD = 5 };
 
