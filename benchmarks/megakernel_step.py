@@ -36,14 +36,24 @@ CONTEXT = 512
 
 def parse_variant(v: str) -> dict:
     ring, *opts = v.split("+")
-    out = {"ring": ring, "l2ahead": 0, "probe": ""}
+    out = {"ring": ring, "l2ahead": 0, "probe": "", "copies": 1, "ldgsts": False, "producers": 1}
+    probes = []
     for o in opts:
         if o.startswith("l2:"):
             out["l2ahead"] = int(o[3:])
-        elif o == "nowait":
-            out["probe"] = "nowait"
+        elif o.startswith("copies:"):
+            out["copies"] = int(o[7:])
+        elif o.startswith("prod:"):
+            out["producers"] = int(o[5:])
+        elif o == "evict":
+            out["evict_first"] = True
+        elif o == "ldgsts":
+            out["ldgsts"] = True
+        elif o in ("nowait", "nocompute"):
+            probes.append(o)
         else:
-            raise SystemExit(f"variant option {o!r}: l2:N or nowait")
+            raise SystemExit(f"variant option {o!r}: l2:N, copies:N, ldgsts, nowait or nocompute")
+    out["probe"] = ",".join(probes)
     return out
 
 

@@ -103,10 +103,13 @@ class DecodeMegakernel:
     """One decode step of `model` (one sequence, one token) as one kernel launch."""
 
     def __init__(self, model: Transformer, cache: KVCache, ring: str | None = None,
-                 l2ahead: int | None = None, probe: str = ""):
+                 l2ahead: int | None = None, probe: str = "", copies: int = 1,
+                 ldgsts: bool = False, producers: int = 1, evict_first: bool = False):
         """ring: "SLOTSxBYTES" (default FLASHDRAFT_MK_RING); l2ahead: weight chunks past the
         ring asked of the L2 (default FLASHDRAFT_MK_L2AHEAD); probe: "nowait" (measurement
-        only, wrong output: no op waits for the one before, the weight stream's own speed)."""
+        only, wrong output: no op waits for the one before, the weight stream's own speed;
+        "nocompute": the consumers multiply nothing; both: "nowait,nocompute"); copies: bulk
+        copies a chunk; ldgsts: the producer warp copies with cp.async instead."""
         why = unsupported(model, cache, ring)
         if why:
             raise ValueError(f"the decode megakernel cannot run this model: {why}")
@@ -116,8 +119,9 @@ class DecodeMegakernel:
         self.device = dev
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
         slots, slot = _ring(ring)
-        if probe not in ("", "nowait"):
-            raise ValueError(f"probe {probe!r}: '' or 'nowait'")
+        probes = set(filter(None, probe.split(",")))
+        if probes - {"nowait", "nocompute"}:
+            raise ValueError(f"probe {probe!r}: '', or nowait and/or nocompute")
         h, inter = cfg.hidden_size, cfg.intermediate_size
         qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         ptrs = []
@@ -149,7 +153,10 @@ class DecodeMegakernel:
                    ("HD", cfg.head_dim), ("NL", cfg.num_layers), ("VOCAB", cfg.vocab_size),
                    ("QKV_BIAS", int(cfg.qkv_bias)), ("NS", slots), ("SLOT", slot),
                    ("NCW", CONSUMER_WARPS), ("L2AHEAD", L2AHEAD if l2ahead is None else l2ahead),
-                   ("NOWAIT", int(probe == "nowait")))
+                   ("NOWAIT", int("nowait" in probes)), ("NOCOMPUTE", int("nocompute" in probes)),
+                   ("COPIES", copies), ("LDGSTS", int(ldgsts)), ("NPROD", producers),
+                   ("EVICT_FIRST", int(evict_first)))
+        self.producers = producers
         self.fn = _kernel(defines, dev.index if dev.index is not None else torch.cuda.current_device())
         # shared memory: the ring, then decode_mk.cu's Shared (mbarriers, sums, attention state)
         shared_struct = (16 * slots + 4 * 64 * CONSUMER_WARPS
@@ -178,7 +185,7 @@ class DecodeMegakernel:
         token_out (capturable in a CUDA graph: every address is fixed)."""
         params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(self.args), ctypes.c_void_p))
         config = mma._Launch((ctypes.c_uint * 3)(self.sms, 1, 1),
-                             (ctypes.c_uint * 3)(32 * (CONSUMER_WARPS + 1), 1, 1), self.shared,
+                             (ctypes.c_uint * 3)(32 * (CONSUMER_WARPS + self.producers), 1, 1), self.shared,
                              torch.cuda.current_stream(self.device).cuda_stream, None, 0)
         err = mma._launch_kernel_ex()(ctypes.byref(config), self.fn.func, params, None)
         if err:

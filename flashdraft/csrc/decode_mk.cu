@@ -75,6 +75,21 @@ struct __align__(16) u32x4 { u32 x, y, z, w; };
 #ifndef ATT_MIN
 #define ATT_MIN 32  // fewest positions an attention unit takes (fewer units below it)
 #endif
+#ifndef COPIES
+#define COPIES 1  // bulk copies a chunk (pieces of a chunk in flight at once)
+#endif
+#ifndef LDGSTS
+#define LDGSTS 0  // 1: the producer warp's 32 lanes copy each chunk with cp.async (16 bytes a lane)
+#endif
+#ifndef NPROD
+#define NPROD 1  // producer warps: producer i copies the chunks c with c % NPROD == i
+#endif
+#ifndef EVICT_FIRST
+#define EVICT_FIRST 0  // 1: the bulk copies mark the weights' L2 lines evict-first
+#endif
+#ifndef NOCOMPUTE
+#define NOCOMPUTE 0  // measurement only, wrong output: consumers take each chunk and multiply nothing
+#endif
 #ifndef NOWAIT
 #define NOWAIT 0  // measurement only, wrong output: no op waits for the one before
 #endif
@@ -186,6 +201,15 @@ __device__ __forceinline__ void mbar_arrive(u64* bar) {
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes, u64* bar) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
                  :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
+#if EVICT_FIRST
+    u64 policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
+                 "[%0], [%1], %2, [%3], %4;"
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy)
+                 : "memory");
+    return;
+#endif
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
                  "[%0], [%1], %2, [%3];"
                  :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
@@ -368,6 +392,18 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
     const int total = KIND == OP_GU ? 2 * chunks : chunks;
     const u16* bias = nullptr;
     if (KIND == OP_QKV && QKV_BIAS) bias = (const u16*)a.table[5 * layer + 1];
+    // The epilogue's other input a row (QKV: the bias; O and DOWN: the residual), loaded for
+    // all of the block's rows at once, lane i holding rows i and i + 32 (side loads in a chunk's
+    // epilogue would wait a round trip to the L2 a chunk).
+    constexpr bool SIDE = KIND == OP_QKV ? QKV_BIAS : (KIND == OP_O || (KIND == OP_DOWN && WPR == 1));
+    const u16* side_src = KIND == OP_QKV ? bias
+                        : (KIND == OP_O && layer == 0) ? a.embed + (size_t)tok * H : a.x;
+    const bool side_all = r1 - r0 <= 64;
+    float side0 = 0.f, side1 = 0.f;
+    if (SIDE && side_all) {
+        if (r0 + lane < r1) side0 = bf(ld_cg16(side_src + r0 + lane));
+        if (r0 + lane + 32 < r1) side1 = bf(ld_cg16(side_src + r0 + lane + 32));
+    }
     float gate[RPW];
     float best_v = -3.0e38f;
     int best_i = 0x7fffffff;
@@ -380,7 +416,7 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
 #pragma unroll
         for (int rr = 0; rr < RPW; rr++) {
             const int r = wrow + NCW * rr;
-            if (r < nr) {
+            if (!NOCOMPUTE && r < nr) {
                 const u32x4* row = (const u32x4*)(w + (size_t)r * K);
                 float acc = 0.f;
 #pragma unroll
@@ -402,13 +438,19 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
                 const int row_id = r0 + ci * R + r;  // the op's output feature
                 if (WPR > 1) {
                     if (lane == 0) s.red[ci * R + r][seg] = acc;
-                } else if (KIND == OP_QKV) {
-                    float y = acc * scale;
-                    if (QKV_BIAS) y += bf(bias[row_id]);
-                    if (lane == 0) a.qkv[row_id] = to_bf16(y);
-                } else if (KIND == OP_O) {
-                    const u16* res = layer == 0 ? a.embed + (size_t)tok * H : a.x;
-                    if (lane == 0) a.x[row_id] = to_bf16(bf(ld_cg16(res + row_id)) + acc);
+                } else if (KIND == OP_QKV || KIND == OP_O || KIND == OP_DOWN) {
+                    float other = 0.f;
+                    if (SIDE) {
+                        const int lr = row_id - r0;
+                        const float mine = __shfl_sync(0xffffffffu, side0, lr & 31);
+                        const float mine1 = __shfl_sync(0xffffffffu, side1, lr & 31);
+                        other = side_all ? (lr < 32 ? mine : mine1) : bf(ld_cg16(side_src + row_id));
+                    }
+                    if (KIND == OP_QKV) {
+                        if (lane == 0) a.qkv[row_id] = to_bf16(acc * scale + other);
+                    } else if (lane == 0) {
+                        a.x[row_id] = to_bf16(other + acc);
+                    }
                 } else if (KIND == OP_GU) {
                     const float y = round_bf16(acc * scale);
                     if ((i & 1) == 0) {
@@ -417,8 +459,6 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
                         const float g = gate[rr];
                         if (lane == 0) a.hbuf[row_id] = to_bf16(g / (1.f + __expf(-g)) * y);
                     }
-                } else if (KIND == OP_DOWN) {
-                    if (lane == 0) a.x[row_id] = to_bf16(bf(ld_cg16(a.x + row_id)) + acc);
                 } else {  // HEAD
                     const float y = round_bf16(acc);
                     if (lane == 0) a.logits[row_id] = y;
@@ -606,7 +646,7 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
 
 // -- the kernel -------------------------------------------------------------------------------------
 
-extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1)
+extern "C" __global__ void __launch_bounds__((NCW + NPROD) * 32, 1)
 decode_step(Args a) {
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char* ring = smem;
@@ -615,14 +655,33 @@ decode_step(Args a) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (threadIdx.x == 0) {
         for (int i = 0; i < NS; i++) {
-            mbar_init(&s.full[i], 1);
+            mbar_init(&s.full[i], LDGSTS ? 32 : 1);
             mbar_init(&s.empty[i], NCW);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
 
-    if (warp == NCW) {  // the producer: every weight chunk of the step, in order
+    if (warp >= NCW) {  // the producers: every weight chunk of the step, in order
+        const u32 me = warp - NCW;
+#if LDGSTS
+        {
+            Cursor cur = {0, 0, 0};
+            Chunk ch;
+            for (u32 c = 0; next_chunk(a, cur, b, G, ch); c++) {
+                if (c % NPROD != me) continue;
+                if (c >= NS) mbar_wait(&s.empty[c % NS], ((c / NS) - 1) & 1);
+                const u32 dst = smem_addr(slot_ptr(ring, c));
+                for (u32 off = 16 * lane; off < ch.bytes; off += 512)
+                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                                 :: "r"(dst + off), "l"((const char*)ch.src + off) : "memory");
+                asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];"
+                             :: "r"(smem_addr(&s.full[c % NS])) : "memory");
+            }
+            asm volatile("cp.async.wait_all;" ::: "memory");
+        }
+        return;
+#endif
         if (lane == 0) {
             Cursor cur = {0, 0, 0};
             Chunk ch;
@@ -634,8 +693,22 @@ decode_step(Args a) {
                 if (next_chunk(a, ahead, b, G, pc)) bulk_prefetch_l2(pc.src, pc.bytes);
 #endif
             for (u32 c = 0; next_chunk(a, cur, b, G, ch); c++) {
+                if (c % NPROD != me) continue;
                 if (c >= NS) mbar_wait(&s.empty[c % NS], ((c / NS) - 1) & 1);
-                bulk_load(slot_ptr(ring, c), ch.src, ch.bytes, &s.full[c % NS]);
+                if (COPIES == 1) {
+                    bulk_load(slot_ptr(ring, c), ch.src, ch.bytes, &s.full[c % NS]);
+                } else {  // pieces of whole 16-byte units, one expect_tx for all
+                    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                                 :: "r"(smem_addr(&s.full[c % NS])), "r"(ch.bytes) : "memory");
+                    const u32 piece = ((ch.bytes / 16 + COPIES - 1) / COPIES) * 16;
+                    for (u32 off = 0; off < ch.bytes; off += piece)
+                        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                                     "[%0], [%1], %2, [%3];"
+                                     :: "r"(smem_addr(slot_ptr(ring, c) + off)),
+                                        "l"((const char*)ch.src + off),
+                                        "r"(min(piece, ch.bytes - off)),
+                                        "r"(smem_addr(&s.full[c % NS])) : "memory");
+                }
 #if L2AHEAD
                 if (next_chunk(a, ahead, b, G, pc)) bulk_prefetch_l2(pc.src, pc.bytes);
 #endif
