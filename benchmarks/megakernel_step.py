@@ -45,6 +45,9 @@ def parse_variant(v: str) -> dict:
             out["copies"] = int(o[7:])
         elif o.startswith("prod:"):
             out["producers"] = int(o[5:])
+        elif o.startswith("D:"):
+            name, value = o[2:].split("=")
+            out.setdefault("defines", {})[name] = int(value)
         elif o == "evict":
             out["evict_first"] = True
         elif o == "ldgsts":

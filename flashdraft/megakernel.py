@@ -104,12 +104,14 @@ class DecodeMegakernel:
 
     def __init__(self, model: Transformer, cache: KVCache, ring: str | None = None,
                  l2ahead: int | None = None, probe: str = "", copies: int = 1,
-                 ldgsts: bool = False, producers: int = 1, evict_first: bool = False):
+                 ldgsts: bool = False, producers: int = 1, evict_first: bool = False,
+                 defines: dict[str, int] | None = None):
         """ring: "SLOTSxBYTES" (default FLASHDRAFT_MK_RING); l2ahead: weight chunks past the
         ring asked of the L2 (default FLASHDRAFT_MK_L2AHEAD); probe: "nowait" (measurement
         only, wrong output: no op waits for the one before, the weight stream's own speed;
         "nocompute": the consumers multiply nothing; both: "nowait,nocompute"); copies: bulk
-        copies a chunk; ldgsts: the producer warp copies with cp.async instead."""
+        copies a chunk; ldgsts: the producer warp copies with cp.async instead; defines: more of
+        decode_mk.cu's compile-time settings (measurement)."""
         why = unsupported(model, cache, ring)
         if why:
             raise ValueError(f"the decode megakernel cannot run this model: {why}")
@@ -155,7 +157,7 @@ class DecodeMegakernel:
                    ("NCW", CONSUMER_WARPS), ("L2AHEAD", L2AHEAD if l2ahead is None else l2ahead),
                    ("NOWAIT", int("nowait" in probes)), ("NOCOMPUTE", int("nocompute" in probes)),
                    ("COPIES", copies), ("LDGSTS", int(ldgsts)), ("NPROD", producers),
-                   ("EVICT_FIRST", int(evict_first)))
+                   ("EVICT_FIRST", int(evict_first))) + tuple(sorted((defines or {}).items()))
         self.producers = producers
         self.fn = _kernel(defines, dev.index if dev.index is not None else torch.cuda.current_device())
         # shared memory: the ring, then decode_mk.cu's Shared (mbarriers, sums, attention state)

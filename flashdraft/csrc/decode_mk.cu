@@ -90,6 +90,9 @@ struct __align__(16) u32x4 { u32 x, y, z, w; };
 #ifndef NOCOMPUTE
 #define NOCOMPUTE 0  // measurement only, wrong output: consumers take each chunk and multiply nothing
 #endif
+#ifndef FENCES
+#define FENCES 1  // 0: the counters' release/acquire alone order the ops (no fence.sc)
+#endif
 #ifndef NOWAIT
 #define NOWAIT 0  // measurement only, wrong output: no op waits for the one before
 #endif
@@ -308,7 +311,7 @@ __device__ __forceinline__ void wait_op(const Args& a, int j, int G) {
         while (ld_acquire(&a.counters[j]) < (u32)G) {
             if (++spins == SPIN_LIMIT) { atomicExch(a.error, 1u + j); break; }
         }
-        __threadfence();
+        if (FENCES) __threadfence();
     }
     consumer_sync();
 }
@@ -316,7 +319,7 @@ __device__ __forceinline__ void wait_op(const Args& a, int j, int G) {
 __device__ __forceinline__ void signal_op(const Args& a, int j) {
     consumer_sync();  // every consumer thread's stores are issued
     if (threadIdx.x == 0) {
-        __threadfence();
+        if (FENCES) __threadfence();
         red_release(&a.counters[j]);
     }
 }
@@ -506,42 +509,60 @@ __device__ __forceinline__ void rope_lane(float* v, const float* cs, const float
     }
 }
 
-__device__ __forceinline__ void load_head(const u16* p, float* v) {  // EPL bfloat16, this lane's
+// This lane's EPL bfloat16 of a head as raw words (loads only: convert with unpack_head, after
+// every load of a batch is issued, so that a batch waits for one round trip, not one a load).
+__device__ __forceinline__ void load_words(const u16* p, u32* w) {
     if (EPL == 4) {
-        const u32 w0 = ld_cg(p), w1 = ld_cg(p + 2);
-        v[0] = lo_f32(w0); v[1] = hi_f32(w0); v[2] = lo_f32(w1); v[3] = hi_f32(w1);
+        asm volatile("ld.global.cg.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
     } else {
-        const u32 w0 = ld_cg(p);
-        v[0] = lo_f32(w0); v[1] = hi_f32(w0);
+        w[0] = ld_cg(p);
     }
 }
+__device__ __forceinline__ void unpack_head(const u32* w, float* v) {
+#pragma unroll
+    for (int i = 0; i < EPL / 2; i++) { v[2 * i] = lo_f32(w[i]); v[2 * i + 1] = hi_f32(w[i]); }
+}
+
+#ifndef PU
+#define PU 4  // cached positions a warp loads at once
+#endif
+#ifndef NOATT
+#define NOATT 0  // measurement only, wrong output: attention skipped
+#endif
 
 __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) {
+    if (NOATT) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int p = (int)*a.pos;
     const int by_len = (p + ATT_MIN) / ATT_MIN;  // ceil((p + 1) / ATT_MIN)
     const int nsplit = max(1, min(G / NKV, by_len));
     const int ch = (p + nsplit) / nsplit;  // ceil((p + 1) / nsplit)
     const float qscale = rsqrtf((float)HD) * 1.4426950408889634f;  // softmax in base 2
-    // rope angles of this lane's elements, rounded to bfloat16 as the model's cos/sin are
-    float cs[EPL], sn[EPL];
-#pragma unroll
-    for (int e = 0; e < EPL; e++) {
-        const int d = (lane * EPL + e) % (HD / 2);
-        const float ang = (float)p * a.inv_freq[d];
-        cs[e] = round_bf16(cosf(ang));
-        sn[e] = round_bf16(sinf(ang));
-    }
     const size_t head_stride = (size_t)a.max_len * HD;
     for (int u = b; u < NKV * nsplit; u += G) {
         const int g = u / nsplit, sp = u % nsplit;
         const int j0 = sp * ch, j1 = min(p + 1, j0 + ch);
         u16* kcache = a.kv + ((size_t)(2 * layer) * NKV + g) * head_stride;
         u16* vcache = a.kv + ((size_t)(2 * layer + 1) * NKV + g) * head_stride;
-        // the new key and value (rope on the key), rounded to the cache's bfloat16
+        // q of the group's heads, the new key and value: all loads first
+        u32 qw[GS][EPL / 2], kw[EPL / 2], vw[EPL / 2];
+#pragma unroll
+        for (int hh = 0; hh < GS; hh++) load_words(a.qkv + (g * GS + hh) * HD + lane * EPL, qw[hh]);
+        load_words(a.qkv + QD + g * HD + lane * EPL, kw);
+        load_words(a.qkv + QD + KVD + g * HD + lane * EPL, vw);
+        // rope angles of this lane's elements, rounded to bfloat16 as the model's cos/sin are
+        float cs[EPL], sn[EPL];
+#pragma unroll
+        for (int e = 0; e < EPL; e++) {
+            const int d = (lane * EPL + e) % (HD / 2);
+            const float ang = (float)p * a.inv_freq[d];
+            cs[e] = round_bf16(cosf(ang));
+            sn[e] = round_bf16(sinf(ang));
+        }
+        // the new key (rope) and value, rounded to the cache's bfloat16
         float kn[EPL], vn[EPL];
-        load_head(a.qkv + QD + g * HD + lane * EPL, kn);
-        load_head(a.qkv + QD + KVD + g * HD + lane * EPL, vn);
+        unpack_head(kw, kn);
+        unpack_head(vw, vn);
         rope_lane(kn, cs, sn, lane);
 #pragma unroll
         for (int e = 0; e < EPL; e++) kn[e] = round_bf16(kn[e]);
@@ -555,7 +576,7 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
         float q[GS][EPL], acc[GS][EPL], m[GS], l[GS];
 #pragma unroll
         for (int hh = 0; hh < GS; hh++) {
-            load_head(a.qkv + (g * GS + hh) * HD + lane * EPL, q[hh]);
+            unpack_head(qw[hh], q[hh]);
             rope_lane(q[hh], cs, sn, lane);
 #pragma unroll
             for (int e = 0; e < EPL; e++) {
@@ -565,27 +586,48 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
             m[hh] = -1.0e30f;
             l[hh] = 0.f;
         }
-        for (int jp = j0 + warp; jp < j1; jp += NCW) {
-            float kk[EPL], vv[EPL];
-            if (jp == p) {
+        for (int jb = j0 + warp; jb < j1; jb += NCW * PU) {
+            u32 kb[PU][EPL / 2], vb[PU][EPL / 2];
 #pragma unroll
-                for (int e = 0; e < EPL; e++) { kk[e] = kn[e]; vv[e] = round_bf16(vn[e]); }
-            } else {
-                load_head(kcache + (size_t)jp * HD + lane * EPL, kk);
-                load_head(vcache + (size_t)jp * HD + lane * EPL, vv);
+            for (int t = 0; t < PU; t++) {  // PU positions' loads in flight at once
+                const int jp = jb + NCW * t;
+                if (jp < j1 && jp != p) {
+                    load_words(kcache + (size_t)jp * HD + lane * EPL, kb[t]);
+                    load_words(vcache + (size_t)jp * HD + lane * EPL, vb[t]);
+                }
             }
 #pragma unroll
-            for (int hh = 0; hh < GS; hh++) {
-                float sc = 0.f;
+            for (int t = 0; t < PU; t++) {
+                const int jp = jb + NCW * t;
+                if (jp >= j1) break;
+                float kk[EPL], vv[EPL];
+                if (jp == p) {
 #pragma unroll
-                for (int e = 0; e < EPL; e++) sc = fmaf(q[hh][e], kk[e], sc);
-                sc = warp_sum(sc);
-                const float mn = fmaxf(m[hh], sc);
-                const float corr = exp2f(m[hh] - mn), pr = exp2f(sc - mn);
-                l[hh] = l[hh] * corr + pr;
+                    for (int e = 0; e < EPL; e++) { kk[e] = kn[e]; vv[e] = round_bf16(vn[e]); }
+                } else {
+                    unpack_head(kb[t], kk);
+                    unpack_head(vb[t], vv);
+                }
+                float sc[GS];
 #pragma unroll
-                for (int e = 0; e < EPL; e++) acc[hh][e] = fmaf(pr, vv[e], acc[hh][e] * corr);
-                m[hh] = mn;
+                for (int hh = 0; hh < GS; hh++) {
+                    sc[hh] = 0.f;
+#pragma unroll
+                    for (int e = 0; e < EPL; e++) sc[hh] = fmaf(q[hh][e], kk[e], sc[hh]);
+                }
+#pragma unroll
+                for (int o = 16; o; o >>= 1)  // the heads' sums interleaved: GS shuffles a round
+#pragma unroll
+                    for (int hh = 0; hh < GS; hh++) sc[hh] += __shfl_xor_sync(0xffffffffu, sc[hh], o);
+#pragma unroll
+                for (int hh = 0; hh < GS; hh++) {
+                    const float mn = fmaxf(m[hh], sc[hh]);
+                    const float corr = exp2f(m[hh] - mn), pr = exp2f(sc[hh] - mn);
+                    l[hh] = l[hh] * corr + pr;
+#pragma unroll
+                    for (int e = 0; e < EPL; e++) acc[hh][e] = fmaf(pr, vv[e], acc[hh][e] * corr);
+                    m[hh] = mn;
+                }
             }
         }
 #pragma unroll
@@ -625,15 +667,29 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
                 const float* all = a.part + (size_t)g * G * GS * (HD + 2);
                 for (int idx = threadIdx.x; idx < GS * HD; idx += CT) {
                     const int hh = idx / HD, d = idx % HD;
-                    float mm = -1.0e30f;
-                    for (int t = 0; t < nsplit; t++)
-                        mm = fmaxf(mm, ld_cgf(all + (size_t)(t * GS + hh) * (HD + 2) + HD));
-                    float o = 0.f, ll = 0.f;
-                    for (int t = 0; t < nsplit; t++) {
-                        const float* pt = all + (size_t)(t * GS + hh) * (HD + 2);
-                        const float f = exp2f(ld_cgf(pt + HD) - mm);
-                        o = fmaf(ld_cgf(pt + d), f, o);
-                        ll = fmaf(ld_cgf(pt + HD + 1), f, ll);
+                    float mm = -1.0e30f, o = 0.f, ll = 0.f;
+                    // 8 splits' values loaded at once, then added in order (online rescaling)
+                    for (int t0 = 0; t0 < nsplit; t0 += 8) {
+                        float pm[8], po[8], pl[8];
+#pragma unroll
+                        for (int t = 0; t < 8; t++) {
+                            if (t0 + t < nsplit) {
+                                const float* pt = all + (size_t)((t0 + t) * GS + hh) * (HD + 2);
+                                pm[t] = ld_cgf(pt + HD);
+                                po[t] = ld_cgf(pt + d);
+                                pl[t] = ld_cgf(pt + HD + 1);
+                            }
+                        }
+#pragma unroll
+                        for (int t = 0; t < 8; t++) {
+                            if (t0 + t < nsplit) {
+                                const float mn = fmaxf(mm, pm[t]);
+                                const float c0 = exp2f(mm - mn), c1 = exp2f(pm[t] - mn);
+                                o = o * c0 + po[t] * c1;
+                                ll = ll * c0 + pl[t] * c1;
+                                mm = mn;
+                            }
+                        }
                     }
                     a.att[(g * GS + hh) * HD + d] = to_bf16(o / ll);
                 }
