@@ -90,6 +90,9 @@ struct __align__(16) u32x4 { u32 x, y, z, w; };
 #ifndef NOCOMPUTE
 #define NOCOMPUTE 0  // measurement only, wrong output: consumers take each chunk and multiply nothing
 #endif
+#ifndef ACCS
+#define ACCS 1  // independent FMA chains a lane a row (shorter latency a chunk)
+#endif
 #ifndef FENCES
 #define FENCES 1  // 0: the counters' release/acquire alone order the ops (no fence.sc)
 #endif
@@ -421,12 +424,15 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
             const int r = wrow + NCW * rr;
             if (!NOCOMPUTE && r < nr) {
                 const u32x4* row = (const u32x4*)(w + (size_t)r * K);
-                float acc = 0.f;
+                float part[ACCS];  // ACCS independent chains of FMAs, added at the end
+#pragma unroll
+                for (int k = 0; k < ACCS; k++) part[k] = 0.f;
 #pragma unroll
                 for (int v = 0; v < NV; v++) {
                     const int idx = seg * VS + lane + 32 * v;
                     if ((NVEC % (32 * WPR) == 0) || idx < v_end) {
                         const u32x4 q = row[idx];
+                        float& acc = part[v % ACCS];
                         acc = fmaf(lo_f32(q.x), xr[8 * v + 0], acc);
                         acc = fmaf(hi_f32(q.x), xr[8 * v + 1], acc);
                         acc = fmaf(lo_f32(q.y), xr[8 * v + 2], acc);
@@ -437,6 +443,9 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
                         acc = fmaf(hi_f32(q.w), xr[8 * v + 7], acc);
                     }
                 }
+                float acc = part[0];
+#pragma unroll
+                for (int k = 1; k < ACCS; k++) acc += part[k];
                 acc = warp_sum(acc);
                 const int row_id = r0 + ci * R + r;  // the op's output feature
                 if (WPR > 1) {
