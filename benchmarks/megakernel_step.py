@@ -48,6 +48,8 @@ def parse_variant(v: str) -> dict:
         elif o.startswith("D:"):
             name, value = o[2:].split("=")
             out.setdefault("defines", {})[name] = int(value)
+        elif o == "trace":
+            out.setdefault("defines", {})["TRACE"] = 1
         elif o == "evict":
             out["evict_first"] = True
         elif o == "ldgsts":
@@ -55,7 +57,8 @@ def parse_variant(v: str) -> dict:
         elif o in ("nowait", "nocompute"):
             probes.append(o)
         else:
-            raise SystemExit(f"variant option {o!r}: l2:N, copies:N, ldgsts, nowait or nocompute")
+            raise SystemExit(f"variant option {o!r}: l2:N, copies:N, prod:N, D:NAME=V, trace, "
+                             "evict, ldgsts, nowait or nocompute")
     out["probe"] = ",".join(probes)
     return out
 
@@ -127,6 +130,12 @@ def run_shape(shape: str, variants: list[str], bandwidth: float) -> dict:
             mk.check()
             d = decode_loop(mk) if not opts["probe"] else None
             mk.check()
+            timeline = None
+            if mk.trace is not None:  # one more step at the same position, traced
+                mk.step(token.view(1), torch.tensor([CONTEXT], device="cuda"))
+                torch.cuda.synchronize()
+                mk.check()
+                timeline = mk.timeline()
         except Exception as e:  # noqa: BLE001 - a variant that fails is recorded, not fatal
             out["megakernel"][v] = {"error": f"{type(e).__name__}: {e}"}
             print(f"  {v}: FAILED {type(e).__name__}: {e}", flush=True)
@@ -134,10 +143,17 @@ def run_shape(shape: str, variants: list[str], bandwidth: float) -> dict:
         r = {"t1_ms": t * 1e3, "roofline_t1": need / bandwidth / t, "decode_tok_s": d,
              "roofline_decode": d / roof if d else None, "max_logit_diff": err,
              "ref_logit_absmax": ref.abs().max().item()}
+        if timeline:
+            r["timeline_us"] = timeline
         out["megakernel"][v] = r
         print(f"  {v}: t1 {t * 1e3:.3f} ms ({r['roofline_t1']:.1%})"
               + (f", decode {d:.1f} tok/s ({d / roof:.1%})" if d else "")
               + f"; max |logit diff| {err:.4f} (|logit| max {r['ref_logit_absmax']:.3f})", flush=True)
+        if timeline:
+            print(f"    step {timeline['step_us']:.1f} us; a layer, us: " + "; ".join(
+                f"{k} " + " ".join(f"{n}={x:.2f}" if isinstance(x, float) else f"{n}={x}"
+                                  for n, x in timeline[k].items())
+                for k in ("qkv", "att", "o", "gu", "down", "head")), flush=True)
         del mk
     return out
 

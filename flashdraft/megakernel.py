@@ -84,7 +84,7 @@ def _ring(ring: str | None = None) -> tuple[int, int]:
 class _Args(ctypes.Structure):  # decode_mk.cu's Args, field for field
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "table", "embed", "head", "fnorm", "inv_freq", "kv", "token", "pos", "x", "qkv", "att",
-        "hbuf", "part", "logits", "best", "counters", "out_token", "error")] + [
+        "hbuf", "part", "logits", "best", "counters", "out_token", "error", "trace")] + [
         ("max_len", ctypes.c_int), ("eps", ctypes.c_float)]
 
 
@@ -146,6 +146,10 @@ class DecodeMegakernel:
         self.counters = torch.zeros(5 * cfg.num_layers + 1 + cfg.num_kv_heads, dtype=torch.int32,
                                     device=dev)
         self.error = torch.zeros(1, dtype=torch.int32, device=dev)
+        nops = 5 * cfg.num_layers + 1
+        # TRACE (measurement): the global timer at each op's wait, start and end, a block
+        self.trace = (torch.zeros(self.sms * nops * 6, dtype=torch.int64, device=dev)
+                      if (defines or {}).get("TRACE") else None)
         self.token_in = torch.zeros(1, dtype=torch.int64, device=dev)
         self.pos_in = torch.zeros(1, dtype=torch.int64, device=dev)
         self.token_out = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -175,7 +179,8 @@ class DecodeMegakernel:
             self.token_in.data_ptr(), self.pos_in.data_ptr(), self.x.data_ptr(),
             self.qkv.data_ptr(), self.att.data_ptr(), self.hbuf.data_ptr(), self.part.data_ptr(),
             self.logits.data_ptr(), self.best.data_ptr(), self.counters.data_ptr(),
-            self.token_out.data_ptr(), self.error.data_ptr(), cache.max_len,
+            self.token_out.data_ptr(), self.error.data_ptr(),
+            self.trace.data_ptr() if self.trace is not None else 0, cache.max_len,
             float(cfg.rms_norm_eps))
 
     @property
@@ -203,6 +208,49 @@ class DecodeMegakernel:
         self.pos_in.copy_(position.reshape(1))
         self.launch()
         return self.logits, self.token_out
+
+    def timeline(self) -> dict:
+        """TRACE: where the last step's time went, in microseconds, averaged over layers (and
+        blocks where it says so). For each op kind: `wait` (a block's wait for the op before,
+        mean), `latency` (the last block's end of the op before to the first block's end of
+        the wait), `to_first` (end of the wait to the first weight chunk in shared memory),
+        `run` (first chunk to the op's end), `spread` (the op's last end minus its first end
+        over blocks), `producer_lead` (the producer's first copy of the op before the block's
+        wait ended: positive when the ring was ahead). Plus the step's span."""
+        if self.trace is None:
+            raise ValueError("timeline() needs the kernel built with TRACE=1 (defines)")
+        nops, g = 5 * self.cfg.num_layers + 1, self.sms
+        t = self.trace.double().cpu()
+        cons = t[: g * nops * 4].view(g, nops, 4)
+        prod = t[g * nops * 4:].view(g, nops, 2)
+        recorded = cons > 0
+        t0 = cons[recorded].min()
+        cons = cons - t0
+        prod = prod - t0
+        kinds = ["qkv", "att", "o", "gu", "down"]
+        out = {"step_us": (cons[:, -1, 3].max() / 1e3).item()}
+        for op in range(6):
+            js = [5 * layer + op for layer in range(self.cfg.num_layers) if 5 * layer + op > 0] \
+                if op < 5 else [nops - 1]
+            name = kinds[op] if op < 5 else "head"
+            c = cons[:, js]  # [blocks, layers, 4]
+            prev_end = cons[:, [j - 1 for j in js], 3].max(0).values
+            r = {"wait": (c[:, :, 1] - c[:, :, 0]).mean().item() / 1e3,
+                 "latency": (c[:, :, 1].min(0).values - prev_end).mean().item() / 1e3,
+                 "spread": (c[:, :, 3].max(0).values - c[:, :, 3].min(0).values).mean().item() / 1e3,
+                 "end_to_end": (c[:, :, 3].max(0).values - prev_end).mean().item() / 1e3}
+            if op != 1:
+                r["to_first"] = (c[:, :, 2] - c[:, :, 1]).mean().item() / 1e3
+                r["run"] = (c[:, :, 3] - c[:, :, 2]).mean().item() / 1e3
+                p = prod[:, js]
+                r["producer_lead"] = (c[:, :, 1] - p[:, :, 0]).mean().item() / 1e3
+                r["producer_span"] = (p[:, :, 1] - p[:, :, 0]).mean().item() / 1e3
+            else:
+                has = recorded[:, js, 2]
+                r["units"] = int(has[:, 0].sum())
+                r["unit_run"] = ((c[:, :, 2] - c[:, :, 1])[has]).mean().item() / 1e3
+            out[name] = r
+        return out
 
     def check(self) -> None:
         """Raise if a wait between ops gave up (the blocks were not all resident at once)."""

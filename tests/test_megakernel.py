@@ -70,3 +70,28 @@ def test_megakernel_matches_the_model(shape, prompt, ring):
                 assert (a.float() - b.float()).abs().max().item() <= 0.02 * b.abs().max().item() + 0.02
             token = ref.argmax().view(1)
     assert compared >= 12  # most steps decided the token
+
+
+@pytest.mark.gpu
+def test_traced_kernel_gives_the_same_step_and_a_timeline():
+    from flashdraft.megakernel import DecodeMegakernel
+    cfg = SHAPES["hd128-split-down"]
+    model = build_random_model(cfg, torch.bfloat16, "cuda", seed=5)
+    cache = KVCache.for_model(cfg, 1, 256, torch.bfloat16, "cuda")
+    cache.kv.normal_()
+    token, pos = torch.tensor([7], device="cuda"), torch.tensor([100], device="cuda")
+    with torch.inference_mode():
+        plain = DecodeMegakernel(model, cache)
+        want = plain.step(token, pos)[0].clone()
+        traced = DecodeMegakernel(model, cache, defines={"TRACE": 1})
+        got = traced.step(token, pos)[0]
+        torch.cuda.synchronize()
+        traced.check()
+    assert torch.equal(got, want)  # the timer reads change nothing
+    tl = traced.timeline()
+    assert tl["step_us"] > 0
+    for kind in ("qkv", "att", "o", "gu", "down", "head"):
+        assert tl[kind]["wait"] >= 0 and tl[kind]["end_to_end"] > 0, (kind, tl[kind])
+    assert tl["att"]["units"] >= 1 and tl["gu"]["run"] > 0
+    with pytest.raises(ValueError, match="TRACE=1"):
+        plain.timeline()

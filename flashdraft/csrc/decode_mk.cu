@@ -94,7 +94,15 @@ struct __align__(16) u32x4 { u32 x, y, z, w; };
 #define ACCS 1  // independent FMA chains a lane a row (shorter latency a chunk)
 #endif
 #ifndef FENCES
-#define FENCES 1  // 0: the counters' release/acquire alone order the ops (no fence.sc)
+#define FENCES 0  // 1: a fence.sc on each side of a counter (0: its release/acquire alone, as
+                  // CUTLASS's grid barrier: bar.sync, then one thread's red.release / ld.acquire)
+#endif
+#ifndef TRACE
+#define TRACE 0  // 1: the global timer at each op's wait, start, first chunk and end (Args.trace)
+#endif
+#ifndef ATT_PREFETCH
+#define ATT_PREFETCH 1  // 1: a block with an attention unit asks the L2 for its cached keys and
+                        // values before it waits for QKV (they do not depend on this step)
 #endif
 #ifndef NOWAIT
 #define NOWAIT 0  // measurement only, wrong output: no op waits for the one before
@@ -130,6 +138,7 @@ struct Args {
     u32* counters;         // [NOPS + NKV], zero between steps
     long long* out_token;
     u32* error;            // set when a wait gave up
+    u64* trace;            // TRACE: [G][NOPS][4] consumer times, then [G][NOPS][2] producer's
     int max_len;
     float eps;
 };
@@ -172,6 +181,22 @@ __device__ __forceinline__ u32 ld_acquire(const u32* p) {
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
+__device__ __forceinline__ u32 atom_add_acq_rel(u32* p) {
+    u32 v;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ u64 gtime() {
+    u64 t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    return t;
+}
+// TRACE: consumer time k of op j (0 wait began, 1 wait ended, 2 first chunk in / partials
+// written, 3 op ended); producer time k of op j (0 first chunk issued, 1 last chunk issued)
+#define TR(j, k) do { if (TRACE && threadIdx.x == 0) \
+    a.trace[((size_t)blockIdx.x * NOPS + (j)) * 4 + (k)] = gtime(); } while (0)
+#define TRP(j, k) do { if (TRACE) a.trace[(size_t)gridDim.x * NOPS * 4 + \
+    ((size_t)blockIdx.x * NOPS + (j)) * 2 + (k)] = gtime(); } while (0)
 __device__ __forceinline__ void red_release(u32* p) {
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(p) : "memory");
 }
@@ -249,6 +274,7 @@ static_assert(HD == 64 || HD == 128, "head dim 64 or 128");
 struct Chunk {
     const u16* src;
     u32 bytes;
+    int j, first;  // the op's index (5 * layer + ...), whether the chunk is the op's first
 };
 
 struct Cursor {  // position in the block's sequence of weight chunks
@@ -280,6 +306,8 @@ __device__ __forceinline__ bool next_chunk(const Args& a, Cursor& c, int b, int 
             const int nr = min(r, r1 - r0 - ci * r);
             out.src = w + (size_t)row * k;
             out.bytes = (u32)(nr * k * 2);
+            out.j = j;
+            out.first = c.i == 0;
             c.i++;
             return true;
         }
@@ -309,6 +337,7 @@ __device__ __forceinline__ unsigned char* slot_ptr(unsigned char* ring, u32 c) {
 // -- consumers: waits and signals between ops ------------------------------------------------------
 
 __device__ __forceinline__ void wait_op(const Args& a, int j, int G) {
+    TR(j + 1, 0);
     if (!NOWAIT && threadIdx.x == 0) {
         u32 spins = 0;
         while (ld_acquire(&a.counters[j]) < (u32)G) {
@@ -317,10 +346,12 @@ __device__ __forceinline__ void wait_op(const Args& a, int j, int G) {
         if (FENCES) __threadfence();
     }
     consumer_sync();
+    TR(j + 1, 1);
 }
 
 __device__ __forceinline__ void signal_op(const Args& a, int j) {
     consumer_sync();  // every consumer thread's stores are issued
+    TR(j, 3);
     if (threadIdx.x == 0) {
         if (FENCES) __threadfence();
         red_release(&a.counters[j]);
@@ -418,6 +449,7 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
         const int ci = KIND == OP_GU ? i >> 1 : i;
         const int nr = min(R, r1 - r0 - ci * R);
         mbar_wait(&s.full[c % NS], (c / NS) & 1);
+        if (i == 0) TR(j, 2);
         const u16* w = (const u16*)slot_ptr(ring, c);
 #pragma unroll
         for (int rr = 0; rr < RPW; rr++) {
@@ -539,13 +571,41 @@ __device__ __forceinline__ void unpack_head(const u32* w, float* v) {
 #define NOATT 0  // measurement only, wrong output: attention skipped
 #endif
 
+// The split of positions 0 .. p over kv heads: nsplit units a head, ch positions a unit.
+__device__ __forceinline__ void attention_split(int p, int G, int& nsplit, int& ch) {
+    const int by_len = (p + ATT_MIN) / ATT_MIN;  // ceil((p + 1) / ATT_MIN)
+    nsplit = max(1, min(G / NKV, by_len));
+    ch = (p + nsplit) / nsplit;  // ceil((p + 1) / nsplit)
+}
+
+// Ask the L2 for the cached keys and values this block's units will read (positions before p:
+// written by earlier steps), while the block waits for this step's q, k and v.
+__device__ __forceinline__ void attention_prefetch(const Args& a, int layer, int b, int G) {
+    if (NOATT || !ATT_PREFETCH) return;
+    const int p = (int)*a.pos;
+    int nsplit, ch;
+    attention_split(p, G, nsplit, ch);
+    const size_t head_stride = (size_t)a.max_len * HD;
+    constexpr int LINES = HD * 2 / 128;  // 128-byte lines a position's key
+    for (int u = b; u < NKV * nsplit; u += G) {
+        const int g = u / nsplit, sp = u % nsplit;
+        const int j0 = sp * ch, j1 = min(p, j0 + ch);
+        const u16* kc = a.kv + ((size_t)(2 * layer) * NKV + g) * head_stride;
+        const u16* vc = a.kv + ((size_t)(2 * layer + 1) * NKV + g) * head_stride;
+        for (int t = threadIdx.x; t < 2 * LINES * (j1 - j0); t += CT) {
+            const int kvsel = t % 2, rest = t / 2;
+            const u16* base = (kvsel ? vc : kc) + (size_t)(j0 + rest / LINES) * HD + (rest % LINES) * 64;
+            asm volatile("prefetch.global.L2 [%0];" :: "l"(base));
+        }
+    }
+}
+
 __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) {
     if (NOATT) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int p = (int)*a.pos;
-    const int by_len = (p + ATT_MIN) / ATT_MIN;  // ceil((p + 1) / ATT_MIN)
-    const int nsplit = max(1, min(G / NKV, by_len));
-    const int ch = (p + nsplit) / nsplit;  // ceil((p + 1) / nsplit)
+    int nsplit, ch;
+    attention_split(p, G, nsplit, ch);
     const float qscale = rsqrtf((float)HD) * 1.4426950408889634f;  // softmax in base 2
     const size_t head_stride = (size_t)a.max_len * HD;
     for (int u = b; u < NKV * nsplit; u += G) {
@@ -665,11 +725,16 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
             }
         }
         consumer_sync();
+        TR(5 * layer + 1, 2);
         if (nsplit > 1) {  // the last unit of kv head g adds the splits, in order
-            if (threadIdx.x == 0) {
-                __threadfence();
-                s.flag = atomicAdd(&a.counters[NOPS + g], 1u) == (u32)(nsplit - 1);
-                __threadfence();
+            if (threadIdx.x == 0) {  // release this unit's partials, acquire the others'
+                if (FENCES) {
+                    __threadfence();
+                    s.flag = atomicAdd(&a.counters[NOPS + g], 1u) == (u32)(nsplit - 1);
+                    __threadfence();
+                } else {
+                    s.flag = atom_add_acq_rel(&a.counters[NOPS + g]) == (u32)(nsplit - 1);
+                }
             }
             consumer_sync();
             if (s.flag) {
@@ -760,6 +825,7 @@ decode_step(Args a) {
             for (u32 c = 0; next_chunk(a, cur, b, G, ch); c++) {
                 if (c % NPROD != me) continue;
                 if (c >= NS) mbar_wait(&s.empty[c % NS], ((c / NS) - 1) & 1);
+                if (ch.first) TRP(ch.j, 0);
                 if (COPIES == 1) {
                     bulk_load(slot_ptr(ring, c), ch.src, ch.bytes, &s.full[c % NS]);
                 } else {  // pieces of whole 16-byte units, one expect_tx for all
@@ -777,6 +843,7 @@ decode_step(Args a) {
 #if L2AHEAD
                 if (next_chunk(a, ahead, b, G, pc)) bulk_prefetch_l2(pc.src, pc.bytes);
 #endif
+                TRP(ch.j, 1);
             }
         }
         return;
@@ -788,6 +855,7 @@ decode_step(Args a) {
         if (layer > 0) wait_op(a, j - 1, G);
         matrix_op<H, OP_QKV>(a, s, ring, c, layer, b, G);
         signal_op(a, j);
+        attention_prefetch(a, layer, b, G);
         wait_op(a, j, G);
         attention_op(a, s, layer, b, G);
         signal_op(a, j + 1);
@@ -804,11 +872,10 @@ decode_step(Args a) {
     wait_op(a, 5 * NL - 1, G);
     matrix_op<H, OP_HEAD>(a, s, ring, c, NL, b, G);
     consumer_sync();
+    TR(NOPS - 1, 3);
     if (threadIdx.x == 0) {  // the last block picks the token and clears the counters
-        __threadfence();
-        const bool last = atomicAdd(&a.counters[NOPS - 1], 1u) == (u32)(G - 1);
+        const bool last = atom_add_acq_rel(&a.counters[NOPS - 1]) == (u32)(G - 1);
         if (last) {
-            __threadfence();
             float bv = ld_cgf(a.best);
             int bi = __float_as_int(ld_cgf(a.best + 1));
             for (int t = 1; t < G; t++) {
