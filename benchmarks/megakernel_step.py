@@ -132,6 +132,7 @@ def run_shape(shape: str, variants: list[str], bandwidth: float) -> dict:
             mk.check()
             timeline = None
             if mk.trace is not None:  # one more step at the same position, traced
+                mk.trace.zero_()
                 mk.step(token.view(1), torch.tensor([CONTEXT], device="cuda"))
                 torch.cuda.synchronize()
                 mk.check()

@@ -100,10 +100,6 @@ struct __align__(16) u32x4 { u32 x, y, z, w; };
 #ifndef TRACE
 #define TRACE 0  // 1: the global timer at each op's wait, start, first chunk and end (Args.trace)
 #endif
-#ifndef ATT_PREFETCH
-#define ATT_PREFETCH 1  // 1: a block with an attention unit asks the L2 for its cached keys and
-                        // values before it waits for QKV (they do not depend on this step)
-#endif
 #ifndef NOWAIT
 #define NOWAIT 0  // measurement only, wrong output: no op waits for the one before
 #endif
@@ -382,12 +378,37 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
         src = (layer == 0 && KIND == OP_QKV) ? a.embed + (size_t)tok * H : a.x;
     else
         src = KIND == OP_O ? a.att : a.hbuf;
-    float xr[NV * 8];
+    int n, j;
+    if (KIND == OP_QKV) { n = NQKV; j = 5 * layer; }
+    else if (KIND == OP_O) { n = H; j = 5 * layer + 2; }
+    else if (KIND == OP_GU) { n = INTER; j = 5 * layer + 3; }
+    else if (KIND == OP_DOWN) { n = H; j = 5 * layer + 4; }
+    else { n = VOCAB; j = 5 * NL; }
+    int r0, r1;
+    rows_of(n, j, b, G, r0, r1);
+    u32x4 xw[NV];  // x's words: every load of the op's inputs in flight before any is used
 #pragma unroll
     for (int v = 0; v < NV; v++) {
         const int idx = seg * VS + lane + 32 * v;
-        u32x4 q = {0u, 0u, 0u, 0u};
-        if (idx < v_end) q = ld_cg4(src + 8 * idx);
+        xw[v] = {0u, 0u, 0u, 0u};
+        if (idx < v_end) xw[v] = ld_cg4(src + 8 * idx);
+    }
+    // The epilogue's other input a row (QKV: the bias; O and DOWN: the residual), loaded for
+    // all of the block's rows at once, lane i holding rows i and i + 32 (side loads in a chunk's
+    // epilogue would wait a round trip to the L2 a chunk).
+    constexpr bool SIDE = KIND == OP_QKV ? QKV_BIAS : (KIND == OP_O || (KIND == OP_DOWN && WPR == 1));
+    const u16* side_src = KIND == OP_QKV ? (const u16*)a.table[5 * layer + 1]
+                        : (KIND == OP_O && layer == 0) ? a.embed + (size_t)tok * H : a.x;
+    const bool side_all = r1 - r0 <= 64;
+    u16 side0w = 0, side1w = 0;
+    if (SIDE && side_all) {
+        if (r0 + lane < r1) side0w = ld_cg16(side_src + r0 + lane);
+        if (r0 + lane + 32 < r1) side1w = ld_cg16(side_src + r0 + lane + 32);
+    }
+    float xr[NV * 8];
+#pragma unroll
+    for (int v = 0; v < NV; v++) {
+        const u32x4 q = xw[v];
         xr[8 * v + 0] = lo_f32(q.x); xr[8 * v + 1] = hi_f32(q.x);
         xr[8 * v + 2] = lo_f32(q.y); xr[8 * v + 3] = hi_f32(q.y);
         xr[8 * v + 4] = lo_f32(q.z); xr[8 * v + 5] = hi_f32(q.z);
@@ -417,30 +438,9 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
         scale = 1.f;
     }
 
-    int n, j;
-    if (KIND == OP_QKV) { n = NQKV; j = 5 * layer; }
-    else if (KIND == OP_O) { n = H; j = 5 * layer + 2; }
-    else if (KIND == OP_GU) { n = INTER; j = 5 * layer + 3; }
-    else if (KIND == OP_DOWN) { n = H; j = 5 * layer + 4; }
-    else { n = VOCAB; j = 5 * NL; }
-    int r0, r1;
-    rows_of(n, j, b, G, r0, r1);
     const int chunks = (r1 - r0 + R - 1) / R;
     const int total = KIND == OP_GU ? 2 * chunks : chunks;
-    const u16* bias = nullptr;
-    if (KIND == OP_QKV && QKV_BIAS) bias = (const u16*)a.table[5 * layer + 1];
-    // The epilogue's other input a row (QKV: the bias; O and DOWN: the residual), loaded for
-    // all of the block's rows at once, lane i holding rows i and i + 32 (side loads in a chunk's
-    // epilogue would wait a round trip to the L2 a chunk).
-    constexpr bool SIDE = KIND == OP_QKV ? QKV_BIAS : (KIND == OP_O || (KIND == OP_DOWN && WPR == 1));
-    const u16* side_src = KIND == OP_QKV ? bias
-                        : (KIND == OP_O && layer == 0) ? a.embed + (size_t)tok * H : a.x;
-    const bool side_all = r1 - r0 <= 64;
-    float side0 = 0.f, side1 = 0.f;
-    if (SIDE && side_all) {
-        if (r0 + lane < r1) side0 = bf(ld_cg16(side_src + r0 + lane));
-        if (r0 + lane + 32 < r1) side1 = bf(ld_cg16(side_src + r0 + lane + 32));
-    }
+    const float side0 = bf(side0w), side1 = bf(side1w);
     float gate[RPW];
     float best_v = -3.0e38f;
     int best_i = 0x7fffffff;
@@ -571,35 +571,36 @@ __device__ __forceinline__ void unpack_head(const u32* w, float* v) {
 #define NOATT 0  // measurement only, wrong output: attention skipped
 #endif
 
-// The split of positions 0 .. p over kv heads: nsplit units a head, ch positions a unit.
+// The split of positions 0 .. p over kv heads: nsplit units a head, ch positions a unit. At most
+// NCW * HD / 3 units a head: the merge keeps each unit's max, sum and weight in the space of the
+// attention state (Shared.st_acc).
 __device__ __forceinline__ void attention_split(int p, int G, int& nsplit, int& ch) {
     const int by_len = (p + ATT_MIN) / ATT_MIN;  // ceil((p + 1) / ATT_MIN)
-    nsplit = max(1, min(G / NKV, by_len));
+    nsplit = max(1, min(min(G / NKV, NCW * HD / 3), by_len));
     ch = (p + nsplit) / nsplit;  // ceil((p + 1) / nsplit)
 }
 
-// Ask the L2 for the cached keys and values this block's units will read (positions before p:
-// written by earlier steps), while the block waits for this step's q, k and v.
-__device__ __forceinline__ void attention_prefetch(const Args& a, int layer, int b, int G) {
-    if (NOATT || !ATT_PREFETCH) return;
-    const int p = (int)*a.pos;
-    int nsplit, ch;
-    attention_split(p, G, nsplit, ch);
-    const size_t head_stride = (size_t)a.max_len * HD;
-    constexpr int LINES = HD * 2 / 128;  // 128-byte lines a position's key
-    for (int u = b; u < NKV * nsplit; u += G) {
-        const int g = u / nsplit, sp = u % nsplit;
-        const int j0 = sp * ch, j1 = min(p, j0 + ch);
-        const u16* kc = a.kv + ((size_t)(2 * layer) * NKV + g) * head_stride;
-        const u16* vc = a.kv + ((size_t)(2 * layer + 1) * NKV + g) * head_stride;
-        for (int t = threadIdx.x; t < 2 * LINES * (j1 - j0); t += CT) {
-            const int kvsel = t % 2, rest = t / 2;
-            const u16* base = (kvsel ? vc : kc) + (size_t)(j0 + rest / LINES) * HD + (rest % LINES) * 64;
-            asm volatile("prefetch.global.L2 [%0];" :: "l"(base));
+// PU cached keys and values of a warp (positions jb, jb + NCW, ...; not p, this step's own),
+// loads only.
+__device__ __forceinline__ void load_kv_batch(const u16* kcache, const u16* vcache, int jb, int j1,
+                                              int p, int lane, u32 (*kb)[EPL / 2],
+                                              u32 (*vb)[EPL / 2]) {
+#pragma unroll
+    for (int t = 0; t < PU; t++) {
+        const int jp = jb + NCW * t;
+        if (jp < j1 && jp != p) {
+            load_words(kcache + (size_t)jp * HD + lane * EPL, kb[t]);
+            load_words(vcache + (size_t)jp * HD + lane * EPL, vb[t]);
         }
     }
 }
 
+// Units of (kv head g, split sp of positions): each warp takes positions j0 + warp, + NCW, ...
+// with an online softmax; the block's warps are merged in shared memory; with several splits,
+// each unit's (m, l, acc) goes to a.part, and the last unit of head g to finish merges them.
+// Round trips to memory on the way: the unit's q, k, v and first keys/values at once; more
+// keys/values (units longer than NCW * PU positions); the partials' release and the counter;
+// the merge's max/sum of every split at once; its accumulators (MB splits at once).
 __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) {
     if (NOATT) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -613,7 +614,10 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
         const int j0 = sp * ch, j1 = min(p + 1, j0 + ch);
         u16* kcache = a.kv + ((size_t)(2 * layer) * NKV + g) * head_stride;
         u16* vcache = a.kv + ((size_t)(2 * layer + 1) * NKV + g) * head_stride;
-        // q of the group's heads, the new key and value: all loads first
+        // the first cached keys/values (earlier steps' writes), then q of the group's heads,
+        // the new key and value: all in flight at once
+        u32 kb[PU][EPL / 2], vb[PU][EPL / 2];
+        load_kv_batch(kcache, vcache, j0 + warp, j1, p, lane, kb, vb);
         u32 qw[GS][EPL / 2], kw[EPL / 2], vw[EPL / 2];
 #pragma unroll
         for (int hh = 0; hh < GS; hh++) load_words(a.qkv + (g * GS + hh) * HD + lane * EPL, qw[hh]);
@@ -656,15 +660,7 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
             l[hh] = 0.f;
         }
         for (int jb = j0 + warp; jb < j1; jb += NCW * PU) {
-            u32 kb[PU][EPL / 2], vb[PU][EPL / 2];
-#pragma unroll
-            for (int t = 0; t < PU; t++) {  // PU positions' loads in flight at once
-                const int jp = jb + NCW * t;
-                if (jp < j1 && jp != p) {
-                    load_words(kcache + (size_t)jp * HD + lane * EPL, kb[t]);
-                    load_words(vcache + (size_t)jp * HD + lane * EPL, vb[t]);
-                }
-            }
+            if (jb > j0 + warp) load_kv_batch(kcache, vcache, jb, j1, p, lane, kb, vb);
 #pragma unroll
             for (int t = 0; t < PU; t++) {
                 const int jp = jb + NCW * t;
@@ -739,33 +735,51 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
             consumer_sync();
             if (s.flag) {
                 const float* all = a.part + (size_t)g * G * GS * (HD + 2);
-                for (int idx = threadIdx.x; idx < GS * HD; idx += CT) {
-                    const int hh = idx / HD, d = idx % HD;
-                    float mm = -1.0e30f, o = 0.f, ll = 0.f;
-                    // 8 splits' values loaded at once, then added in order (online rescaling)
-                    for (int t0 = 0; t0 < nsplit; t0 += 8) {
-                        float pm[8], po[8], pl[8];
+                float* wt = &s.st_acc[0][0][0];  // [nsplit][GS]: split t's weight in head hh
+                float* ml = wt + nsplit * GS;    // [nsplit][GS][2]: its max and sum
+                for (int i = threadIdx.x; i < nsplit * GS; i += CT) {  // one round trip
+                    ml[2 * i] = ld_cgf(all + (size_t)i * (HD + 2) + HD);
+                    ml[2 * i + 1] = ld_cgf(all + (size_t)i * (HD + 2) + HD + 1);
+                }
+                consumer_sync();
+                if (threadIdx.x < GS) {  // head hh: exp2(m_t - M) / sum, the splits in order
+                    const int hh = threadIdx.x;
+                    float mm = -1.0e30f, ll = 0.f;
+                    for (int t = 0; t < nsplit; t++) mm = fmaxf(mm, ml[2 * (t * GS + hh)]);
+                    for (int t = 0; t < nsplit; t++)
+                        ll = fmaf(ml[2 * (t * GS + hh) + 1], exp2f(ml[2 * (t * GS + hh)] - mm), ll);
+                    for (int t = 0; t < nsplit; t++)
+                        wt[t * GS + hh] = exp2f(ml[2 * (t * GS + hh)] - mm) / ll;
+                }
+                consumer_sync();
+                constexpr int NIDX = (GS * HD + CT - 1) / CT;  // outputs a thread
+                constexpr int MB = NIDX >= 8 ? 4 : 32 / NIDX;  // splits loaded at once
+                float o[NIDX];
 #pragma unroll
-                        for (int t = 0; t < 8; t++) {
-                            if (t0 + t < nsplit) {
-                                const float* pt = all + (size_t)((t0 + t) * GS + hh) * (HD + 2);
-                                pm[t] = ld_cgf(pt + HD);
-                                po[t] = ld_cgf(pt + d);
-                                pl[t] = ld_cgf(pt + HD + 1);
-                            }
-                        }
+                for (int i = 0; i < NIDX; i++) o[i] = 0.f;
+                for (int t0 = 0; t0 < nsplit; t0 += MB) {
+                    float po[NIDX][MB];
 #pragma unroll
-                        for (int t = 0; t < 8; t++) {
-                            if (t0 + t < nsplit) {
-                                const float mn = fmaxf(mm, pm[t]);
-                                const float c0 = exp2f(mm - mn), c1 = exp2f(pm[t] - mn);
-                                o = o * c0 + po[t] * c1;
-                                ll = ll * c0 + pl[t] * c1;
-                                mm = mn;
-                            }
-                        }
+                    for (int i = 0; i < NIDX; i++) {
+                        const int idx = threadIdx.x + i * CT, hh = idx / HD, d = idx % HD;
+#pragma unroll
+                        for (int t = 0; t < MB; t++)
+                            if (idx < GS * HD && t0 + t < nsplit)
+                                po[i][t] = ld_cgf(all + (size_t)((t0 + t) * GS + hh) * (HD + 2) + d);
                     }
-                    a.att[(g * GS + hh) * HD + d] = to_bf16(o / ll);
+#pragma unroll
+                    for (int i = 0; i < NIDX; i++) {
+                        const int idx = threadIdx.x + i * CT, hh = idx / HD;
+#pragma unroll
+                        for (int t = 0; t < MB; t++)
+                            if (idx < GS * HD && t0 + t < nsplit)
+                                o[i] = fmaf(po[i][t], wt[(t0 + t) * GS + hh], o[i]);
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < NIDX; i++) {
+                    const int idx = threadIdx.x + i * CT;
+                    if (idx < GS * HD) a.att[g * GS * HD + idx] = to_bf16(o[i]);
                 }
                 if (threadIdx.x == 0) a.counters[NOPS + g] = 0u;
             }
@@ -776,7 +790,10 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
 
 // -- the kernel -------------------------------------------------------------------------------------
 
-extern "C" __global__ void __launch_bounds__((NCW + NPROD) * 32, 1)
+// Registers: all a thread can have with one block of (NCW + NPROD) warps a multiprocessor
+// (__launch_bounds__(threads, 1) lets ptxas stop at 168 and spill the attention's state).
+#define MAXREG ((65536 / ((NCW + NPROD) * 32)) / 8 * 8)
+extern "C" __global__ void __maxnreg__(MAXREG > 255 ? 255 : MAXREG)
 decode_step(Args a) {
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char* ring = smem;
@@ -801,12 +818,14 @@ decode_step(Args a) {
             for (u32 c = 0; next_chunk(a, cur, b, G, ch); c++) {
                 if (c % NPROD != me) continue;
                 if (c >= NS) mbar_wait(&s.empty[c % NS], ((c / NS) - 1) & 1);
+                if (lane == 0 && ch.first) TRP(ch.j, 0);
                 const u32 dst = smem_addr(slot_ptr(ring, c));
                 for (u32 off = 16 * lane; off < ch.bytes; off += 512)
                     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
                                  :: "r"(dst + off), "l"((const char*)ch.src + off) : "memory");
                 asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];"
                              :: "r"(smem_addr(&s.full[c % NS])) : "memory");
+                if (lane == 0) TRP(ch.j, 1);
             }
             asm volatile("cp.async.wait_all;" ::: "memory");
         }
@@ -855,7 +874,6 @@ decode_step(Args a) {
         if (layer > 0) wait_op(a, j - 1, G);
         matrix_op<H, OP_QKV>(a, s, ring, c, layer, b, G);
         signal_op(a, j);
-        attention_prefetch(a, layer, b, G);
         wait_op(a, j, G);
         attention_op(a, s, layer, b, G);
         signal_op(a, j + 1);
