@@ -97,6 +97,10 @@ struct __align__(16) u32x4 { u32 x, y, z, w; };
 #define FENCES 0  // 1: a fence.sc on each side of a counter (0: its release/acquire alone, as
                   // CUTLASS's grid barrier: bar.sync, then one thread's red.release / ld.acquire)
 #endif
+#ifndef ATT_PREFETCH
+#define ATT_PREFETCH 1  // 1: a block with attention units asks the L2 (evict-last) for the cached
+                        // keys and values of the next layer's units at the start of DOWN
+#endif
 #ifndef TRACE
 #define TRACE 0  // 1: the global timer at each op's wait, start, first chunk and end (Args.trace)
 #endif
@@ -580,6 +584,29 @@ __device__ __forceinline__ void attention_split(int p, int G, int& nsplit, int& 
     ch = (p + nsplit) / nsplit;  // ceil((p + 1) / nsplit)
 }
 
+// Ask the L2 to fetch and keep (evict-last) the cached keys and values (positions before p:
+// earlier steps' writes) that this block's units of `layer` will read, a layer ahead: under a
+// saturated weight stream a load that goes to memory waits microseconds, one to the L2 less.
+__device__ __forceinline__ void attention_prefetch(const Args& a, int layer, int b, int G) {
+    if (NOATT || !ATT_PREFETCH || layer >= NL) return;
+    const int p = (int)*a.pos;
+    int nsplit, ch;
+    attention_split(p, G, nsplit, ch);
+    const size_t head_stride = (size_t)a.max_len * HD;
+    constexpr int LINES = HD * 2 / 128;  // 128-byte lines a position's key
+    for (int u = b; u < NKV * nsplit; u += G) {
+        const int g = u / nsplit, sp = u % nsplit;
+        const int j0 = sp * ch, j1 = min(p, j0 + ch);
+        const u16* kc = a.kv + ((size_t)(2 * layer) * NKV + g) * head_stride;
+        const u16* vc = a.kv + ((size_t)(2 * layer + 1) * NKV + g) * head_stride;
+        for (int t = threadIdx.x; t < 2 * LINES * (j1 - j0); t += CT) {
+            const int rest = t >> 1;
+            const u16* line = ((t & 1) ? vc : kc) + (size_t)(j0 + rest / LINES) * HD + (rest % LINES) * 64;
+            asm volatile("prefetch.global.L2::evict_last [%0];" :: "l"(line));
+        }
+    }
+}
+
 // PU cached keys and values of a warp (positions jb, jb + NCW, ...; not p, this step's own),
 // loads only.
 __device__ __forceinline__ void load_kv_batch(const u16* kcache, const u16* vcache, int jb, int j1,
@@ -753,7 +780,7 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
                 }
                 consumer_sync();
                 constexpr int NIDX = (GS * HD + CT - 1) / CT;  // outputs a thread
-                constexpr int MB = NIDX >= 8 ? 4 : 32 / NIDX;  // splits loaded at once
+                constexpr int MB = NIDX >= 4 ? 2 : 24 / NIDX;  // splits loaded at once
                 float o[NIDX];
 #pragma unroll
                 for (int i = 0; i < NIDX; i++) o[i] = 0.f;
@@ -790,10 +817,8 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
 
 // -- the kernel -------------------------------------------------------------------------------------
 
-// Registers: all a thread can have with one block of (NCW + NPROD) warps a multiprocessor
-// (__launch_bounds__(threads, 1) lets ptxas stop at 168 and spill the attention's state).
-#define MAXREG ((65536 / ((NCW + NPROD) * 32)) / 8 * 8)
-extern "C" __global__ void __maxnreg__(MAXREG > 255 ? 255 : MAXREG)
+// Registers: 9 warps put 3 on one of the 4 sub-partitions (16,384 registers each): 168 a thread.
+extern "C" __global__ void __launch_bounds__((NCW + NPROD) * 32, 1)
 decode_step(Args a) {
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char* ring = smem;
@@ -869,6 +894,7 @@ decode_step(Args a) {
     }
 
     u32 c = 0;
+    attention_prefetch(a, 0, b, G);
     for (int layer = 0; layer < NL; layer++) {
         const int j = 5 * layer;
         if (layer > 0) wait_op(a, j - 1, G);
@@ -883,6 +909,7 @@ decode_step(Args a) {
         wait_op(a, j + 2, G);
         matrix_op<H, OP_GU>(a, s, ring, c, layer, b, G);
         signal_op(a, j + 3);
+        attention_prefetch(a, layer + 1, b, G);
         wait_op(a, j + 3, G);
         matrix_op<INTER, OP_DOWN>(a, s, ring, c, layer, b, G);
         signal_op(a, j + 4);
