@@ -148,7 +148,7 @@ class DecodeMegakernel:
         self.error = torch.zeros(1, dtype=torch.int32, device=dev)
         nops = 5 * cfg.num_layers + 1
         # TRACE (measurement): the global timer at each op's wait, start and end, a block
-        self.trace = (torch.zeros(self.sms * nops * 6, dtype=torch.int64, device=dev)
+        self.trace = (torch.zeros(self.sms * nops * 10, dtype=torch.int64, device=dev)
                       if (defines or {}).get("TRACE") else None)
         self.token_in = torch.zeros(1, dtype=torch.int64, device=dev)
         self.pos_in = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -221,8 +221,8 @@ class DecodeMegakernel:
             raise ValueError("timeline() needs the kernel built with TRACE=1 (defines)")
         nops, g = 5 * self.cfg.num_layers + 1, self.sms
         t = self.trace.double().cpu()
-        cons = t[: g * nops * 4].view(g, nops, 4)
-        prod = t[g * nops * 4:].view(g, nops, 2)
+        cons = t[: g * nops * 8].view(g, nops, 8)
+        prod = t[g * nops * 8:].view(g, nops, 2)
         recorded = cons > 0
         t0 = cons[recorded].min()
         cons = cons - t0
@@ -249,6 +249,15 @@ class DecodeMegakernel:
                 has = recorded[:, js, 2]
                 r["units"] = int(has[:, 0].sum())
                 r["unit_run"] = ((c[:, :, 2] - c[:, :, 1])[has]).mean().item() / 1e3
+                # a unit's parts: its loads, its products, its counter; the merge's two loads
+                rec = recorded[:, js]
+                for name, k0, k1 in (("unit_loads", 1, 4), ("unit_math", 4, 2),
+                                     ("counter", 2, 5), ("merge_ml", 5, 6), ("merge_acc", 6, 7)):
+                    m = rec[:, :, k0] & rec[:, :, k1]
+                    r[name] = ((c[:, :, k1] - c[:, :, k0])[m]).mean().item() / 1e3 if m.any() else None
+                m = rec[:, :, 2]  # the slowest unit of a layer: its partials written after ...
+                last = torch.where(m, c[:, :, 2], torch.full_like(c[:, :, 2], -1e18)).max(0).values
+                r["last_unit_after"] = (last - prev_end).mean().item() / 1e3
             out[name] = r
         return out
 

@@ -97,10 +97,6 @@ struct __align__(16) u32x4 { u32 x, y, z, w; };
 #define FENCES 0  // 1: a fence.sc on each side of a counter (0: its release/acquire alone, as
                   // CUTLASS's grid barrier: bar.sync, then one thread's red.release / ld.acquire)
 #endif
-#ifndef ATT_PREFETCH
-#define ATT_PREFETCH 1  // 1: a block with attention units asks the L2 (evict-last) for the cached
-                        // keys and values of the next layer's units at the start of DOWN
-#endif
 #ifndef TRACE
 #define TRACE 0  // 1: the global timer at each op's wait, start, first chunk and end (Args.trace)
 #endif
@@ -192,10 +188,11 @@ __device__ __forceinline__ u64 gtime() {
     return t;
 }
 // TRACE: consumer time k of op j (0 wait began, 1 wait ended, 2 first chunk in / partials
-// written, 3 op ended); producer time k of op j (0 first chunk issued, 1 last chunk issued)
+// written, 3 op ended; attention: 4 its loads in, 5 its counter back, 6 the splits' max and
+// sum in, 7 merged); producer time k of op j (0 first chunk issued, 1 last chunk issued)
 #define TR(j, k) do { if (TRACE && threadIdx.x == 0) \
-    a.trace[((size_t)blockIdx.x * NOPS + (j)) * 4 + (k)] = gtime(); } while (0)
-#define TRP(j, k) do { if (TRACE) a.trace[(size_t)gridDim.x * NOPS * 4 + \
+    a.trace[((size_t)blockIdx.x * NOPS + (j)) * 8 + (k)] = gtime(); } while (0)
+#define TRP(j, k) do { if (TRACE) a.trace[(size_t)gridDim.x * NOPS * 8 + \
     ((size_t)blockIdx.x * NOPS + (j)) * 2 + (k)] = gtime(); } while (0)
 __device__ __forceinline__ void red_release(u32* p) {
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(p) : "memory");
@@ -584,29 +581,6 @@ __device__ __forceinline__ void attention_split(int p, int G, int& nsplit, int& 
     ch = (p + nsplit) / nsplit;  // ceil((p + 1) / nsplit)
 }
 
-// Ask the L2 to fetch and keep (evict-last) the cached keys and values (positions before p:
-// earlier steps' writes) that this block's units of `layer` will read, a layer ahead: under a
-// saturated weight stream a load that goes to memory waits microseconds, one to the L2 less.
-__device__ __forceinline__ void attention_prefetch(const Args& a, int layer, int b, int G) {
-    if (NOATT || !ATT_PREFETCH || layer >= NL) return;
-    const int p = (int)*a.pos;
-    int nsplit, ch;
-    attention_split(p, G, nsplit, ch);
-    const size_t head_stride = (size_t)a.max_len * HD;
-    constexpr int LINES = HD * 2 / 128;  // 128-byte lines a position's key
-    for (int u = b; u < NKV * nsplit; u += G) {
-        const int g = u / nsplit, sp = u % nsplit;
-        const int j0 = sp * ch, j1 = min(p, j0 + ch);
-        const u16* kc = a.kv + ((size_t)(2 * layer) * NKV + g) * head_stride;
-        const u16* vc = a.kv + ((size_t)(2 * layer + 1) * NKV + g) * head_stride;
-        for (int t = threadIdx.x; t < 2 * LINES * (j1 - j0); t += CT) {
-            const int rest = t >> 1;
-            const u16* line = ((t & 1) ? vc : kc) + (size_t)(j0 + rest / LINES) * HD + (rest % LINES) * 64;
-            asm volatile("prefetch.global.L2::evict_last [%0];" :: "l"(line));
-        }
-    }
-}
-
 // PU cached keys and values of a warp (positions jb, jb + NCW, ...; not p, this step's own),
 // loads only.
 __device__ __forceinline__ void load_kv_batch(const u16* kcache, const u16* vcache, int jb, int j1,
@@ -686,6 +660,7 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
             m[hh] = -1.0e30f;
             l[hh] = 0.f;
         }
+        if (TRACE) { consumer_sync(); TR(5 * layer + 1, 4); }
         for (int jb = j0 + warp; jb < j1; jb += NCW * PU) {
             if (jb > j0 + warp) load_kv_batch(kcache, vcache, jb, j1, p, lane, kb, vb);
 #pragma unroll
@@ -760,6 +735,7 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
                 }
             }
             consumer_sync();
+            TR(5 * layer + 1, 5);
             if (s.flag) {
                 const float* all = a.part + (size_t)g * G * GS * (HD + 2);
                 float* wt = &s.st_acc[0][0][0];  // [nsplit][GS]: split t's weight in head hh
@@ -769,6 +745,7 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
                     ml[2 * i + 1] = ld_cgf(all + (size_t)i * (HD + 2) + HD + 1);
                 }
                 consumer_sync();
+                TR(5 * layer + 1, 6);
                 if (threadIdx.x < GS) {  // head hh: exp2(m_t - M) / sum, the splits in order
                     const int hh = threadIdx.x;
                     float mm = -1.0e30f, ll = 0.f;
@@ -809,6 +786,7 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
                     if (idx < GS * HD) a.att[g * GS * HD + idx] = to_bf16(o[i]);
                 }
                 if (threadIdx.x == 0) a.counters[NOPS + g] = 0u;
+                if (TRACE) { consumer_sync(); TR(5 * layer + 1, 7); }
             }
             consumer_sync();
         }
@@ -894,7 +872,6 @@ decode_step(Args a) {
     }
 
     u32 c = 0;
-    attention_prefetch(a, 0, b, G);
     for (int layer = 0; layer < NL; layer++) {
         const int j = 5 * layer;
         if (layer > 0) wait_op(a, j - 1, G);
@@ -909,7 +886,6 @@ decode_step(Args a) {
         wait_op(a, j + 2, G);
         matrix_op<H, OP_GU>(a, s, ring, c, layer, b, G);
         signal_op(a, j + 3);
-        attention_prefetch(a, layer + 1, b, G);
         wait_op(a, j + 3, G);
         matrix_op<INTER, OP_DOWN>(a, s, ring, c, layer, b, G);
         signal_op(a, j + 4);
