@@ -251,10 +251,10 @@ class DecodeMegakernel:
                 r["unit_run"] = ((c[:, :, 2] - c[:, :, 1])[has]).mean().item() / 1e3
                 # a unit's parts: its loads, its products, its counter; the merge's two loads
                 rec = recorded[:, js]
-                for name, k0, k1 in (("unit_loads", 1, 4), ("unit_math", 4, 2),
+                for part, k0, k1 in (("unit_loads", 1, 4), ("unit_math", 4, 2),
                                      ("counter", 2, 5), ("merge_ml", 5, 6), ("merge_acc", 6, 7)):
                     m = rec[:, :, k0] & rec[:, :, k1]
-                    r[name] = ((c[:, :, k1] - c[:, :, k0])[m]).mean().item() / 1e3 if m.any() else None
+                    r[part] = ((c[:, :, k1] - c[:, :, k0])[m]).mean().item() / 1e3 if m.any() else None
                 m = rec[:, :, 2]  # the slowest unit of a layer: its partials written after ...
                 last = torch.where(m, c[:, :, 2], torch.full_like(c[:, :, 2], -1e18)).max(0).values
                 r["last_unit_after"] = (last - prev_end).mean().item() / 1e3
