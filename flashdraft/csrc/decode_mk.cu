@@ -97,6 +97,9 @@ struct __align__(16) u32x4 { u32 x, y, z, w; };
 #define FENCES 0  // 1: a fence.sc on each side of a counter (0: its release/acquire alone, as
                   // CUTLASS's grid barrier: bar.sync, then one thread's red.release / ld.acquire)
 #endif
+#ifndef MERGE_MB
+#define MERGE_MB 6  // attention's merge: 16-byte loads in flight a thread (more: registers spill)
+#endif
 #ifndef TRACE
 #define TRACE 0  // 1: the global timer at each op's wait, start, first chunk and end (Args.trace)
 #endif
@@ -603,7 +606,8 @@ __device__ __forceinline__ void load_kv_batch(const u16* kcache, const u16* vcac
 // keys/values (units longer than NCW * PU positions); the partials' release and the counter;
 // the merge's max/sum of every split at once; its accumulators (MB splits at once).
 __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) {
-    if (NOATT) return;
+    if (NOATT) { wait_op(a, 5 * layer, G); return; }
+    bool waited = false;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int p = (int)*a.pos;
     int nsplit, ch;
@@ -615,10 +619,11 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
         const int j0 = sp * ch, j1 = min(p + 1, j0 + ch);
         u16* kcache = a.kv + ((size_t)(2 * layer) * NKV + g) * head_stride;
         u16* vcache = a.kv + ((size_t)(2 * layer + 1) * NKV + g) * head_stride;
-        // the first cached keys/values (earlier steps' writes), then q of the group's heads,
-        // the new key and value: all in flight at once
+        // the first cached keys/values (earlier steps' writes: loaded before the wait for
+        // QKV), then q of the group's heads, the new key and value
         u32 kb[PU][EPL / 2], vb[PU][EPL / 2];
         load_kv_batch(kcache, vcache, j0 + warp, j1, p, lane, kb, vb);
+        if (!waited) { wait_op(a, 5 * layer, G); waited = true; }
         u32 qw[GS][EPL / 2], kw[EPL / 2], vw[EPL / 2];
 #pragma unroll
         for (int hh = 0; hh < GS; hh++) load_words(a.qkv + (g * GS + hh) * HD + lane * EPL, qw[hh]);
@@ -704,7 +709,9 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
             for (int e = 0; e < EPL; e++) s.st_acc[warp][hh][lane * EPL + e] = acc[hh][e];
         }
         consumer_sync();
-        float* mine = a.part + ((size_t)(g * G + sp) * GS) * (HD + 2);
+        // partials: accumulators [NKV][G][GS][HD], then (max, sum) [NKV][G][GS][2]
+        float* mine = a.part + (size_t)(g * G + sp) * GS * HD;
+        float* mine_ml = a.part + (size_t)NKV * G * GS * HD + (size_t)(g * G + sp) * GS * 2;
         for (int idx = threadIdx.x; idx < GS * HD; idx += CT) {
             const int hh = idx / HD, d = idx % HD;
             float mm = -1.0e30f;
@@ -718,8 +725,8 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
             if (nsplit == 1) {
                 a.att[(g * GS + hh) * HD + d] = to_bf16(o / ll);
             } else {
-                mine[hh * (HD + 2) + d] = o;
-                if (d == 0) { mine[hh * (HD + 2) + HD] = mm; mine[hh * (HD + 2) + HD + 1] = ll; }
+                mine[hh * HD + d] = o;
+                if (d == 0) { mine_ml[2 * hh] = mm; mine_ml[2 * hh + 1] = ll; }
             }
         }
         consumer_sync();
@@ -737,12 +744,16 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
             consumer_sync();
             TR(5 * layer + 1, 5);
             if (s.flag) {
-                const float* all = a.part + (size_t)g * G * GS * (HD + 2);
+                const float* all = a.part + (size_t)g * G * GS * HD;
+                const float* all_ml = a.part + (size_t)NKV * G * GS * HD + (size_t)g * G * GS * 2;
                 float* wt = &s.st_acc[0][0][0];  // [nsplit][GS]: split t's weight in head hh
                 float* ml = wt + nsplit * GS;    // [nsplit][GS][2]: its max and sum
                 for (int i = threadIdx.x; i < nsplit * GS; i += CT) {  // one round trip
-                    ml[2 * i] = ld_cgf(all + (size_t)i * (HD + 2) + HD);
-                    ml[2 * i + 1] = ld_cgf(all + (size_t)i * (HD + 2) + HD + 1);
+                    float2 v;
+                    asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];"
+                                 : "=f"(v.x), "=f"(v.y) : "l"(all_ml + 2 * i));
+                    ml[2 * i] = v.x;
+                    ml[2 * i + 1] = v.y;
                 }
                 consumer_sync();
                 TR(5 * layer + 1, 6);
@@ -756,34 +767,47 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
                         wt[t * GS + hh] = exp2f(ml[2 * (t * GS + hh)] - mm) / ll;
                 }
                 consumer_sync();
-                constexpr int NIDX = (GS * HD + CT - 1) / CT;  // outputs a thread
-                constexpr int MB = NIDX >= 4 ? 2 : 24 / NIDX;  // splits loaded at once
-                float o[NIDX];
+                // 4 outputs a piece (16-byte loads), NP pieces a thread, MB splits' pieces in
+                // flight at once; the splits added in order
+                constexpr int NP = (GS * HD / 4 + CT - 1) / CT;
+                constexpr int MB = NP >= MERGE_MB ? 1 : MERGE_MB / NP;
+                float o[NP][4];
 #pragma unroll
-                for (int i = 0; i < NIDX; i++) o[i] = 0.f;
+                for (int i = 0; i < NP; i++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) o[i][e] = 0.f;
                 for (int t0 = 0; t0 < nsplit; t0 += MB) {
-                    float po[NIDX][MB];
+                    u32x4 po[NP][MB];
 #pragma unroll
-                    for (int i = 0; i < NIDX; i++) {
-                        const int idx = threadIdx.x + i * CT, hh = idx / HD, d = idx % HD;
+                    for (int i = 0; i < NP; i++) {
+                        const int pc = threadIdx.x + i * CT;
 #pragma unroll
                         for (int t = 0; t < MB; t++)
-                            if (idx < GS * HD && t0 + t < nsplit)
-                                po[i][t] = ld_cgf(all + (size_t)((t0 + t) * GS + hh) * (HD + 2) + d);
+                            if (pc < GS * HD / 4 && t0 + t < nsplit)
+                                po[i][t] = ld_cg4(all + (size_t)(t0 + t) * GS * HD + 4 * pc);
                     }
 #pragma unroll
-                    for (int i = 0; i < NIDX; i++) {
-                        const int idx = threadIdx.x + i * CT, hh = idx / HD;
+                    for (int i = 0; i < NP; i++) {
+                        const int pc = threadIdx.x + i * CT, hh = 4 * pc / HD;
 #pragma unroll
                         for (int t = 0; t < MB; t++)
-                            if (idx < GS * HD && t0 + t < nsplit)
-                                o[i] = fmaf(po[i][t], wt[(t0 + t) * GS + hh], o[i]);
+                            if (pc < GS * HD / 4 && t0 + t < nsplit) {
+                                const float w = wt[(t0 + t) * GS + hh];
+                                o[i][0] = fmaf(__uint_as_float(po[i][t].x), w, o[i][0]);
+                                o[i][1] = fmaf(__uint_as_float(po[i][t].y), w, o[i][1]);
+                                o[i][2] = fmaf(__uint_as_float(po[i][t].z), w, o[i][2]);
+                                o[i][3] = fmaf(__uint_as_float(po[i][t].w), w, o[i][3]);
+                            }
                     }
                 }
 #pragma unroll
-                for (int i = 0; i < NIDX; i++) {
-                    const int idx = threadIdx.x + i * CT;
-                    if (idx < GS * HD) a.att[g * GS * HD + idx] = to_bf16(o[i]);
+                for (int i = 0; i < NP; i++) {
+                    const int pc = threadIdx.x + i * CT;
+                    if (pc < GS * HD / 4) {
+                        const u32 lo = (u32)to_bf16(o[i][0]) | ((u32)to_bf16(o[i][1]) << 16);
+                        const u32 hi = (u32)to_bf16(o[i][2]) | ((u32)to_bf16(o[i][3]) << 16);
+                        *(uint2*)(a.att + g * GS * HD + 4 * pc) = make_uint2(lo, hi);
+                    }
                 }
                 if (threadIdx.x == 0) a.counters[NOPS + g] = 0u;
                 if (TRACE) { consumer_sync(); TR(5 * layer + 1, 7); }
@@ -791,6 +815,7 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
             consumer_sync();
         }
     }
+    if (!waited) wait_op(a, 5 * layer, G);
 }
 
 // -- the kernel -------------------------------------------------------------------------------------
@@ -877,8 +902,7 @@ decode_step(Args a) {
         if (layer > 0) wait_op(a, j - 1, G);
         matrix_op<H, OP_QKV>(a, s, ring, c, layer, b, G);
         signal_op(a, j);
-        wait_op(a, j, G);
-        attention_op(a, s, layer, b, G);
+        attention_op(a, s, layer, b, G);  // waits for QKV inside, its first loads issued
         signal_op(a, j + 1);
         wait_op(a, j + 1, G);
         matrix_op<QD, OP_O>(a, s, ring, c, layer, b, G);
