@@ -97,6 +97,10 @@ struct __align__(16) u32x4 { u32 x, y, z, w; };
 #define FENCES 0  // 1: a fence.sc on each side of a counter (0: its release/acquire alone, as
                   // CUTLASS's grid barrier: bar.sync, then one thread's red.release / ld.acquire)
 #endif
+#ifndef STAGE
+#define STAGE 1  // 1: a block's first attention unit's cached keys/values copied into shared
+                 // memory at the start of the layer (stage_kv)
+#endif
 #ifndef MERGE_MB
 #define MERGE_MB 6  // attention's merge: 16-byte loads in flight a thread (more: registers spill)
 #endif
@@ -584,17 +588,59 @@ __device__ __forceinline__ void attention_split(int p, int G, int& nsplit, int& 
     ch = (p + nsplit) / nsplit;  // ceil((p + 1) / nsplit)
 }
 
+// Positions of keys and values the attention state's space holds (Shared.st_acc, free from the
+// end of one layer's attention to the end of the next one's position loop).
+constexpr int STAGE_MAX = NCW * GS;  // (NCW * GS * HD floats) / (a key and a value: 4 * HD bytes)
+
+// The cached keys and values of this block's first attention unit of `layer` (its positions
+// before p, at most STAGE_MAX), copied into shared memory with cp.async at the start of the
+// layer: they do not depend on this step, and a load from memory under the weight stream waits
+// microseconds. Keys at [i][HD], values at [STAGE_MAX + i][HD]. Returns nothing: the unit
+// recomputes the count (stage_count).
+__device__ __forceinline__ int stage_count(int p, int j0, int ch) {
+    return max(0, min(min(p, j0 + ch) - j0, STAGE_MAX));
+}
+__device__ __forceinline__ void stage_kv(const Args& a, Shared& s, int layer, int b, int G) {
+    if (NOATT || !STAGE) return;
+    const int p = (int)*a.pos;
+    int nsplit, ch;
+    attention_split(p, G, nsplit, ch);
+    if (b >= NKV * nsplit) return;
+    const int g = b / nsplit, sp = b % nsplit, j0 = sp * ch;
+    const int n = stage_count(p, j0, ch);
+    const size_t head_stride = (size_t)a.max_len * HD;
+    const u16* kc = a.kv + ((size_t)(2 * layer) * NKV + g) * head_stride + (size_t)j0 * HD;
+    const u16* vc = a.kv + ((size_t)(2 * layer + 1) * NKV + g) * head_stride + (size_t)j0 * HD;
+    const u32 st = smem_addr(&s.st_acc[0][0][0]);
+    constexpr int PIECES = HD / 8;  // 16-byte pieces a position
+    for (int t = threadIdx.x; t < 2 * n * PIECES; t += CT) {
+        const int isv = t >= n * PIECES, r = isv ? t - n * PIECES : t;
+        const u16* src = (isv ? vc : kc) + (size_t)r * 8;
+        const u32 dst = st + (u32)((isv ? STAGE_MAX * HD : 0) + r * 8) * 2;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
 // PU cached keys and values of a warp (positions jb, jb + NCW, ...; not p, this step's own),
-// loads only.
+// loads only: the first nst positions from j0 from shared memory (stage_kv), the rest from
+// global memory.
 __device__ __forceinline__ void load_kv_batch(const u16* kcache, const u16* vcache, int jb, int j1,
                                               int p, int lane, u32 (*kb)[EPL / 2],
-                                              u32 (*vb)[EPL / 2]) {
+                                              u32 (*vb)[EPL / 2], const u16* st, int nst, int j0) {
 #pragma unroll
     for (int t = 0; t < PU; t++) {
         const int jp = jb + NCW * t;
         if (jp < j1 && jp != p) {
-            load_words(kcache + (size_t)jp * HD + lane * EPL, kb[t]);
-            load_words(vcache + (size_t)jp * HD + lane * EPL, vb[t]);
+            if (jp - j0 < nst) {
+                const u16* k = st + (jp - j0) * HD + lane * EPL;
+                const u16* v = st + (STAGE_MAX + jp - j0) * HD + lane * EPL;
+#pragma unroll
+                for (int i = 0; i < EPL / 2; i++) { kb[t][i] = ((const u32*)k)[i]; vb[t][i] = ((const u32*)v)[i]; }
+            } else {
+                load_words(kcache + (size_t)jp * HD + lane * EPL, kb[t]);
+                load_words(vcache + (size_t)jp * HD + lane * EPL, vb[t]);
+            }
         }
     }
 }
@@ -619,11 +665,19 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
         const int j0 = sp * ch, j1 = min(p + 1, j0 + ch);
         u16* kcache = a.kv + ((size_t)(2 * layer) * NKV + g) * head_stride;
         u16* vcache = a.kv + ((size_t)(2 * layer + 1) * NKV + g) * head_stride;
-        // the first cached keys/values (earlier steps' writes: loaded before the wait for
-        // QKV), then q of the group's heads, the new key and value
+        // the first cached keys/values (earlier steps' writes: in shared memory since the
+        // layer began for the block's first unit, else loaded before the wait for QKV), then
+        // q of the group's heads, the new key and value
+        const u16* st = (const u16*)&s.st_acc[0][0][0];
+        const int nst = STAGE && u == b ? stage_count(p, j0, ch) : 0;
         u32 kb[PU][EPL / 2], vb[PU][EPL / 2];
-        load_kv_batch(kcache, vcache, j0 + warp, j1, p, lane, kb, vb);
+        if (!nst) load_kv_batch(kcache, vcache, j0 + warp, j1, p, lane, kb, vb, st, 0, j0);
         if (!waited) { wait_op(a, 5 * layer, G); waited = true; }
+        if (nst) {
+            asm volatile("cp.async.wait_all;" ::: "memory");
+            consumer_sync();
+            load_kv_batch(kcache, vcache, j0 + warp, j1, p, lane, kb, vb, st, nst, j0);
+        }
         u32 qw[GS][EPL / 2], kw[EPL / 2], vw[EPL / 2];
 #pragma unroll
         for (int hh = 0; hh < GS; hh++) load_words(a.qkv + (g * GS + hh) * HD + lane * EPL, qw[hh]);
@@ -667,7 +721,7 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
         }
         if (TRACE) { consumer_sync(); TR(5 * layer + 1, 4); }
         for (int jb = j0 + warp; jb < j1; jb += NCW * PU) {
-            if (jb > j0 + warp) load_kv_batch(kcache, vcache, jb, j1, p, lane, kb, vb);
+            if (jb > j0 + warp) load_kv_batch(kcache, vcache, jb, j1, p, lane, kb, vb, st, nst, j0);
 #pragma unroll
             for (int t = 0; t < PU; t++) {
                 const int jp = jb + NCW * t;
@@ -702,6 +756,7 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
                 }
             }
         }
+        if (nst) consumer_sync();  // every warp is done with the staged keys/values
 #pragma unroll
         for (int hh = 0; hh < GS; hh++) {
             if (lane == 0) { s.st_m[warp][hh] = m[hh]; s.st_l[warp][hh] = l[hh]; }
@@ -899,6 +954,7 @@ decode_step(Args a) {
     u32 c = 0;
     for (int layer = 0; layer < NL; layer++) {
         const int j = 5 * layer;
+        stage_kv(a, s, layer, b, G);
         if (layer > 0) wait_op(a, j - 1, G);
         matrix_op<H, OP_QKV>(a, s, ring, c, layer, b, G);
         signal_op(a, j);
