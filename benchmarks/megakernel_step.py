@@ -36,7 +36,7 @@ CONTEXT = 512
 
 def parse_variant(v: str) -> dict:
     ring, *opts = v.split("+")
-    out = {"ring": ring, "l2ahead": 0, "probe": "", "copies": 1, "ldgsts": False, "producers": 1}
+    out = {"ring": ring, "l2ahead": 0, "probe": ""}  # the rest: DecodeMegakernel's defaults
     probes = []
     for o in opts:
         if o.startswith("l2:"):
@@ -54,11 +54,13 @@ def parse_variant(v: str) -> dict:
             out["evict_first"] = True
         elif o == "ldgsts":
             out["ldgsts"] = True
+        elif o == "bulk":  # one producer warp, one bulk copy a chunk
+            out["ldgsts"], out["producers"] = False, 1
         elif o in ("nowait", "nocompute"):
             probes.append(o)
         else:
             raise SystemExit(f"variant option {o!r}: l2:N, copies:N, prod:N, D:NAME=V, trace, "
-                             "evict, ldgsts, nowait or nocompute")
+                             "evict, ldgsts, bulk, nowait or nocompute")
     out["probe"] = ",".join(probes)
     return out
 

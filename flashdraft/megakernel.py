@@ -104,13 +104,15 @@ class DecodeMegakernel:
 
     def __init__(self, model: Transformer, cache: KVCache, ring: str | None = None,
                  l2ahead: int | None = None, probe: str = "", copies: int = 1,
-                 ldgsts: bool = False, producers: int = 1, evict_first: bool = False,
+                 ldgsts: bool = True, producers: int = 4, evict_first: bool = False,
                  defines: dict[str, int] | None = None):
         """ring: "SLOTSxBYTES" (default FLASHDRAFT_MK_RING); l2ahead: weight chunks past the
         ring asked of the L2 (default FLASHDRAFT_MK_L2AHEAD); probe: "nowait" (measurement
         only, wrong output: no op waits for the one before, the weight stream's own speed;
         "nocompute": the consumers multiply nothing; both: "nowait,nocompute"); copies: bulk
-        copies a chunk; ldgsts: the producer warp copies with cp.async instead; defines: more of
+        copies a chunk (bulk copier); ldgsts: the producer warps copy with cp.async, 16 bytes a
+        lane (default, measured faster than one warp's bulk copies: benchmarks/RESULTS.md,
+        session 19), else one bulk copy a chunk; producers: producer warps; defines: more of
         decode_mk.cu's compile-time settings (measurement)."""
         why = unsupported(model, cache, ring)
         if why:
@@ -166,7 +168,8 @@ class DecodeMegakernel:
         self.fn = _kernel(defines, dev.index if dev.index is not None else torch.cuda.current_device())
         # shared memory: the ring, then decode_mk.cu's Shared (mbarriers, sums, attention state)
         shared_struct = (16 * slots + 4 * 64 * CONSUMER_WARPS
-                         + 4 * CONSUMER_WARPS * group * (2 + cfg.head_dim) + 8 * CONSUMER_WARPS + 16)
+                         + 4 * CONSUMER_WARPS * group * (3 + cfg.head_dim) + 8 * group
+                         + 8 * CONSUMER_WARPS + 16)
         self.shared = slots * slot + shared_struct + 128
         limit = mma._shared_limit(self.fn_device)
         if self.shared > limit:
@@ -249,7 +252,8 @@ class DecodeMegakernel:
                 has = recorded[:, js, 2]
                 r["units"] = int(has[:, 0].sum())
                 r["unit_run"] = ((c[:, :, 2] - c[:, :, 1])[has]).mean().item() / 1e3
-                # a unit's parts: its loads, its products, its counter; the merge's two loads
+                # a unit's parts: its loads, its products, the wait for every unit of its kv
+                # head (counter), the merge's loads (merge_ml) and sums (merge_acc)
                 rec = recorded[:, js]
                 for part, k0, k1 in (("unit_loads", 1, 4), ("unit_math", 4, 2),
                                      ("counter", 2, 5), ("merge_ml", 5, 6), ("merge_acc", 6, 7)):

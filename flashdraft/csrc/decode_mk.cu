@@ -97,13 +97,6 @@ struct __align__(16) u32x4 { u32 x, y, z, w; };
 #define FENCES 0  // 1: a fence.sc on each side of a counter (0: its release/acquire alone, as
                   // CUTLASS's grid barrier: bar.sync, then one thread's red.release / ld.acquire)
 #endif
-#ifndef STAGE
-#define STAGE 1  // 1: a block's first attention unit's cached keys/values copied into shared
-                 // memory at the start of the layer (stage_kv)
-#endif
-#ifndef MERGE_MB
-#define MERGE_MB 6  // attention's merge: 16-byte loads in flight a thread (more: registers spill)
-#endif
 #ifndef TRACE
 #define TRACE 0  // 1: the global timer at each op's wait, start, first chunk and end (Args.trace)
 #endif
@@ -329,6 +322,7 @@ struct Shared {
     float red[RED_ROWS][NCW];     // segment sums of rows split over warps
     float st_m[NCW][GS], st_l[NCW][GS];
     float st_acc[NCW][GS][HD];    // attention: each warp's running state
+    float st_f[NCW][GS], st_hm[GS], st_hl[GS];  // its warps' weights, a head's max and sum
     float best_v[NCW];
     int best_i[NCW];
     int flag;
@@ -580,67 +574,26 @@ __device__ __forceinline__ void unpack_head(const u32* w, float* v) {
 #endif
 
 // The split of positions 0 .. p over kv heads: nsplit units a head, ch positions a unit. At most
-// NCW * HD / 3 units a head: the merge keeps each unit's max, sum and weight in the space of the
-// attention state (Shared.st_acc).
+// MAX_SPLIT units a head: a unit's merge holds every split's pieces of its slice of the outputs
+// and every split's max and sum in the space of the attention state (Shared.st_acc).
+constexpr int MAX_SPLIT = (NCW * GS * HD * 4 - GS * HD * 4) / (16 + 8 * GS);
 __device__ __forceinline__ void attention_split(int p, int G, int& nsplit, int& ch) {
     const int by_len = (p + ATT_MIN) / ATT_MIN;  // ceil((p + 1) / ATT_MIN)
-    nsplit = max(1, min(min(G / NKV, NCW * HD / 3), by_len));
+    nsplit = max(1, min(min(G / NKV, MAX_SPLIT), by_len));
     ch = (p + nsplit) / nsplit;  // ceil((p + 1) / nsplit)
 }
 
-// Positions of keys and values the attention state's space holds (Shared.st_acc, free from the
-// end of one layer's attention to the end of the next one's position loop).
-constexpr int STAGE_MAX = NCW * GS;  // (NCW * GS * HD floats) / (a key and a value: 4 * HD bytes)
-
-// The cached keys and values of this block's first attention unit of `layer` (its positions
-// before p, at most STAGE_MAX), copied into shared memory with cp.async at the start of the
-// layer: they do not depend on this step, and a load from memory under the weight stream waits
-// microseconds. Keys at [i][HD], values at [STAGE_MAX + i][HD]. Returns nothing: the unit
-// recomputes the count (stage_count).
-__device__ __forceinline__ int stage_count(int p, int j0, int ch) {
-    return max(0, min(min(p, j0 + ch) - j0, STAGE_MAX));
-}
-__device__ __forceinline__ void stage_kv(const Args& a, Shared& s, int layer, int b, int G) {
-    if (NOATT || !STAGE) return;
-    const int p = (int)*a.pos;
-    int nsplit, ch;
-    attention_split(p, G, nsplit, ch);
-    if (b >= NKV * nsplit) return;
-    const int g = b / nsplit, sp = b % nsplit, j0 = sp * ch;
-    const int n = stage_count(p, j0, ch);
-    const size_t head_stride = (size_t)a.max_len * HD;
-    const u16* kc = a.kv + ((size_t)(2 * layer) * NKV + g) * head_stride + (size_t)j0 * HD;
-    const u16* vc = a.kv + ((size_t)(2 * layer + 1) * NKV + g) * head_stride + (size_t)j0 * HD;
-    const u32 st = smem_addr(&s.st_acc[0][0][0]);
-    constexpr int PIECES = HD / 8;  // 16-byte pieces a position
-    for (int t = threadIdx.x; t < 2 * n * PIECES; t += CT) {
-        const int isv = t >= n * PIECES, r = isv ? t - n * PIECES : t;
-        const u16* src = (isv ? vc : kc) + (size_t)r * 8;
-        const u32 dst = st + (u32)((isv ? STAGE_MAX * HD : 0) + r * 8) * 2;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
-    }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
 // PU cached keys and values of a warp (positions jb, jb + NCW, ...; not p, this step's own),
-// loads only: the first nst positions from j0 from shared memory (stage_kv), the rest from
-// global memory.
+// loads only.
 __device__ __forceinline__ void load_kv_batch(const u16* kcache, const u16* vcache, int jb, int j1,
                                               int p, int lane, u32 (*kb)[EPL / 2],
-                                              u32 (*vb)[EPL / 2], const u16* st, int nst, int j0) {
+                                              u32 (*vb)[EPL / 2]) {
 #pragma unroll
     for (int t = 0; t < PU; t++) {
         const int jp = jb + NCW * t;
         if (jp < j1 && jp != p) {
-            if (jp - j0 < nst) {
-                const u16* k = st + (jp - j0) * HD + lane * EPL;
-                const u16* v = st + (STAGE_MAX + jp - j0) * HD + lane * EPL;
-#pragma unroll
-                for (int i = 0; i < EPL / 2; i++) { kb[t][i] = ((const u32*)k)[i]; vb[t][i] = ((const u32*)v)[i]; }
-            } else {
-                load_words(kcache + (size_t)jp * HD + lane * EPL, kb[t]);
-                load_words(vcache + (size_t)jp * HD + lane * EPL, vb[t]);
-            }
+            load_words(kcache + (size_t)jp * HD + lane * EPL, kb[t]);
+            load_words(vcache + (size_t)jp * HD + lane * EPL, vb[t]);
         }
     }
 }
@@ -665,19 +618,11 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
         const int j0 = sp * ch, j1 = min(p + 1, j0 + ch);
         u16* kcache = a.kv + ((size_t)(2 * layer) * NKV + g) * head_stride;
         u16* vcache = a.kv + ((size_t)(2 * layer + 1) * NKV + g) * head_stride;
-        // the first cached keys/values (earlier steps' writes: in shared memory since the
-        // layer began for the block's first unit, else loaded before the wait for QKV), then
-        // q of the group's heads, the new key and value
-        const u16* st = (const u16*)&s.st_acc[0][0][0];
-        const int nst = STAGE && u == b ? stage_count(p, j0, ch) : 0;
+        // the first cached keys/values (earlier steps' writes: loaded before the wait for
+        // QKV), then q of the group's heads, the new key and value
         u32 kb[PU][EPL / 2], vb[PU][EPL / 2];
-        if (!nst) load_kv_batch(kcache, vcache, j0 + warp, j1, p, lane, kb, vb, st, 0, j0);
+        load_kv_batch(kcache, vcache, j0 + warp, j1, p, lane, kb, vb);
         if (!waited) { wait_op(a, 5 * layer, G); waited = true; }
-        if (nst) {
-            asm volatile("cp.async.wait_all;" ::: "memory");
-            consumer_sync();
-            load_kv_batch(kcache, vcache, j0 + warp, j1, p, lane, kb, vb, st, nst, j0);
-        }
         u32 qw[GS][EPL / 2], kw[EPL / 2], vw[EPL / 2];
 #pragma unroll
         for (int hh = 0; hh < GS; hh++) load_words(a.qkv + (g * GS + hh) * HD + lane * EPL, qw[hh]);
@@ -721,42 +666,72 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
         }
         if (TRACE) { consumer_sync(); TR(5 * layer + 1, 4); }
         for (int jb = j0 + warp; jb < j1; jb += NCW * PU) {
-            if (jb > j0 + warp) load_kv_batch(kcache, vcache, jb, j1, p, lane, kb, vb, st, nst, j0);
+            if (jb > j0 + warp) load_kv_batch(kcache, vcache, jb, j1, p, lane, kb, vb);
+            // the batch's PU positions at once: scores, their sums over the lanes interleaved,
+            // then one update of the running max, sum and accumulators a head
+            float sc[PU][GS];
 #pragma unroll
             for (int t = 0; t < PU; t++) {
                 const int jp = jb + NCW * t;
-                if (jp >= j1) break;
-                float kk[EPL], vv[EPL];
+                float kk[EPL];
                 if (jp == p) {
 #pragma unroll
-                    for (int e = 0; e < EPL; e++) { kk[e] = kn[e]; vv[e] = round_bf16(vn[e]); }
+                    for (int e = 0; e < EPL; e++) kk[e] = kn[e];
                 } else {
                     unpack_head(kb[t], kk);
-                    unpack_head(vb[t], vv);
-                }
-                float sc[GS];
-#pragma unroll
-                for (int hh = 0; hh < GS; hh++) {
-                    sc[hh] = 0.f;
-#pragma unroll
-                    for (int e = 0; e < EPL; e++) sc[hh] = fmaf(q[hh][e], kk[e], sc[hh]);
                 }
 #pragma unroll
-                for (int o = 16; o; o >>= 1)  // the heads' sums interleaved: GS shuffles a round
-#pragma unroll
-                    for (int hh = 0; hh < GS; hh++) sc[hh] += __shfl_xor_sync(0xffffffffu, sc[hh], o);
-#pragma unroll
                 for (int hh = 0; hh < GS; hh++) {
-                    const float mn = fmaxf(m[hh], sc[hh]);
-                    const float corr = exp2f(m[hh] - mn), pr = exp2f(sc[hh] - mn);
-                    l[hh] = l[hh] * corr + pr;
+                    sc[t][hh] = 0.f;
 #pragma unroll
-                    for (int e = 0; e < EPL; e++) acc[hh][e] = fmaf(pr, vv[e], acc[hh][e] * corr);
-                    m[hh] = mn;
+                    for (int e = 0; e < EPL; e++) sc[t][hh] = fmaf(q[hh][e], kk[e], sc[t][hh]);
                 }
             }
+#pragma unroll
+            for (int o = 16; o; o >>= 1)
+#pragma unroll
+                for (int t = 0; t < PU; t++)
+#pragma unroll
+                    for (int hh = 0; hh < GS; hh++) sc[t][hh] += __shfl_xor_sync(0xffffffffu, sc[t][hh], o);
+            float vv[PU][EPL];
+#pragma unroll
+            for (int t = 0; t < PU; t++) {
+                const int jp = jb + NCW * t;
+                if (jp >= j1) {  // past the unit: weight 0
+#pragma unroll
+                    for (int hh = 0; hh < GS; hh++) sc[t][hh] = -1.0e30f;
+#pragma unroll
+                    for (int e = 0; e < EPL; e++) vv[t][e] = 0.f;
+                } else if (jp == p) {
+#pragma unroll
+                    for (int e = 0; e < EPL; e++) vv[t][e] = round_bf16(vn[e]);
+                } else {
+                    unpack_head(vb[t], vv[t]);
+                }
+            }
+#pragma unroll
+            for (int hh = 0; hh < GS; hh++) {
+                float mn = m[hh];
+#pragma unroll
+                for (int t = 0; t < PU; t++) mn = fmaxf(mn, sc[t][hh]);
+                const float corr = exp2f(m[hh] - mn);
+                float pr[PU];
+#pragma unroll
+                for (int t = 0; t < PU; t++) pr[t] = exp2f(sc[t][hh] - mn);
+                float ls = l[hh] * corr;
+#pragma unroll
+                for (int t = 0; t < PU; t++) ls += pr[t];
+                l[hh] = ls;
+#pragma unroll
+                for (int e = 0; e < EPL; e++) {
+                    float v = acc[hh][e] * corr;
+#pragma unroll
+                    for (int t = 0; t < PU; t++) v = fmaf(pr[t], vv[t][e], v);
+                    acc[hh][e] = v;
+                }
+                m[hh] = mn;
+            }
         }
-        if (nst) consumer_sync();  // every warp is done with the staged keys/values
 #pragma unroll
         for (int hh = 0; hh < GS; hh++) {
             if (lane == 0) { s.st_m[warp][hh] = m[hh]; s.st_l[warp][hh] = l[hh]; }
@@ -764,110 +739,92 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
             for (int e = 0; e < EPL; e++) s.st_acc[warp][hh][lane * EPL + e] = acc[hh][e];
         }
         consumer_sync();
+        if (threadIdx.x < GS) {  // head hh: the warps' weights exp2(m_w - M), M and the sum
+            const int hh = threadIdx.x;
+            float mm = -1.0e30f, ll = 0.f;
+#pragma unroll
+            for (int w = 0; w < NCW; w++) mm = fmaxf(mm, s.st_m[w][hh]);
+#pragma unroll
+            for (int w = 0; w < NCW; w++) {
+                const float f = exp2f(s.st_m[w][hh] - mm);
+                s.st_f[w][hh] = f;
+                ll = fmaf(s.st_l[w][hh], f, ll);
+            }
+            s.st_hm[hh] = mm;
+            s.st_hl[hh] = ll;
+        }
+        consumer_sync();
         // partials: accumulators [NKV][G][GS][HD], then (max, sum) [NKV][G][GS][2]
         float* mine = a.part + (size_t)(g * G + sp) * GS * HD;
         float* mine_ml = a.part + (size_t)NKV * G * GS * HD + (size_t)(g * G + sp) * GS * 2;
         for (int idx = threadIdx.x; idx < GS * HD; idx += CT) {
             const int hh = idx / HD, d = idx % HD;
-            float mm = -1.0e30f;
-            for (int w = 0; w < NCW; w++) mm = fmaxf(mm, s.st_m[w][hh]);
-            float o = 0.f, ll = 0.f;
-            for (int w = 0; w < NCW; w++) {
-                const float f = exp2f(s.st_m[w][hh] - mm);
-                o = fmaf(s.st_acc[w][hh][d], f, o);
-                ll = fmaf(s.st_l[w][hh], f, ll);
-            }
+            float o = 0.f;
+#pragma unroll
+            for (int w = 0; w < NCW; w++) o = fmaf(s.st_acc[w][hh][d], s.st_f[w][hh], o);
             if (nsplit == 1) {
-                a.att[(g * GS + hh) * HD + d] = to_bf16(o / ll);
+                a.att[(g * GS + hh) * HD + d] = to_bf16(o / s.st_hl[hh]);
             } else {
                 mine[hh * HD + d] = o;
-                if (d == 0) { mine_ml[2 * hh] = mm; mine_ml[2 * hh + 1] = ll; }
+                if (d == 0) { mine_ml[2 * hh] = s.st_hm[hh]; mine_ml[2 * hh + 1] = s.st_hl[hh]; }
             }
         }
         consumer_sync();
         TR(5 * layer + 1, 2);
-        if (nsplit > 1) {  // the last unit of kv head g adds the splits, in order
-            if (threadIdx.x == 0) {  // release this unit's partials, acquire the others'
-                if (FENCES) {
-                    __threadfence();
-                    s.flag = atomicAdd(&a.counters[NOPS + g], 1u) == (u32)(nsplit - 1);
-                    __threadfence();
-                } else {
-                    s.flag = atom_add_acq_rel(&a.counters[NOPS + g]) == (u32)(nsplit - 1);
+        if (nsplit > 1) {  // every unit of kv head g merges a slice of its outputs
+            if (threadIdx.x == 0) {  // release this unit's partials; acquire every unit's
+                if (FENCES) __threadfence();
+                red_release(&a.counters[NOPS + g]);
+                const u32 target = (u32)nsplit * (u32)(layer + 1);  // zeroed at the step's end
+                u32 spins = 0;
+                while (ld_acquire(&a.counters[NOPS + g]) < target) {
+                    if (++spins == SPIN_LIMIT) { atomicExch(a.error, 2u + 5 * layer); break; }
                 }
+                if (FENCES) __threadfence();
             }
             consumer_sync();
             TR(5 * layer + 1, 5);
-            if (s.flag) {
-                const float* all = a.part + (size_t)g * G * GS * HD;
-                const float* all_ml = a.part + (size_t)NKV * G * GS * HD + (size_t)g * G * GS * 2;
-                float* wt = &s.st_acc[0][0][0];  // [nsplit][GS]: split t's weight in head hh
-                float* ml = wt + nsplit * GS;    // [nsplit][GS][2]: its max and sum
-                for (int i = threadIdx.x; i < nsplit * GS; i += CT) {  // one round trip
-                    float2 v;
+            // this unit's outputs: 4-float pieces [pc0, pc0 + npc) of the group's GS * HD; one
+            // round trip loads every split's piece and (max, sum), a thread a load
+            constexpr int NPC = GS * HD / 4;
+            const int ppu = (NPC + nsplit - 1) / nsplit;
+            const int pc0 = min(NPC, sp * ppu), npc = min(NPC, pc0 + ppu) - pc0;
+            const float* all = a.part + (size_t)g * G * GS * HD;
+            const float* all_ml = a.part + (size_t)NKV * G * GS * HD + (size_t)g * G * GS * 2;
+            u32x4* po = (u32x4*)&s.st_acc[0][0][0];  // [nsplit][npc]
+            float* ml = (float*)(po + nsplit * npc);  // [nsplit][GS][2]
+            for (int t = threadIdx.x; t < max(nsplit * npc, nsplit * GS); t += CT) {
+                u32x4 v;
+                float2 w;
+                if (t < nsplit * npc) v = ld_cg4(all + (size_t)(t / npc) * GS * HD + 4 * (pc0 + t % npc));
+                if (t < nsplit * GS)
                     asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];"
-                                 : "=f"(v.x), "=f"(v.y) : "l"(all_ml + 2 * i));
-                    ml[2 * i] = v.x;
-                    ml[2 * i + 1] = v.y;
-                }
-                consumer_sync();
-                TR(5 * layer + 1, 6);
-                if (threadIdx.x < GS) {  // head hh: exp2(m_t - M) / sum, the splits in order
-                    const int hh = threadIdx.x;
-                    float mm = -1.0e30f, ll = 0.f;
-                    for (int t = 0; t < nsplit; t++) mm = fmaxf(mm, ml[2 * (t * GS + hh)]);
-                    for (int t = 0; t < nsplit; t++)
-                        ll = fmaf(ml[2 * (t * GS + hh) + 1], exp2f(ml[2 * (t * GS + hh)] - mm), ll);
-                    for (int t = 0; t < nsplit; t++)
-                        wt[t * GS + hh] = exp2f(ml[2 * (t * GS + hh)] - mm) / ll;
-                }
-                consumer_sync();
-                // 4 outputs a piece (16-byte loads), NP pieces a thread, MB splits' pieces in
-                // flight at once; the splits added in order
-                constexpr int NP = (GS * HD / 4 + CT - 1) / CT;
-                constexpr int MB = NP >= MERGE_MB ? 1 : MERGE_MB / NP;
-                float o[NP][4];
-#pragma unroll
-                for (int i = 0; i < NP; i++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) o[i][e] = 0.f;
-                for (int t0 = 0; t0 < nsplit; t0 += MB) {
-                    u32x4 po[NP][MB];
-#pragma unroll
-                    for (int i = 0; i < NP; i++) {
-                        const int pc = threadIdx.x + i * CT;
-#pragma unroll
-                        for (int t = 0; t < MB; t++)
-                            if (pc < GS * HD / 4 && t0 + t < nsplit)
-                                po[i][t] = ld_cg4(all + (size_t)(t0 + t) * GS * HD + 4 * pc);
-                    }
-#pragma unroll
-                    for (int i = 0; i < NP; i++) {
-                        const int pc = threadIdx.x + i * CT, hh = 4 * pc / HD;
-#pragma unroll
-                        for (int t = 0; t < MB; t++)
-                            if (pc < GS * HD / 4 && t0 + t < nsplit) {
-                                const float w = wt[(t0 + t) * GS + hh];
-                                o[i][0] = fmaf(__uint_as_float(po[i][t].x), w, o[i][0]);
-                                o[i][1] = fmaf(__uint_as_float(po[i][t].y), w, o[i][1]);
-                                o[i][2] = fmaf(__uint_as_float(po[i][t].z), w, o[i][2]);
-                                o[i][3] = fmaf(__uint_as_float(po[i][t].w), w, o[i][3]);
-                            }
-                    }
-                }
-#pragma unroll
-                for (int i = 0; i < NP; i++) {
-                    const int pc = threadIdx.x + i * CT;
-                    if (pc < GS * HD / 4) {
-                        const u32 lo = (u32)to_bf16(o[i][0]) | ((u32)to_bf16(o[i][1]) << 16);
-                        const u32 hi = (u32)to_bf16(o[i][2]) | ((u32)to_bf16(o[i][3]) << 16);
-                        *(uint2*)(a.att + g * GS * HD + 4 * pc) = make_uint2(lo, hi);
-                    }
-                }
-                if (threadIdx.x == 0) a.counters[NOPS + g] = 0u;
-                if (TRACE) { consumer_sync(); TR(5 * layer + 1, 7); }
+                                 : "=f"(w.x), "=f"(w.y) : "l"(all_ml + 2 * t));
+                if (t < nsplit * npc) po[t] = v;
+                if (t < nsplit * GS) { ml[2 * t] = w.x; ml[2 * t + 1] = w.y; }
             }
             consumer_sync();
+            TR(5 * layer + 1, 6);
+            for (int i = threadIdx.x; i < npc; i += CT) {  // the splits added in order
+                const int pc = pc0 + i, hh = 4 * pc / HD;
+                float mm = -1.0e30f;
+                for (int t = 0; t < nsplit; t++) mm = fmaxf(mm, ml[2 * (t * GS + hh)]);
+                float ll = 0.f, o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
+                for (int t = 0; t < nsplit; t++) {
+                    const float f = exp2f(ml[2 * (t * GS + hh)] - mm);
+                    const u32x4 v = po[t * npc + i];
+                    ll = fmaf(ml[2 * (t * GS + hh) + 1], f, ll);
+                    o0 = fmaf(__uint_as_float(v.x), f, o0);
+                    o1 = fmaf(__uint_as_float(v.y), f, o1);
+                    o2 = fmaf(__uint_as_float(v.z), f, o2);
+                    o3 = fmaf(__uint_as_float(v.w), f, o3);
+                }
+                const float r = 1.f / ll;
+                const u32 lo = (u32)to_bf16(o0 * r) | ((u32)to_bf16(o1 * r) << 16);
+                const u32 hi = (u32)to_bf16(o2 * r) | ((u32)to_bf16(o3 * r) << 16);
+                *(uint2*)(a.att + g * GS * HD + 4 * pc) = make_uint2(lo, hi);
+            }
+            if (TRACE) { consumer_sync(); TR(5 * layer + 1, 7); }
         }
     }
     if (!waited) wait_op(a, 5 * layer, G);
@@ -954,7 +911,6 @@ decode_step(Args a) {
     u32 c = 0;
     for (int layer = 0; layer < NL; layer++) {
         const int j = 5 * layer;
-        stage_kv(a, s, layer, b, G);
         if (layer > 0) wait_op(a, j - 1, G);
         matrix_op<H, OP_QKV>(a, s, ring, c, layer, b, G);
         signal_op(a, j);
