@@ -407,6 +407,8 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
         if (r0 + lane < r1) side0w = ld_cg16(side_src + r0 + lane);
         if (r0 + lane + 32 < r1) side1w = ld_cg16(side_src + r0 + lane + 32);
     }
+    u16 resid_w = 0;  // DOWN over several warps a row: thread r's row r0 + r's residual
+    if (WPR > 1 && threadIdx.x < r1 - r0) resid_w = ld_cg16(a.x + r0 + threadIdx.x);
     float xr[NV * 8];
 #pragma unroll
     for (int v = 0; v < NV; v++) {
@@ -521,7 +523,8 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
             float acc = 0.f;
 #pragma unroll
             for (int sg = 0; sg < WPR; sg++) acc += s.red[r][sg];
-            a.x[r0 + r] = to_bf16(bf(ld_cg16(a.x + r0 + r)) + acc);
+            const float resid = r == threadIdx.x ? bf(resid_w) : bf(ld_cg16(a.x + r0 + r));
+            a.x[r0 + r] = to_bf16(resid + acc);
         }
     }
     if (KIND == OP_HEAD) {
