@@ -73,7 +73,7 @@ struct __align__(16) u32x4 { u32 x, y, z, w; };
 #define L2AHEAD 0  // chunks past the ring asked of the L2 (cp.async.bulk.prefetch.L2), 0: none
 #endif
 #ifndef ATT_MIN
-#define ATT_MIN 32  // fewest positions an attention unit takes (fewer units below it)
+#define ATT_MIN 16  // fewest positions an attention unit takes (fewer units below it)
 #endif
 #ifndef COPIES
 #define COPIES 1  // bulk copies a chunk (pieces of a chunk in flight at once)
@@ -570,7 +570,7 @@ __device__ __forceinline__ void unpack_head(const u32* w, float* v) {
 }
 
 #ifndef PU
-#define PU 4  // cached positions a warp loads at once
+#define PU 2  // cached positions a warp loads (and scores) at once
 #endif
 #ifndef NOATT
 #define NOATT 0  // measurement only, wrong output: attention skipped
