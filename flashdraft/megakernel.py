@@ -84,7 +84,7 @@ def _ring(ring: str | None = None) -> tuple[int, int]:
 class _Args(ctypes.Structure):  # decode_mk.cu's Args, field for field
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "table", "embed", "head", "fnorm", "inv_freq", "kv", "token", "pos", "x", "qkv", "att",
-        "hbuf", "part", "logits", "best", "counters", "out_token", "error", "trace")] + [
+        "hbuf", "part", "logits", "best", "counters", "out_token", "error", "trace", "step_count")] + [
         ("max_len", ctypes.c_int), ("eps", ctypes.c_float)]
 
 
@@ -136,7 +136,10 @@ class DecodeMegakernel:
                      block.mlp.w_down.weight.data_ptr()]
         self.table = torch.tensor(ptrs, dtype=torch.int64, device=dev)
         bf16 = dict(dtype=torch.bfloat16, device=dev)
-        self.x = torch.zeros(h, **bf16)
+        # x: bf16 rows, or with LLX (defines) 8-byte words of 2 rows and their writer's flag
+        llx = bool((defines or {}).get("LLX"))
+        self.x = torch.zeros(2 * h if llx else h, **bf16)
+        self.step_count = torch.zeros(1, dtype=torch.int32, device=dev)
         self.qkv = torch.zeros(qd + 2 * kvd, **bf16)
         self.att = torch.zeros(qd, **bf16)
         self.hbuf = torch.zeros(inter, **bf16)
@@ -157,6 +160,8 @@ class DecodeMegakernel:
         self.token_out = torch.zeros(1, dtype=torch.int64, device=dev)
         self.fnorm = model.norm.weight.detach().to(torch.bfloat16).contiguous()
         self.inv_freq = model.inv_freq.float().contiguous()
+        if llx and 2 * -(-(h // 2) // self.sms) > 64:
+            raise ValueError(f"LLX: hidden size {h} over {self.sms} multiprocessors: at most 64 rows a block")
         defines = (("H", h), ("INTER", inter), ("NQ", cfg.num_heads), ("NKV", cfg.num_kv_heads),
                    ("HD", cfg.head_dim), ("NL", cfg.num_layers), ("VOCAB", cfg.vocab_size),
                    ("QKV_BIAS", int(cfg.qkv_bias)), ("NS", slots), ("SLOT", slot),
@@ -169,7 +174,8 @@ class DecodeMegakernel:
         # shared memory: the ring, then decode_mk.cu's Shared (mbarriers, sums, attention state)
         shared_struct = (16 * slots + 4 * 64 * CONSUMER_WARPS
                          + 4 * CONSUMER_WARPS * group * (3 + cfg.head_dim) + 8 * group
-                         + 8 * CONSUMER_WARPS + 16)
+                         + 8 * CONSUMER_WARPS + 16
+                         + ((2 * h + 2 * 66 + 16) if llx else 0))  # LLX: x polled, rows out
         self.shared = slots * slot + shared_struct + 128
         limit = mma._shared_limit(self.fn_device)
         if self.shared > limit:
@@ -183,7 +189,8 @@ class DecodeMegakernel:
             self.qkv.data_ptr(), self.att.data_ptr(), self.hbuf.data_ptr(), self.part.data_ptr(),
             self.logits.data_ptr(), self.best.data_ptr(), self.counters.data_ptr(),
             self.token_out.data_ptr(), self.error.data_ptr(),
-            self.trace.data_ptr() if self.trace is not None else 0, cache.max_len,
+            self.trace.data_ptr() if self.trace is not None else 0, self.step_count.data_ptr(),
+            cache.max_len,
             float(cfg.rms_norm_eps))
 
     @property

@@ -29,7 +29,7 @@ def test_refused_without_cuda_with_the_reason():
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("prompt", [5, 100])  # one attention split, and several merged
-@pytest.mark.parametrize("ring", ["8x24576", "4x49152", "8x24576+bulk"])
+@pytest.mark.parametrize("ring", ["8x24576", "4x49152", "8x24576+bulk", "8x24576+llx"])
 def test_megakernel_matches_the_model(shape, prompt, ring):
     from flashdraft.megakernel import DecodeMegakernel
     torch.manual_seed(0)
@@ -44,8 +44,10 @@ def test_megakernel_matches_the_model(shape, prompt, ring):
     with torch.inference_mode():
         logits, _ = model(tokens, positions, ref_cache)
         mk_cache.kv.copy_(ref_cache.kv)
-        ring, _, copier = ring.partition("+")  # bulk: one producer warp's bulk copies
-        mk = DecodeMegakernel(model, mk_cache, ring=ring, **(dict(ldgsts=False, producers=1) if copier else {}))
+        ring, _, option = ring.partition("+")  # bulk: one producer warp's bulk copies; llx:
+        opts = {"bulk": dict(ldgsts=False, producers=1),  # x polled by its flags
+                "llx": dict(defines={"LLX": 1}), "": {}}[option]
+        mk = DecodeMegakernel(model, mk_cache, ring=ring, **opts)
         token = logits[0, -1].argmax().view(1)
         compared = 0
         for step in range(24):

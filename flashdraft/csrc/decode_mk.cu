@@ -97,6 +97,11 @@ struct __align__(16) u32x4 { u32 x, y, z, w; };
 #define FENCES 0  // 1: a fence.sc on each side of a counter (0: its release/acquire alone, as
                   // CUTLASS's grid barrier: bar.sync, then one thread's red.release / ld.acquire)
 #endif
+#ifndef LLX
+#define LLX 0  // 1: x travels with its writer's flag (each 8-byte word: 2 bf16 and the step/op
+               // that wrote them, as NCCL's LL protocol): QKV, GU and HEAD poll x itself instead
+               // of a counter and then x, one round trip fewer a dependency
+#endif
 #ifndef TRACE
 #define TRACE 0  // 1: the global timer at each op's wait, start, first chunk and end (Args.trace)
 #endif
@@ -113,6 +118,7 @@ struct __align__(16) u32x4 { u32 x, y, z, w; };
 #define RED_ROWS 64
 #define SPIN_LIMIT (1u << 22)  // polls before a wait gives up (~seconds; a step waits microseconds)
 
+#define XO_ROWS 66  // rows of x a block writes (flashdraft.megakernel checks it)
 enum { OP_QKV = 0, OP_ATT = 1, OP_O = 2, OP_GU = 3, OP_DOWN = 4, OP_HEAD = 5 };
 
 struct Args {
@@ -135,6 +141,7 @@ struct Args {
     long long* out_token;
     u32* error;            // set when a wait gave up
     u64* trace;            // TRACE: [G][NOPS][4] consumer times, then [G][NOPS][2] producer's
+    u32* step_count;       // LLX: steps run so far (x's flags name the step)
     int max_len;
     float eps;
 };
@@ -249,10 +256,13 @@ __device__ __forceinline__ void bulk_prefetch_l2(const void* src, u32 bytes) {
 // Rows [r0, r1) of an n-row op j for block b of G. The blocks that take one row more than the
 // others rotate from op to op, so that no block takes the extra rows of every op.
 __device__ __forceinline__ void rows_of(int n, int j, int b, int G, int& r0, int& r1) {
+    const bool pairs = LLX && j < 5 * NL && (j % 5 == 2 || j % 5 == 4);  // O, DOWN: x's writers
+    if (pairs) n /= 2;  // LLX: whole 8-byte words of x (row pairs) a block
     const int base = n / G, rem = n % G;
     const int vb = (b + j * 53) % G;
     r0 = vb * base + min(vb, rem);
     r1 = r0 + base + (vb < rem ? 1 : 0);
+    if (pairs) { r0 *= 2; r1 *= 2; }
 }
 
 // Rows a chunk of a matrix with k columns: the largest power of two up to 16 that fits a slot.
@@ -323,6 +333,10 @@ struct Shared {
     float st_m[NCW][GS], st_l[NCW][GS];
     float st_acc[NCW][GS][HD];    // attention: each warp's running state
     float st_f[NCW][GS], st_hm[GS], st_hl[GS];  // its warps' weights, a head's max and sum
+#if LLX
+    __align__(16) u32 xs[H / 2];  // x as polled (bf16 pairs), for every warp
+    u16 xo[XO_ROWS];              // this block's rows of x from O / DOWN, before they go out
+#endif
     float best_v[NCW];
     int best_i[NCW];
     int flag;
@@ -356,13 +370,71 @@ __device__ __forceinline__ void signal_op(const Args& a, int j) {
     }
 }
 
+// -- LLX: x with its writer's flag ------------------------------------------------------------------
+
+// x's writes in a step: O of layer l is write 2 l, DOWN of layer l write 2 l + 1. A flag names
+// the step and the write; the step counter only grows (zero in the buffer: never a flag).
+__device__ __forceinline__ u32 x_flag(u32 step, int w) { return step * (u32)(2 * NL) + (u32)w + 1u; }
+
+// Every consumer thread: x's 16-byte pieces (2 words) until each carries `want`, into s.xs.
+__device__ __forceinline__ void poll_x(const Args& a, Shared& s, u32 want, int j) {
+#if LLX
+    constexpr int NU = (H / 4 + CT - 1) / CT;
+    const u32* xw = (const u32*)a.x;
+    bool ok[NU];
+    u32 d0[NU], d1[NU];
+#pragma unroll
+    for (int i = 0; i < NU; i++) ok[i] = threadIdx.x + i * CT >= H / 4;
+    for (u32 spins = 0;; spins++) {
+        bool all = true;
+#pragma unroll
+        for (int i = 0; i < NU; i++) {
+            if (!ok[i]) {
+                u32 f0, f1;
+                asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                             : "=r"(d0[i]), "=r"(f0), "=r"(d1[i]), "=r"(f1)
+                             : "l"(xw + 4 * (threadIdx.x + i * CT)));
+                ok[i] = f0 == want && f1 == want;
+                all = all && ok[i];
+            }
+        }
+        if (all) break;
+        if (spins == SPIN_LIMIT) { atomicExch(a.error, 1u + j); break; }
+    }
+#pragma unroll
+    for (int i = 0; i < NU; i++)
+        if (threadIdx.x + i * CT < H / 4) {
+            s.xs[2 * (threadIdx.x + i * CT)] = d0[i];
+            s.xs[2 * (threadIdx.x + i * CT) + 1] = d1[i];
+        }
+    consumer_sync();
+#endif
+}
+
+// Rows ra and rb of x (either < 0: none), each from its word once that carries `want`.
+__device__ __forceinline__ void ll_rows(const Args& a, int ra, int rb, u32 want, int j,
+                                        u16& va, u16& vb) {
+    const u32* xw = (const u32*)a.x;
+    u32 da = 0, db = 0, fa = ra >= 0 ? ~want : want, fb = rb >= 0 ? ~want : want;
+    for (u32 spins = 0;; spins++) {
+        if (fa != want)
+            asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(da), "=r"(fa) : "l"(xw + 2 * (ra >> 1)));
+        if (fb != want)
+            asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(db), "=r"(fb) : "l"(xw + 2 * (rb >> 1)));
+        if (fa == want && fb == want) break;
+        if (spins == SPIN_LIMIT) { atomicExch(a.error, 1u + j); break; }
+    }
+    va = (u16)(ra & 1 ? da >> 16 : da);
+    vb = (u16)(rb & 1 ? db >> 16 : db);
+}
+
 // -- consumers: a matrix op -------------------------------------------------------------------------
 
 // One op's products for this block: its rows of W (streamed into the ring) against x (in each
 // lane's registers), with the op's epilogue. c: the consumers' chunk count (the slot sequence).
 template <int K, int KIND>
 __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int layer,
-                          int b, int G) {
+                          int b, int G, u32 step) {
     constexpr int R = rows_per_chunk(K);
     constexpr int WPR = R >= NCW ? 1 : NCW / R;   // warps a row
     constexpr int RPW = R >= NCW ? R / NCW : 1;   // rows a warp a chunk
@@ -388,11 +460,25 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
     else { n = VOCAB; j = 5 * NL; }
     int r0, r1;
     rows_of(n, j, b, G, r0, r1);
+    // LLX: x read by QKV (past layer 0), GU and HEAD comes from polling x itself (the op's wait)
+    constexpr bool POLL = LLX && (KIND == OP_QKV || KIND == OP_GU || KIND == OP_HEAD);
+    const bool polled = POLL && !(KIND == OP_QKV && layer == 0);
+    if (polled) {
+        TR(j, 0);
+        poll_x(a, s, x_flag(step, KIND == OP_GU ? 2 * layer : 2 * layer - 1), j);
+        TR(j, 1);
+    }
     u32x4 xw[NV];  // x's words: every load of the op's inputs in flight before any is used
 #pragma unroll
     for (int v = 0; v < NV; v++) {
         const int idx = seg * VS + lane + 32 * v;
         xw[v] = {0u, 0u, 0u, 0u};
+#if LLX
+        if (polled) {
+            if (idx < v_end) xw[v] = *(const u32x4*)(s.xs + 4 * idx);
+            continue;
+        }
+#endif
         if (idx < v_end) xw[v] = ld_cg4(src + 8 * idx);
     }
     // The epilogue's other input a row (QKV: the bias; O and DOWN: the residual), loaded for
@@ -403,12 +489,25 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
                         : (KIND == OP_O && layer == 0) ? a.embed + (size_t)tok * H : a.x;
     const bool side_all = r1 - r0 <= 64;
     u16 side0w = 0, side1w = 0;
-    if (SIDE && side_all) {
-        if (r0 + lane < r1) side0w = ld_cg16(side_src + r0 + lane);
-        if (r0 + lane + 32 < r1) side1w = ld_cg16(side_src + r0 + lane + 32);
-    }
     u16 resid_w = 0;  // DOWN over several warps a row: thread r's row r0 + r's residual
-    if (WPR > 1 && threadIdx.x < r1 - r0) resid_w = ld_cg16(a.x + r0 + threadIdx.x);
+    // LLX: the residual (x from DOWN of the layer before, for O; from O, for DOWN) by its flag
+    const u32 resid_flag = x_flag(step, KIND == OP_O ? 2 * layer - 1 : 2 * layer);
+    if (LLX && (KIND == OP_O ? layer > 0 : KIND == OP_DOWN)) {
+        if (SIDE) {
+            ll_rows(a, r0 + lane < r1 ? r0 + lane : -1, r0 + lane + 32 < r1 ? r0 + lane + 32 : -1,
+                    resid_flag, j, side0w, side1w);
+        } else if (WPR > 1) {
+            u16 none;
+            const int t = threadIdx.x;
+            ll_rows(a, t < r1 - r0 ? r0 + t : -1, -1, resid_flag, j, resid_w, none);
+        }
+    } else {
+        if (SIDE && side_all) {
+            if (r0 + lane < r1) side0w = ld_cg16(side_src + r0 + lane);
+            if (r0 + lane + 32 < r1) side1w = ld_cg16(side_src + r0 + lane + 32);
+        }
+        if (WPR > 1 && threadIdx.x < r1 - r0) resid_w = ld_cg16(a.x + r0 + threadIdx.x);
+    }
     float xr[NV * 8];
 #pragma unroll
     for (int v = 0; v < NV; v++) {
@@ -497,7 +596,11 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
                     if (KIND == OP_QKV) {
                         if (lane == 0) a.qkv[row_id] = to_bf16(acc * scale + other);
                     } else if (lane == 0) {
+#if LLX
+                        s.xo[row_id - r0] = to_bf16(other + acc);
+#else
                         a.x[row_id] = to_bf16(other + acc);
+#endif
                     }
                 } else if (KIND == OP_GU) {
                     const float y = round_bf16(acc * scale);
@@ -524,9 +627,25 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
 #pragma unroll
             for (int sg = 0; sg < WPR; sg++) acc += s.red[r][sg];
             const float resid = r == threadIdx.x ? bf(resid_w) : bf(ld_cg16(a.x + r0 + r));
+#if LLX
+            s.xo[r] = to_bf16(resid + acc);
+#else
             a.x[r0 + r] = to_bf16(resid + acc);
+#endif
         }
     }
+#if LLX
+    if (KIND == OP_O || KIND == OP_DOWN) {  // the block's rows of x, a word with its flag each
+        consumer_sync();
+        const u32 flag = x_flag(step, 2 * layer + (KIND == OP_DOWN));
+        u32* xw = (u32*)a.x;
+        for (int t = threadIdx.x; t < (r1 - r0) / 2; t += CT) {
+            const u32 d = (u32)s.xo[2 * t] | ((u32)s.xo[2 * t + 1] << 16);
+            asm volatile("st.volatile.global.v2.u32 [%0], {%1, %2};"
+                         :: "l"(xw + 2 * ((r0 >> 1) + t)), "r"(d), "r"(flag) : "memory");
+        }
+    }
+#endif
     if (KIND == OP_HEAD) {
         if (lane == 0) { s.best_v[warp] = best_v; s.best_i[warp] = best_i; }
         consumer_sync();
@@ -912,25 +1031,31 @@ decode_step(Args a) {
     }
 
     u32 c = 0;
+    const u32 step = LLX ? ld_cg(a.step_count) : 0u;
     for (int layer = 0; layer < NL; layer++) {
         const int j = 5 * layer;
-        if (layer > 0) wait_op(a, j - 1, G);
-        matrix_op<H, OP_QKV>(a, s, ring, c, layer, b, G);
+        if (layer > 0 && !LLX) wait_op(a, j - 1, G);
+        matrix_op<H, OP_QKV>(a, s, ring, c, layer, b, G, step);
         signal_op(a, j);
         attention_op(a, s, layer, b, G);  // waits for QKV inside, its first loads issued
         signal_op(a, j + 1);
         wait_op(a, j + 1, G);
-        matrix_op<QD, OP_O>(a, s, ring, c, layer, b, G);
-        signal_op(a, j + 2);
-        wait_op(a, j + 2, G);
-        matrix_op<H, OP_GU>(a, s, ring, c, layer, b, G);
+        matrix_op<QD, OP_O>(a, s, ring, c, layer, b, G, step);
+        if (LLX) {
+            TR(j + 2, 3);
+        } else {
+            signal_op(a, j + 2);
+            wait_op(a, j + 2, G);
+        }
+        matrix_op<H, OP_GU>(a, s, ring, c, layer, b, G, step);
         signal_op(a, j + 3);
         wait_op(a, j + 3, G);
-        matrix_op<INTER, OP_DOWN>(a, s, ring, c, layer, b, G);
-        signal_op(a, j + 4);
+        matrix_op<INTER, OP_DOWN>(a, s, ring, c, layer, b, G, step);
+        if (LLX) TR(j + 4, 3);
+        else signal_op(a, j + 4);
     }
-    wait_op(a, 5 * NL - 1, G);
-    matrix_op<H, OP_HEAD>(a, s, ring, c, NL, b, G);
+    if (!LLX) wait_op(a, 5 * NL - 1, G);
+    matrix_op<H, OP_HEAD>(a, s, ring, c, NL, b, G, step);
     consumer_sync();
     TR(NOPS - 1, 3);
     if (threadIdx.x == 0) {  // the last block picks the token and clears the counters
@@ -944,6 +1069,7 @@ decode_step(Args a) {
                 if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
             }
             *a.out_token = bi;
+            if (LLX) *a.step_count = step + 1u;  // every block read it at its start
             for (int t = 0; t < NOPS + NKV; t++) a.counters[t] = 0u;
         }
     }
