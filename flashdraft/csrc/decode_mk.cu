@@ -7,17 +7,19 @@
 // as the weight bytes themselves (benchmarks/NOTES-gpu.md, sessions 9-17). Here one block a
 // multiprocessor runs every layer, and the weights never wait for the activations:
 //
-// - A producer warp streams the block's share of every weight matrix of the step, in the
-//   order the step uses them, into a ring of NS shared-memory slots (cp.async.bulk: one copy a
-//   chunk of whole rows, completion counted on an mbarrier a slot). It waits only for a free
-//   slot, never for a layer: while the consumers wait for the rest of the GPU (a grid-wide
-//   dependency between two products, attention), the ring keeps filling.
+// - Producer warps stream the block's share of every weight matrix of the step, in the
+//   order the step uses them, into a ring of NS shared-memory slots (NPROD warps taking turns
+//   a chunk of whole rows, each lane copying 16 bytes at a time with cp.async; or, LDGSTS=0,
+//   one bulk copy a chunk; completion counted on an mbarrier a slot). They wait only for a
+//   free slot, never for a layer: while the consumers wait for the rest of the GPU (a
+//   grid-wide dependency between two products, attention), the ring keeps filling.
 // - NCW consumer warps run the ops in order. Before an op they wait until every block has
 //   finished the op before (a counter per op: one acquire poll by one thread, then a named
 //   barrier); after it they add one to its counter (release). Ops of a layer:
 //     QKV   qkv = r · (W_qkv x) + b          r = 1 / rms(x), the norm folded into W_qkv
 //     ATT   rope on q and the new k, the new k and v into the cache, attention over 0 .. pos
-//           (units of (kv head, split of positions); the last unit of a head merges its splits)
+//           (units of (kv head, split of positions); once every unit of a head has written
+//           its partials, each merges a slice of the head group's outputs)
 //     O     x += W_o att
 //     GU    h = SiLU(r · (W_gate x)) · (r · (W_up x))
 //     DOWN  x += W_down h
