@@ -5,12 +5,14 @@ For each shape: the copy bandwidth and the bytes a step reads (the roofline), th
 (t1, and plain decoding's tokens/s with one host read a step), then for each megakernel variant
 its step time (back-to-back launches timed with events), its decode loop as the engine would
 run it (one launch and one host read a step), and the largest logit difference from the graph
-step at the same position. Variants: the ring (SLOTSxBYTES), chunks asked of the L2 ahead of the
-ring, and the `nowait` probe (no op waits for the one before: wrong output, the weight
-stream's own speed, the most that faster dependencies could give).
+step at the same position. A variant is the ring (SLOTSxBYTES) and options joined by "+":
+`trace` (the per-op timeline of one more step, DecodeMegakernel.timeline), `bulk` (one
+producer warp's bulk copies instead of 4 warps' cp.async), `prod:N`, `ldgsts`, `D:NAME=V` (a
+compile-time setting of decode_mk.cu, e.g. D:LLX=1), and the probes `nowait` (no op waits for
+the one before: wrong output, the most that faster dependencies could give) and `nocompute`.
 
     PYTHONPATH=. python3 benchmarks/megakernel_step.py --out DIR \
-        [--shapes qwen2.5-1.5b qwen2.5-0.5b] [--variants 8x24576 4x49152 8x24576+l2:8 8x24576+nowait]
+        [--shapes qwen2.5-1.5b qwen2.5-0.5b] [--variants 8x24576+trace 8x24576+bulk 8x24576+nowait]
 """
 from __future__ import annotations
 
@@ -36,22 +38,16 @@ CONTEXT = 512
 
 def parse_variant(v: str) -> dict:
     ring, *opts = v.split("+")
-    out = {"ring": ring, "l2ahead": 0, "probe": ""}  # the rest: DecodeMegakernel's defaults
+    out = {"ring": ring, "probe": ""}  # the rest: DecodeMegakernel's defaults
     probes = []
     for o in opts:
-        if o.startswith("l2:"):
-            out["l2ahead"] = int(o[3:])
-        elif o.startswith("copies:"):
-            out["copies"] = int(o[7:])
-        elif o.startswith("prod:"):
+        if o.startswith("prod:"):
             out["producers"] = int(o[5:])
         elif o.startswith("D:"):
             name, value = o[2:].split("=")
             out.setdefault("defines", {})[name] = int(value)
         elif o == "trace":
             out.setdefault("defines", {})["TRACE"] = 1
-        elif o == "evict":
-            out["evict_first"] = True
         elif o == "ldgsts":
             out["ldgsts"] = True
         elif o == "bulk":  # one producer warp, one bulk copy a chunk
@@ -59,8 +55,8 @@ def parse_variant(v: str) -> dict:
         elif o in ("nowait", "nocompute"):
             probes.append(o)
         else:
-            raise SystemExit(f"variant option {o!r}: l2:N, copies:N, prod:N, D:NAME=V, trace, "
-                             "evict, ldgsts, bulk, nowait or nocompute")
+            raise SystemExit(f"variant option {o!r}: prod:N, D:NAME=V, trace, ldgsts, bulk, "
+                             "nowait or nocompute")
     out["probe"] = ",".join(probes)
     return out
 
@@ -166,7 +162,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--shapes", nargs="+", default=["qwen2.5-1.5b", "qwen2.5-0.5b"])
     ap.add_argument("--variants", nargs="+",
-                    default=["8x24576", "4x49152", "8x24576+l2:8", "8x24576+nowait"])
+                    default=["8x24576+trace", "8x24576", "8x24576+bulk"])
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     bandwidth = measure_copy_bandwidth("cuda")

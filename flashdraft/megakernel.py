@@ -32,7 +32,6 @@ SOURCE = Path(__file__).with_name("csrc") / "decode_mk.cu"
 # Ring of shared-memory slots a block (FLASHDRAFT_MK_RING="slots x bytes"); measured choices
 # live in benchmarks/RESULTS.md.
 RING = os.environ.get("FLASHDRAFT_MK_RING", "8x24576")
-L2AHEAD = int(os.environ.get("FLASHDRAFT_MK_L2AHEAD", "0"))
 CONSUMER_WARPS = 8
 
 
@@ -103,14 +102,12 @@ class DecodeMegakernel:
     """One decode step of `model` (one sequence, one token) as one kernel launch."""
 
     def __init__(self, model: Transformer, cache: KVCache, ring: str | None = None,
-                 l2ahead: int | None = None, probe: str = "", copies: int = 1,
-                 ldgsts: bool = True, producers: int = 4, evict_first: bool = False,
+                 probe: str = "", ldgsts: bool = True, producers: int = 4,
                  defines: dict[str, int] | None = None):
-        """ring: "SLOTSxBYTES" (default FLASHDRAFT_MK_RING); l2ahead: weight chunks past the
-        ring asked of the L2 (default FLASHDRAFT_MK_L2AHEAD); probe: "nowait" (measurement
+        """ring: "SLOTSxBYTES" (default FLASHDRAFT_MK_RING); probe: "nowait" (measurement
         only, wrong output: no op waits for the one before, the weight stream's own speed;
-        "nocompute": the consumers multiply nothing; both: "nowait,nocompute"); copies: bulk
-        copies a chunk (bulk copier); ldgsts: the producer warps copy with cp.async, 16 bytes a
+        "nocompute": the consumers multiply nothing; both: "nowait,nocompute"); ldgsts: the
+        producer warps copy with cp.async, 16 bytes a
         lane (default, measured faster than one warp's bulk copies: benchmarks/RESULTS.md,
         session 19), else one bulk copy a chunk; producers: producer warps; defines: more of
         decode_mk.cu's compile-time settings (measurement)."""
@@ -165,10 +162,9 @@ class DecodeMegakernel:
         defines = (("H", h), ("INTER", inter), ("NQ", cfg.num_heads), ("NKV", cfg.num_kv_heads),
                    ("HD", cfg.head_dim), ("NL", cfg.num_layers), ("VOCAB", cfg.vocab_size),
                    ("QKV_BIAS", int(cfg.qkv_bias)), ("NS", slots), ("SLOT", slot),
-                   ("NCW", CONSUMER_WARPS), ("L2AHEAD", L2AHEAD if l2ahead is None else l2ahead),
+                   ("NCW", CONSUMER_WARPS),
                    ("NOWAIT", int("nowait" in probes)), ("NOCOMPUTE", int("nocompute" in probes)),
-                   ("COPIES", copies), ("LDGSTS", int(ldgsts)), ("NPROD", producers),
-                   ("EVICT_FIRST", int(evict_first))) + tuple(sorted((defines or {}).items()))
+                   ("LDGSTS", int(ldgsts)), ("NPROD", producers)) + tuple(sorted((defines or {}).items()))
         self.producers = producers
         self.fn = _kernel(defines, dev.index if dev.index is not None else torch.cuda.current_device())
         # shared memory: the ring, then decode_mk.cu's Shared (mbarriers, sums, attention state)

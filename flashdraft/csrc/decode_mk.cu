@@ -71,23 +71,14 @@ struct __align__(16) u32x4 { u32 x, y, z, w; };
 #ifndef NCW
 #define NCW 8  // consumer warps
 #endif
-#ifndef L2AHEAD
-#define L2AHEAD 0  // chunks past the ring asked of the L2 (cp.async.bulk.prefetch.L2), 0: none
-#endif
 #ifndef ATT_MIN
 #define ATT_MIN 16  // fewest positions an attention unit takes (fewer units below it)
-#endif
-#ifndef COPIES
-#define COPIES 1  // bulk copies a chunk (pieces of a chunk in flight at once)
 #endif
 #ifndef LDGSTS
 #define LDGSTS 0  // 1: the producer warp's 32 lanes copy each chunk with cp.async (16 bytes a lane)
 #endif
 #ifndef NPROD
 #define NPROD 1  // producer warps: producer i copies the chunks c with c % NPROD == i
-#endif
-#ifndef EVICT_FIRST
-#define EVICT_FIRST 0  // 1: the bulk copies mark the weights' L2 lines evict-first
 #endif
 #ifndef NOCOMPUTE
 #define NOCOMPUTE 0  // measurement only, wrong output: consumers take each chunk and multiply nothing
@@ -238,21 +229,9 @@ __device__ __forceinline__ void mbar_arrive(u64* bar) {
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes, u64* bar) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
                  :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
-#if EVICT_FIRST
-    u64 policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
-                 "[%0], [%1], %2, [%3], %4;"
-                 :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy)
-                 : "memory");
-    return;
-#endif
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
                  "[%0], [%1], %2, [%3];"
                  :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void bulk_prefetch_l2(const void* src, u32 bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(src), "r"(bytes) : "memory");
 }
 
 // Rows [r0, r1) of an n-row op j for block b of G. The blocks that take one row more than the
@@ -998,34 +977,11 @@ decode_step(Args a) {
         if (lane == 0) {
             Cursor cur = {0, 0, 0};
             Chunk ch;
-#if L2AHEAD
-            Cursor ahead = {0, 0, 0};
-            Chunk pc;
-            for (int i = 0; i < NS; i++) next_chunk(a, ahead, b, G, pc);
-            for (int i = 0; i < L2AHEAD; i++)
-                if (next_chunk(a, ahead, b, G, pc)) bulk_prefetch_l2(pc.src, pc.bytes);
-#endif
             for (u32 c = 0; next_chunk(a, cur, b, G, ch); c++) {
                 if (c % NPROD != me) continue;
                 if (c >= NS) mbar_wait(&s.empty[c % NS], ((c / NS) - 1) & 1);
                 if (ch.first) TRP(ch.j, 0);
-                if (COPIES == 1) {
-                    bulk_load(slot_ptr(ring, c), ch.src, ch.bytes, &s.full[c % NS]);
-                } else {  // pieces of whole 16-byte units, one expect_tx for all
-                    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                                 :: "r"(smem_addr(&s.full[c % NS])), "r"(ch.bytes) : "memory");
-                    const u32 piece = ((ch.bytes / 16 + COPIES - 1) / COPIES) * 16;
-                    for (u32 off = 0; off < ch.bytes; off += piece)
-                        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
-                                     "[%0], [%1], %2, [%3];"
-                                     :: "r"(smem_addr(slot_ptr(ring, c) + off)),
-                                        "l"((const char*)ch.src + off),
-                                        "r"(min(piece, ch.bytes - off)),
-                                        "r"(smem_addr(&s.full[c % NS])) : "memory");
-                }
-#if L2AHEAD
-                if (next_chunk(a, ahead, b, G, pc)) bulk_prefetch_l2(pc.src, pc.bytes);
-#endif
+                bulk_load(slot_ptr(ring, c), ch.src, ch.bytes, &s.full[c % NS]);
                 TRP(ch.j, 1);
             }
         }
