@@ -33,6 +33,14 @@ SOURCE = Path(__file__).with_name("csrc") / "decode_mk.cu"
 # live in benchmarks/RESULTS.md.
 RING = os.environ.get("FLASHDRAFT_MK_RING", "8x24576")
 CONSUMER_WARPS = 8
+# decode_mk.cu's layouts read here: TRACE's times an op (consumer, producer), XO_ROWS
+TRACE_CONSUMER, TRACE_PRODUCER = 8, 2
+XO_ROWS = 66
+
+
+def _nops(cfg) -> int:
+    """Ops of a step: 5 a layer and the head (decode_mk.cu's NOPS)."""
+    return 5 * cfg.num_layers + 1
 
 
 def unsupported(model: Transformer, cache: KVCache, ring: str | None = None) -> str | None:
@@ -107,10 +115,10 @@ class DecodeMegakernel:
         """ring: "SLOTSxBYTES" (default FLASHDRAFT_MK_RING); probe: "nowait" (measurement
         only, wrong output: no op waits for the one before, the weight stream's own speed;
         "nocompute": the consumers multiply nothing; both: "nowait,nocompute"); ldgsts: the
-        producer warps copy with cp.async, 16 bytes a
-        lane (default, measured faster than one warp's bulk copies: benchmarks/RESULTS.md,
-        session 19), else one bulk copy a chunk; producers: producer warps; defines: more of
-        decode_mk.cu's compile-time settings (measurement)."""
+        producer warps copy with cp.async, 16 bytes a lane (default, measured faster than one
+        warp's bulk copies: benchmarks/RESULTS.md, sessions 18-19), else one bulk copy a chunk;
+        producers: producer warps; defines: more of decode_mk.cu's compile-time settings
+        (measurement: TRACE, LLX, PU, ATT_MIN, ...)."""
         why = unsupported(model, cache, ring)
         if why:
             raise ValueError(f"the decode megakernel cannot run this model: {why}")
@@ -145,19 +153,18 @@ class DecodeMegakernel:
                                 dtype=torch.float32, device=dev)
         self.logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=dev)
         self.best = torch.zeros(2 * self.sms, dtype=torch.float32, device=dev)
-        self.counters = torch.zeros(5 * cfg.num_layers + 1 + cfg.num_kv_heads, dtype=torch.int32,
-                                    device=dev)
+        self.counters = torch.zeros(_nops(cfg) + cfg.num_kv_heads, dtype=torch.int32, device=dev)
         self.error = torch.zeros(1, dtype=torch.int32, device=dev)
-        nops = 5 * cfg.num_layers + 1
         # TRACE (measurement): the global timer at each op's wait, start and end, a block
-        self.trace = (torch.zeros(self.sms * nops * 10, dtype=torch.int64, device=dev)
+        self.trace = (torch.zeros(self.sms * _nops(cfg) * (TRACE_CONSUMER + TRACE_PRODUCER),
+                                  dtype=torch.int64, device=dev)
                       if (defines or {}).get("TRACE") else None)
         self.token_in = torch.zeros(1, dtype=torch.int64, device=dev)
         self.pos_in = torch.zeros(1, dtype=torch.int64, device=dev)
         self.token_out = torch.zeros(1, dtype=torch.int64, device=dev)
         self.fnorm = model.norm.weight.detach().to(torch.bfloat16).contiguous()
         self.inv_freq = model.inv_freq.float().contiguous()
-        if llx and 2 * -(-(h // 2) // self.sms) > 64:
+        if llx and 2 * -(-(h // 2) // self.sms) > 64:  # whole row pairs a block, as many as side loads take
             raise ValueError(f"LLX: hidden size {h} over {self.sms} multiprocessors: at most 64 rows a block")
         defines = (("H", h), ("INTER", inter), ("NQ", cfg.num_heads), ("NKV", cfg.num_kv_heads),
                    ("HD", cfg.head_dim), ("NL", cfg.num_layers), ("VOCAB", cfg.vocab_size),
@@ -171,7 +178,7 @@ class DecodeMegakernel:
         shared_struct = (16 * slots + 4 * 64 * CONSUMER_WARPS
                          + 4 * CONSUMER_WARPS * group * (3 + cfg.head_dim) + 8 * group
                          + 8 * CONSUMER_WARPS + 16
-                         + ((2 * h + 2 * 66 + 16) if llx else 0))  # LLX: x polled, rows out
+                         + ((2 * h + 2 * XO_ROWS + 16) if llx else 0))  # LLX: x polled, rows out
         self.shared = slots * slot + shared_struct + 128
         limit = mma._shared_limit(self.fn_device)
         if self.shared > limit:
@@ -225,10 +232,10 @@ class DecodeMegakernel:
         wait ended: positive when the ring was ahead). Plus the step's span."""
         if self.trace is None:
             raise ValueError("timeline() needs the kernel built with TRACE=1 (defines)")
-        nops, g = 5 * self.cfg.num_layers + 1, self.sms
+        nops, g = _nops(self.cfg), self.sms
         t = self.trace.double().cpu()
-        cons = t[: g * nops * 8].view(g, nops, 8)
-        prod = t[g * nops * 8:].view(g, nops, 2)
+        cons = t[: g * nops * TRACE_CONSUMER].view(g, nops, TRACE_CONSUMER)
+        prod = t[g * nops * TRACE_CONSUMER:].view(g, nops, TRACE_PRODUCER)
         recorded = cons > 0
         t0 = cons[recorded].min()
         cons = cons - t0
@@ -239,7 +246,7 @@ class DecodeMegakernel:
             js = [5 * layer + op for layer in range(self.cfg.num_layers) if 5 * layer + op > 0] \
                 if op < 5 else [nops - 1]
             name = kinds[op] if op < 5 else "head"
-            c = cons[:, js]  # [blocks, layers, 4]
+            c = cons[:, js]  # [blocks, layers, TRACE_CONSUMER]
             prev_end = cons[:, [j - 1 for j in js], 3].max(0).values
             r = {"wait": (c[:, :, 1] - c[:, :, 0]).mean().item() / 1e3,
                  "latency": (c[:, :, 1].min(0).values - prev_end).mean().item() / 1e3,

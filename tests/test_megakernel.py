@@ -102,18 +102,19 @@ def test_traced_kernel_gives_the_same_step_and_a_timeline():
 
 def test_timeline_reads_a_synthetic_trace():
     """The trace's arithmetic on the CPU: blocks that wait 200 ns, start 300 ns later, end
-    400 ns after that; two attention units, one of which merges."""
-    from flashdraft.megakernel import DecodeMegakernel
+    400 ns after that; two attention units, block 0's merge timed."""
+    from flashdraft.megakernel import TRACE_CONSUMER, TRACE_PRODUCER, DecodeMegakernel
     mk = DecodeMegakernel.__new__(DecodeMegakernel)  # no GPU: only the trace is needed
     mk.cfg, mk.sms = SHAPES["hd128-split-down"], 4
     nops = 5 * mk.cfg.num_layers + 1
-    trace = torch.zeros(mk.sms * nops * 10, dtype=torch.int64)
-    cons, prod = trace[: mk.sms * nops * 8].view(mk.sms, nops, 8), trace[mk.sms * nops * 8:].view(mk.sms, nops, 2)
+    trace = torch.zeros(mk.sms * nops * (TRACE_CONSUMER + TRACE_PRODUCER), dtype=torch.int64)
+    cons = trace[: mk.sms * nops * TRACE_CONSUMER].view(mk.sms, nops, TRACE_CONSUMER)
+    prod = trace[mk.sms * nops * TRACE_CONSUMER:].view(mk.sms, nops, TRACE_PRODUCER)
     for j in range(nops):
         start = 10**9 + 1000 * j
         cons[:, j, :4] = torch.tensor([start, start + 200, start + 500, start + 900])
         prod[:, j] = torch.tensor([start - 300, start + 100])
-        if j % 5 == 1:  # attention: units on blocks 0 and 1, block 0 merges
+        if j % 5 == 1:  # attention: units on blocks 0 and 1, block 0's merge timed
             cons[2:, j, 2] = 0  # no partials written where no unit ran
             cons[:2, j, 4], cons[:2, j, 5] = start + 250, start + 600
             cons[0, j, 6], cons[0, j, 7] = start + 650, start + 700

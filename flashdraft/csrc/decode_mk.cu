@@ -133,7 +133,7 @@ struct Args {
     u32* counters;         // [NOPS + NKV], zero between steps
     long long* out_token;
     u32* error;            // set when a wait gave up
-    u64* trace;            // TRACE: [G][NOPS][4] consumer times, then [G][NOPS][2] producer's
+    u64* trace;            // TRACE: [G][NOPS][8] consumer times, then [G][NOPS][2] producer's
     u32* step_count;       // LLX: steps run so far (x's flags name the step)
     int max_len;
     float eps;
@@ -320,7 +320,6 @@ struct Shared {
 #endif
     float best_v[NCW];
     int best_i[NCW];
-    int flag;
 };
 
 __device__ __forceinline__ unsigned char* slot_ptr(unsigned char* ring, u32 c) {
@@ -703,10 +702,11 @@ __device__ __forceinline__ void load_kv_batch(const u16* kcache, const u16* vcac
 
 // Units of (kv head g, split sp of positions): each warp takes positions j0 + warp, + NCW, ...
 // with an online softmax; the block's warps are merged in shared memory; with several splits,
-// each unit's (m, l, acc) goes to a.part, and the last unit of head g to finish merges them.
-// Round trips to memory on the way: the unit's q, k, v and first keys/values at once; more
-// keys/values (units longer than NCW * PU positions); the partials' release and the counter;
-// the merge's max/sum of every split at once; its accumulators (MB splits at once).
+// each unit's (m, l, acc) goes to a.part, and once every unit of head g has arrived (a counter
+// a kv head), each unit merges its slice of the head group's outputs from every split.
+// Round trips to memory on the way: the first keys/values (before the wait for QKV); the
+// unit's q, k, v; more keys/values (units longer than NCW * PU positions); the partials'
+// release and the wait for the other units; the merge's loads, all at once.
 __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) {
     if (NOATT) { wait_op(a, 5 * layer, G); return; }
     bool waited = false;
