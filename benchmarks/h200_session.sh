@@ -191,6 +191,31 @@ for phase in "$@"; do
     python3 benchmarks/gpu_fastpath.py --out "$OUT/fastpath" --budget "${FASTPATH_BUDGET:-200}" \
       --quick --no-compile 2>&1 | tail -40
     ;;
+  mktests)
+    # The decode megakernel's GPU tests (kernel against the model; the engine's plain decoding
+    # through it) and the graph tests.
+    python3 -m pytest -q -p no:cacheprovider tests/test_megakernel.py tests/test_cuda_graphs.py \
+      2>&1 | tee "$OUT/pytest-megakernel.log" | tail -8
+    ;;
+  mkstep)
+    # The megakernel's step against the graph step, random weights (MK_SHAPES, MK_VARIANTS).
+    python3 benchmarks/megakernel_step.py --out "$OUT/mkstep" --shapes ${MK_SHAPES:-qwen2.5-1.5b} \
+      --variants ${MK_VARIANTS:-8x24576+trace 8x24576} 2>&1 | grep -v Warn | tee "$OUT/mkstep.log"
+    ;;
+  plainkernels)
+    # The real target's plain decoding through the megakernel (with transformers in the same
+    # run), then through the CUDA graphs; n-gram speculation (graphs) in both; where their plain
+    # tokens first differ. First 8 HumanEval prompts as raw text, 128 new tokens, greedy.
+    for pk in megakernel graph; do
+      fd bench --model example:qwen2.5-coder-1.5b --draft ngram --num-speculative-tokens \
+        "${PK_KS:-5,16}" --prompts humaneval --raw-prompts --num-prompts 8 --max-tokens 128 \
+        --plain-kernel $pk $([ $pk = megakernel ] && echo "${PK_PEER:---peer transformers}") \
+        --output "$OUT/plain-$pk" --note "$(note); plain kernel $pk" --no-progress 2>&1 \
+        | tee "$OUT/plain-$pk.log" | tail -14
+    done
+    python3 benchmarks/same_tokens.py "$OUT/plain-graph/results.json" \
+      "$OUT/plain-megakernel/results.json" | tee "$OUT/same-tokens.txt"
+    ;;
   pack)
     # The device tool brings back at most 8 files: everything in one archive.
     tar czf /tmp/results.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tgz "$OUT/"

@@ -79,20 +79,18 @@ def time_launches(mk: DecodeMegakernel, n: int = 200, repeats: int = 5) -> float
 
 
 def decode_loop(mk: DecodeMegakernel, steps: int = 256) -> float:
-    """Tokens/s of greedy decoding through the kernel with one host read a step, as the engine
-    reads each token; positions advance from CONTEXT."""
-    token = torch.zeros(1, dtype=torch.int64, device="cuda")
-    pos = torch.tensor([CONTEXT], dtype=torch.int64, device="cuda")
-    for i in range(4):
-        pos.fill_(CONTEXT + i)
-        _, token = mk.step(token, pos)
-        int(token)
+    """Tokens/s of greedy decoding through the kernel with one host read a step, each step
+    chained on the one before (it leaves its token and the next position as inputs); positions
+    advance from CONTEXT. The engine (`--plain-kernel megakernel`) reads one step behind."""
+    mk.start(torch.zeros(1, dtype=torch.int64, device="cuda"), CONTEXT)
+    for _ in range(4):
+        mk.launch()
+        int(mk.token_out)
+    mk.start(mk.token_out, CONTEXT)
     torch.cuda.synchronize()
     began = time.perf_counter()
-    for i in range(steps):
-        mk.pos_in.fill_(CONTEXT + i)
-        mk.launch()  # reads token_in: the last step's token, copied below
-        mk.token_in.copy_(mk.token_out)
+    for _ in range(steps):
+        mk.launch()
         int(mk.token_out)
     return steps / (time.perf_counter() - began)
 

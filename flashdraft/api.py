@@ -114,14 +114,15 @@ class LLM:
                  max_model_len: int | None = None, ngram_sizes: Iterable[int] = (4, 3, 2),
                  cuda_graphs: bool = True, compile: bool = False,
                  quantization: str | None = None, draft_quantization: str | None = "auto",
-                 adaptive_speculation: bool = True):
+                 adaptive_speculation: bool = True, plain_kernel: str = "graph"):
         self.config = EngineConfig(model=model, draft=draft,
                                    num_speculative_tokens=num_speculative_tokens,
                                    ngram_sizes=tuple(ngram_sizes), dtype=dtype, device=device,
                                    max_model_len=max_model_len, cuda_graphs=cuda_graphs,
                                    compile=compile, quantization=quantization,
                                    draft_quantization=draft_quantization,
-                                   adaptive_speculation=adaptive_speculation)
+                                   adaptive_speculation=adaptive_speculation,
+                                   plain_kernel=plain_kernel)
         self.device, self.dtype = pick_device_dtype(device, dtype)
         # quantized as it loads: the device never holds the full-precision model
         self.target = load_model(model, self.dtype, self.device, quantization)
@@ -133,7 +134,8 @@ class LLM:
         self.max_model_len = max_model_len or limit
         self.engine = Engine(self.target.model, self.device, self.dtype, self.max_model_len,
                              self.target.config.eos_token_ids, cuda_graphs=cuda_graphs,
-                             compile=compile, adaptive=adaptive_speculation)
+                             compile=compile, adaptive=adaptive_speculation,
+                             plain_kernel=plain_kernel)
         self._drafters: dict[str, Drafter] = {}
         self.num_speculative_tokens = num_speculative_tokens
         self.drafter = self.get_drafter(draft) if draft else None

@@ -10,6 +10,12 @@ keys and values of all of `tokens` but the last, so every verification pass runs
 One host synchronisation per speculative step: the accepted count, the next token and the
 draft come back together in one transfer. Plain decoding runs one step ahead and never waits
 for the GPU: each token is read while the step after it runs.
+
+Plain decoding's steps are CUDA graphs of the model's kernels, or, with
+`plain_kernel="megakernel"`, one persistent kernel a token (`flashdraft.megakernel`: Hopper,
+bfloat16 Qwen2 / Llama) for greedy requests without a drafter. Its tokens can differ from the
+graphs' where two logits nearly tie; speculative requests (their plain stretches included)
+stay on the graphs, so their output is the graph path's plain decoding.
 """
 from __future__ import annotations
 
@@ -26,6 +32,8 @@ from .kv_cache import KVCache
 from .model import Transformer
 from .sampling import probs_from_logits, sample
 from .verify import greedy_result, verify_sampled
+
+PLAIN_KERNELS = ("graph", "megakernel")
 
 
 @dataclass
@@ -156,7 +164,8 @@ class Engine:
 
     def __init__(self, model: Transformer, device: torch.device, dtype: torch.dtype,
                  max_model_len: int, eos_token_ids: tuple[int, ...], *,
-                 cuda_graphs: bool = True, compile: bool = False, adaptive: bool = True):
+                 cuda_graphs: bool = True, compile: bool = False, adaptive: bool = True,
+                 plain_kernel: str = "graph"):
         self.model, self.device, self.dtype = model, device, dtype
         self.adaptive = adaptive  # AdaptiveSpeculation for drafters that allow it
         self.max_model_len = max_model_len
@@ -165,14 +174,28 @@ class Engine:
         # Decode and verification steps replayed as CUDA graphs; None on a CPU (eager).
         self.runner = (StepRunner(model, device, compile=compile)
                        if cuda_graphs and torch.device(device).type == "cuda" else None)
+        if plain_kernel not in PLAIN_KERNELS:
+            raise ValueError(f"plain_kernel {plain_kernel!r} is not one of {', '.join(PLAIN_KERNELS)}")
+        if plain_kernel == "megakernel":
+            from .megakernel import unsupported
+            why = (unsupported(model) if torch.device(device).type == "cuda"
+                   else f"it needs CUDA (device {device})")
+            if why:
+                raise ValueError(f"--plain-kernel megakernel cannot run this model: {why}; "
+                                 f"use --plain-kernel graph (the default)")
+        self.plain_kernel = plain_kernel
+        self.megakernel = None  # built with each cache (ensure_capacity)
 
     def ensure_capacity(self, length: int, drafter: Drafter | None = None) -> None:
         """Size the caches for a request before it starts; never on the hot path."""
         # Round up so that similar requests reuse one allocation.
         length = min(-(-length // 256) * 256, self.max_model_len + 64)
         if self.cache is None or self.cache.max_len < length:
-            self.cache = None  # free the old one first
+            self.cache = self.megakernel = None  # free the old ones first
             self.cache = KVCache.for_model(self.model.cfg, 1, length, self.dtype, self.device)
+        if self.plain_kernel == "megakernel" and self.megakernel is None:
+            from .megakernel import DecodeMegakernel  # compiled once a shape (NVRTC)
+            self.megakernel = DecodeMegakernel(self.model, self.cache)
         if drafter is not None and hasattr(drafter, "ensure_capacity"):
             drafter.ensure_capacity(length)
 
@@ -204,6 +227,8 @@ class Engine:
         self.cache.split_len = kernels.split_length(len(prompt) + max_new)
         req = _Request(prompt, params, max_new, drafter, k, metrics, self.eos_token_ids,
                        self.adaptive, self.device)
+        if drafter is None and params.greedy:
+            req.megakernel = self.megakernel  # None unless plain_kernel="megakernel"
 
         start = time.perf_counter()
         logits, hidden = prefill(self.model, prompt, self.cache, req.hidden_layers, self.runner,
@@ -227,6 +252,8 @@ class Engine:
                         continue
                     step, last, hidden = out
                 yield step
+            if req.megakernel is not None:
+                req.megakernel.check()  # a wait that gave up: its tokens are not the model's
         finally:
             _sync(self.device)
             ended = ended or time.perf_counter()
@@ -306,9 +333,19 @@ class Engine:
 
     def _plain_step(self, req: "_Request", last: torch.Tensor, position: int):
         """Launch a plain decoding step on `last` ([1, 1] on the device) at `position`: returns
-        the next token ([1, 1], on the device) and the request's reader's handle to it."""
-        logits, _ = self._forward(last, position, ())
-        token = self._pick(logits[:, -1], req.params, req.generator).view(1, 1)
+        the next token ([1, 1], on the device) and the request's reader's handle to it. Through
+        the megakernel the token is its output buffer, which the step after overwrites; each
+        step leaves its token and position as the next one's inputs, so only the first of a
+        request sets them."""
+        mk = req.megakernel
+        if mk is not None:
+            if last.data_ptr() != mk.token_out.data_ptr():
+                mk.start(last, position)
+            mk.launch()
+            token = mk.token_out.view(1, 1)
+        else:
+            logits, _ = self._forward(last, position, ())
+            token = self._pick(logits[:, -1], req.params, req.generator).view(1, 1)
         return token, req.reader.start(token)
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams, generator) -> torch.Tensor:
@@ -344,6 +381,7 @@ class _Request:
         self.policy = (AdaptiveSpeculation(drafter) if drafter is not None and adaptive
                        and not drafter.hidden_layers else None)
         self.reader = _TokenReader(device)  # plain decoding's, kept for every stretch
+        self.megakernel = None  # plain decoding's steps, where the engine uses one
 
     @property
     def generated(self) -> int:

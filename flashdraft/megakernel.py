@@ -8,12 +8,16 @@ the weight stream never waits for the activations. `benchmarks/megakernel_step.p
 against the model's CUDA-graph step in one process; `tests/test_megakernel.py` checks its
 logits and tokens against `Transformer.forward` on the GPU.
 
-Not wired into the engine: its reductions are not the skinny kernel's, so its tokens can differ
-from the graph path's where two logits nearly tie, and speculative verification (T > 1) has no
-megakernel; plain decoding through it would not be the reference that speculation reproduces.
+In the engine it is plain decoding's opt-in path (`Engine(plain_kernel="megakernel")`,
+`--plain-kernel megakernel`) for greedy requests without a drafter; every other step stays
+on the CUDA graphs. Its reductions are not the skinny kernel's, so its tokens can differ from
+the graph path's where two logits nearly tie, and speculative verification (T > 1) has no
+megakernel: speculation reproduces the graph path's plain decoding, not this kernel's.
 
     mk = DecodeMegakernel(model, cache)      # a folded bfloat16 Qwen2 / Llama model on CUDA
     logits, token = mk.step(token, position)  # int64 tensors [1] on the device, in and out
+    mk.start(token, position); mk.launch(); mk.launch()  # chained: each step leaves its token
+                                                          # and the next position as inputs
 """
 from __future__ import annotations
 
@@ -43,8 +47,9 @@ def _nops(cfg) -> int:
     return 5 * cfg.num_layers + 1
 
 
-def unsupported(model: Transformer, cache: KVCache, ring: str | None = None) -> str | None:
-    """Why the megakernel cannot run this model and cache, or None when it can."""
+def unsupported(model: Transformer, cache: KVCache | None = None,
+                ring: str | None = None) -> str | None:
+    """Why the megakernel cannot run this model (and cache, when given), or None when it can."""
     cfg = model.cfg
     device = model.embed.weight.device
     why = mma.unavailable(device, model.embed.weight.dtype)
@@ -65,7 +70,7 @@ def unsupported(model: Transformer, cache: KVCache, ring: str | None = None) -> 
                 f"{slot}-byte slot (FLASHDRAFT_MK_RING)")
     if 2 * inter > slot:
         return f"intermediate size {inter}: a row must fit a {slot}-byte slot"
-    if cache.kv.shape[2] != 1 or cache.kv.dtype != torch.bfloat16:
+    if cache is not None and (cache.kv.shape[2] != 1 or cache.kv.dtype != torch.bfloat16):
         return "the cache must hold one bfloat16 sequence"
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if -(-h // sms) > 64:
@@ -92,7 +97,7 @@ class _Args(ctypes.Structure):  # decode_mk.cu's Args, field for field
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "table", "embed", "head", "fnorm", "inv_freq", "kv", "token", "pos", "x", "qkv", "att",
         "hbuf", "part", "logits", "best", "counters", "out_token", "error", "trace", "step_count")] + [
-        ("max_len", ctypes.c_int), ("eps", ctypes.c_float)]
+        ("max_len", ctypes.c_int), ("eps", ctypes.c_float), ("chain", ctypes.c_int)]
 
 
 @functools.cache
@@ -194,7 +199,7 @@ class DecodeMegakernel:
             self.token_out.data_ptr(), self.error.data_ptr(),
             self.trace.data_ptr() if self.trace is not None else 0, self.step_count.data_ptr(),
             cache.max_len,
-            float(cfg.rms_norm_eps))
+            float(cfg.rms_norm_eps), 0)
 
     @property
     def fn_device(self) -> int:
@@ -202,7 +207,8 @@ class DecodeMegakernel:
 
     def launch(self) -> None:
         """One step on the current stream, reading token_in and pos_in, writing logits and
-        token_out (capturable in a CUDA graph: every address is fixed)."""
+        token_out (and, chained since `start`, leaving token_out and pos_in + 1 in token_in and
+        pos_in). Capturable in a CUDA graph: every address is fixed."""
         params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(self.args), ctypes.c_void_p))
         config = mma._Launch((ctypes.c_uint * 3)(self.sms, 1, 1),
                              (ctypes.c_uint * 3)(32 * (CONSUMER_WARPS + self.producers), 1, 1), self.shared,
@@ -211,12 +217,24 @@ class DecodeMegakernel:
         if err:
             raise RuntimeError(f"cuLaunchKernelEx failed with CUDA error {err}")
 
+    def start(self, token: torch.Tensor, position: int) -> None:
+        """Chain the steps from here: the next step's inputs are `token` (one int64 on the
+        device) at `position`, and each step leaves its own token and the next position as the
+        inputs of the one after (`chain`), so `launch()` needs nothing else. Positions stop at
+        the cache's last (its caller keeps within it)."""
+        if not 0 <= position < self.cache.max_len:
+            raise ValueError(f"position {position} is outside the cache's {self.cache.max_len}")
+        self.token_in.copy_(token.reshape(1))
+        self.pos_in.fill_(position)
+        self.args.chain = 1
+
     def step(self, token: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [vocab] float32 and the greedy token [1] int64 of `token` ([1] int64) at
         `position` ([1] int64), its key and value written into the cache. The tensors returned
         are this object's buffers, overwritten by the next step."""
         if position.numel() != 1 or token.numel() != 1:
             raise ValueError("the megakernel decodes one token of one sequence a step")
+        self.args.chain = 0
         self.token_in.copy_(token.reshape(1))
         self.pos_in.copy_(position.reshape(1))
         self.launch()

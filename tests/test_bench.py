@@ -9,8 +9,8 @@ import zlib
 import pytest
 
 from flashdraft import cli
-from flashdraft.bench import (HUMANEVAL_TEMPLATE, PLOTS, BenchSettings, load_prompts,
-                              parse_jsonl, run_bench, spread, token_accounting)
+from flashdraft.bench import (HUMANEVAL_TEMPLATE, PLOTS, BenchSettings, configurations,
+                              load_prompts, parse_jsonl, run_bench, spread, token_accounting)
 from flashdraft.engine import RequestMetrics
 from tests.tiny import build_model
 
@@ -334,6 +334,10 @@ def test_settings_refuse_bad_values():
     with pytest.raises(ValueError,
                        match=r"takes True and/or False \(--adaptive-speculation on\|off\|both\)"):
         BenchSettings(model="m", adaptive_speculation=())
+    with pytest.raises(ValueError, match="--plain-kernel 'fast' is not one of graph, megakernel"):
+        BenchSettings(model="m", plain_kernel="fast")
+    mk = BenchSettings(model="m", drafts=("ngram",), temperatures=(0.0, 0.7), plain_kernel="megakernel")
+    assert [c.name for c in configurations(mk) if c.drafter is None] == ["plain (megakernel)", "plain"]
     s = BenchSettings(model="m", drafts=("ngram", "ngram"), num_speculative_tokens=(5, 1, 5))
     assert s.drafts == ("ngram",) and s.num_speculative_tokens == (1, 5)
     assert spread([1, 2, 3, 4, 5]) == {"median": 3, "p10": 1.4, "p90": 4.6, "mean": 3,

@@ -127,3 +127,63 @@ def test_timeline_reads_a_synthetic_trace():
     att = tl["att"]
     assert att["units"] == 2 and att["unit_loads"] == pytest.approx(0.05)
     assert att["counter"] == pytest.approx(0.1) and att["merge_acc"] == pytest.approx(0.05)
+
+
+def test_engine_refuses_the_megakernel_where_it_cannot_run():
+    from flashdraft.config import EngineConfig
+    from flashdraft.engine import Engine
+    cfg = SHAPES["hd64-llama"]
+    model = build_random_model(cfg, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="megakernel cannot run this model: it needs CUDA.*"
+                                         "--plain-kernel graph"):
+        Engine(model, torch.device("cpu"), torch.bfloat16, 64, (), plain_kernel="megakernel")
+    with pytest.raises(ValueError, match="plain_kernel 'fast' is not one of graph, megakernel"):
+        Engine(model, torch.device("cpu"), torch.bfloat16, 64, (), plain_kernel="fast")
+    with pytest.raises(ValueError, match="plain_kernel 'fast'"):
+        EngineConfig(model="m", plain_kernel="fast")
+
+
+def _run(engine, prompt, params, drafter=None, k=0):
+    return [t for step in engine.run(prompt, params, drafter, k) for t in step.token_ids]
+
+
+@pytest.mark.gpu
+def test_engine_plain_decoding_through_the_megakernel_follows_the_model():
+    """plain_kernel="megakernel": every token of a greedy request is the model's choice given
+    the tokens before it (up to near ties: the kernel's reductions are its own), over two
+    requests in turn (each starts the kernel's chain at its own prompt), the first of them
+    longer than a step of the chain could reach by accident; a speculative request and a
+    sampled one on the same engine stay on the graphs and give the graph engine's tokens."""
+    from flashdraft.config import SamplingParams
+    from flashdraft.drafters.ngram import NgramDrafter
+    from flashdraft.engine import Engine
+    cfg = SHAPES["hd128-split-down"]
+    model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
+    with torch.no_grad():  # sharper logits: fewer near ties
+        model.lm_head.weight.mul_(20)
+    dev = torch.device("cuda")
+    mk_engine = Engine(model, dev, torch.bfloat16, 512, (), plain_kernel="megakernel")
+    graph_engine = Engine(model, dev, torch.bfloat16, 512, ())
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (100, 5)]
+    with torch.inference_mode():
+        for prompt in prompts:
+            out = _run(mk_engine, prompt, greedy)
+            assert len(out) == 48
+            # the model over prompt + output at once: token i is (nearly) the argmax at i - 1
+            seq = torch.tensor([prompt + out], device="cuda")
+            cache = KVCache.for_model(cfg, 1, 256, torch.bfloat16, "cuda")
+            logits, _ = model(seq, torch.arange(seq.shape[1], device="cuda")[None], cache)
+            ref = logits[0, len(prompt) - 1:-1].float()
+            top = ref.max(-1).values
+            chosen = ref.gather(1, torch.tensor(out, device="cuda")[:, None])[:, 0]
+            tol = 0.06 * ref.abs().max().item() + 0.1
+            assert (chosen >= top - tol).all(), (top - chosen).tolist()
+            assert (chosen == top).float().mean().item() >= 0.9
+        # the graphs' requests on the megakernel's engine
+        drafter = NgramDrafter((3, 2), dev)
+        spec = _run(mk_engine, prompts[0], greedy, drafter, 4)
+        assert spec == _run(graph_engine, prompts[0], greedy)
+        sampled = SamplingParams(temperature=0.8, max_tokens=24, seed=5, ignore_eos=True)
+        assert _run(mk_engine, prompts[1], sampled) == _run(graph_engine, prompts[1], sampled)

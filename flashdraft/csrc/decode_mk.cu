@@ -24,7 +24,9 @@
 //     GU    h = SiLU(r · (W_gate x)) · (r · (W_up x))
 //     DOWN  x += W_down h
 //   then HEAD: logits = W_head (x / rms(x) · g_final), and each block's best logit; the last
-//   block to finish picks the token (ties: the lower id) and resets the counters.
+//   block to finish picks the token (ties: the lower id), with `chain` leaves it and the next
+//   position as the next step's inputs (the engine launches step after step), and resets the
+//   counters.
 // - Each output row's dot product is computed by one block: a warp (or, for long rows, NCW / R
 //   warps' segments added in a fixed order) over the row's chunk in shared memory, against x
 //   held in registers; the chunking and the split of rows over blocks are fixed by the shape
@@ -121,8 +123,8 @@ struct Args {
     const u16* fnorm;      // [H]
     const float* inv_freq; // [HD / 2]
     u16* kv;               // cache
-    const long long* token;
-    const long long* pos;
+    long long* token;      // the step's token and position; with chain set, the step leaves
+    long long* pos;        // its own token and the next position here (steps chain, no copies)
     u16* x;                // [H] the residual stream
     u16* qkv;              // [NQKV]
     u16* att;              // [QD]
@@ -137,6 +139,7 @@ struct Args {
     u32* step_count;       // LLX: steps run so far (x's flags name the step)
     int max_len;
     float eps;
+    int chain;
 };
 
 // -- small helpers --------------------------------------------------------------------------------
@@ -1027,6 +1030,10 @@ decode_step(Args a) {
                 if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
             }
             *a.out_token = bi;
+            if (a.chain) {  // every block read both before it added to the head's counter
+                *a.token = bi;
+                *a.pos = min(*a.pos + 1, (long long)a.max_len - 1);  // never past the cache
+            }
             if (LLX) *a.step_count = step + 1u;  // every block read it at its start
             for (int t = 0; t < NOPS + NKV; t++) a.counters[t] = 0u;
         }
