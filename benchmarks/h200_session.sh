@@ -209,12 +209,30 @@ for phase in "$@"; do
     for pk in megakernel graph; do
       fd bench --model example:qwen2.5-coder-1.5b --draft ngram --num-speculative-tokens \
         "${PK_KS:-5,16}" --prompts humaneval --raw-prompts --num-prompts 8 --max-tokens 128 \
-        --plain-kernel $pk $([ $pk = megakernel ] && echo "${PK_PEER:---peer transformers}") \
+        --decode-kernel $pk $([ $pk = megakernel ] && echo "${PK_PEER:---peer transformers}") \
         --output "$OUT/plain-$pk" --note "$(note); plain kernel $pk" --no-progress 2>&1 \
         | tee "$OUT/plain-$pk.log" | tail -14
     done
     python3 benchmarks/same_tokens.py "$OUT/plain-graph/results.json" \
       "$OUT/plain-megakernel/results.json" | tee "$OUT/same-tokens.txt"
+    ;;
+  ties)
+    # Where the real target's plain decoding through the megakernel parts from the graphs',
+    # and both paths' top-two logits there.
+    python3 benchmarks/megakernel_ties.py --out "$OUT/ties.json" --raw-prompts 2>&1 \
+      | grep -v Warn | tee "$OUT/ties.log"
+    ;;
+  pairkernels)
+    # The example pair through the chat template (first 8 HumanEval prompts, 128 new tokens,
+    # greedy) with the draft model's and plain decoding's steps through the megakernel, then
+    # through the CUDA graphs (--decode-kernel); n-gram drafting in both.
+    for dk in megakernel graph; do
+      fd bench --model example:qwen2.5-coder-1.5b --draft example:qwen2.5-coder-0.5b \
+        --draft ngram --num-speculative-tokens "${PAIR_KS:-3,5,8}" --prompts humaneval \
+        --num-prompts 8 --max-tokens 128 --decode-kernel $dk --output "$OUT/pair-$dk" \
+        --note "$(note); chat template; decode kernel $dk" --no-progress 2>&1 \
+        | tee "$OUT/pair-$dk.log" | tail -12
+    done
     ;;
   pack)
     # The device tool brings back at most 8 files: everything in one archive.

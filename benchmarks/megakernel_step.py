@@ -81,7 +81,7 @@ def time_launches(mk: DecodeMegakernel, n: int = 200, repeats: int = 5) -> float
 def decode_loop(mk: DecodeMegakernel, steps: int = 256) -> float:
     """Tokens/s of greedy decoding through the kernel with one host read a step, each step
     chained on the one before (it leaves its token and the next position as inputs); positions
-    advance from CONTEXT. The engine (`--plain-kernel megakernel`) reads one step behind."""
+    advance from CONTEXT. The engine (`--decode-kernel megakernel`) reads one step behind."""
     mk.start(torch.zeros(1, dtype=torch.int64, device="cuda"), CONTEXT)
     for _ in range(4):
         mk.launch()

@@ -1,6 +1,6 @@
 """Greedy plain decoding of two `flashdraft bench` runs, prompt by prompt: where their tokens
 first differ. For plain decoding through the CUDA graphs against the megakernel
-(`--plain-kernel`): their reductions differ, so their tokens may part where two logits
+(`--decode-kernel`): their reductions differ, so their tokens may part where two logits
 nearly tie, and from there the continuations are different texts.
 
     python3 benchmarks/same_tokens.py RUN_A/results.json RUN_B/results.json

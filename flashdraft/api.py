@@ -82,7 +82,8 @@ def make_drafter(name: str, target: Loaded, cfg: EngineConfig, device, dtype) ->
     draft = load_model(name, dtype, device, cfg.draft_quant)
     check_same_tokenizer(target, draft)
     return DraftModelDrafter(draft.model, device, dtype, target.config.vocab_size,
-                             cuda_graphs=cfg.cuda_graphs)
+                             cuda_graphs=cfg.cuda_graphs,
+                             megakernel=cfg.decode_kernel == "megakernel")
 
 
 class Detokenizer:
@@ -114,7 +115,7 @@ class LLM:
                  max_model_len: int | None = None, ngram_sizes: Iterable[int] = (4, 3, 2),
                  cuda_graphs: bool = True, compile: bool = False,
                  quantization: str | None = None, draft_quantization: str | None = "auto",
-                 adaptive_speculation: bool = True, plain_kernel: str = "graph"):
+                 adaptive_speculation: bool = True, decode_kernel: str = "graph"):
         self.config = EngineConfig(model=model, draft=draft,
                                    num_speculative_tokens=num_speculative_tokens,
                                    ngram_sizes=tuple(ngram_sizes), dtype=dtype, device=device,
@@ -122,7 +123,7 @@ class LLM:
                                    compile=compile, quantization=quantization,
                                    draft_quantization=draft_quantization,
                                    adaptive_speculation=adaptive_speculation,
-                                   plain_kernel=plain_kernel)
+                                   decode_kernel=decode_kernel)
         self.device, self.dtype = pick_device_dtype(device, dtype)
         # quantized as it loads: the device never holds the full-precision model
         self.target = load_model(model, self.dtype, self.device, quantization)
@@ -135,7 +136,7 @@ class LLM:
         self.engine = Engine(self.target.model, self.device, self.dtype, self.max_model_len,
                              self.target.config.eos_token_ids, cuda_graphs=cuda_graphs,
                              compile=compile, adaptive=adaptive_speculation,
-                             plain_kernel=plain_kernel)
+                             decode_kernel=decode_kernel)
         self._drafters: dict[str, Drafter] = {}
         self.num_speculative_tokens = num_speculative_tokens
         self.drafter = self.get_drafter(draft) if draft else None

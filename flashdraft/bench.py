@@ -92,7 +92,8 @@ class BenchSettings:
     adaptive_speculation: tuple[bool, ...] = (True,)
     quantization: str | None = None  # of the target: None | "int8" | "int4"
     draft_quantization: str | None = "auto"  # of draft models; "auto": as the target's
-    plain_kernel: str = "graph"  # plain decoding's steps: "graph" | "megakernel" (engine.Engine)
+    # greedy one-token steps of plain decoding and draft models: "graph" | "megakernel"
+    decode_kernel: str = "graph"
     note: str | None = None  # printed with the results, e.g. "random weights: speed only"
     command: str | None = None  # the exact command line, recorded in results.json
     progress: bool = True
@@ -134,8 +135,8 @@ class BenchSettings:
         if self.peer and 0.0 not in temps:
             raise ValueError("--peer compares greedy outputs and rates: include 0 in "
                              "--temperature (e.g. --temperature 0,0.7)")
-        if self.plain_kernel not in ("graph", "megakernel"):
-            raise ValueError(f"--plain-kernel {self.plain_kernel!r} is not one of graph, megakernel")
+        if self.decode_kernel not in ("graph", "megakernel"):
+            raise ValueError(f"--decode-kernel {self.decode_kernel!r} is not one of graph, megakernel")
         if self.prompt_lookup_tokens < 1:
             raise ValueError(f"prompt_lookup_tokens must be >= 1, got {self.prompt_lookup_tokens}")
 
@@ -481,7 +482,7 @@ def configurations(s: BenchSettings) -> list[Configuration]:
     """Per temperature: plain decoding first (speedups divide by it), then each drafter × k."""
     out = []
     for t in s.temperatures:
-        out.append(Configuration(None, 0, t, "plain" if s.plain_kernel == "graph" or t > 0
+        out.append(Configuration(None, 0, t, "plain" if s.decode_kernel == "graph" or t > 0
                                  else "plain (megakernel)"))
         out += [Configuration(d, k, t, draft_label(d), adaptive)
                 for d in s.drafts for k in s.num_speculative_tokens
@@ -728,7 +729,7 @@ def run_bench(s: BenchSettings, out=None) -> dict:
     llm = LLM(s.model, dtype=s.dtype, device=s.device, max_model_len=s.max_model_len,
               ngram_sizes=s.ngram_sizes, cuda_graphs=s.cuda_graphs, compile=s.compile,
               quantization=s.quantization, draft_quantization=s.draft_quantization,
-              plain_kernel=s.plain_kernel)
+              decode_kernel=s.decode_kernel)
     for d in s.drafts:  # load (and check) every drafter before anything is timed
         log(f"loading drafter {d}")
         llm.get_drafter(d)

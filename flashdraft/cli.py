@@ -37,11 +37,12 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True,
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the forward before graph capture (faster steps, "
                         "a minute or two of start-up)")
-    p.add_argument("--plain-kernel", default="graph", choices=["graph", "megakernel"],
-                   help="plain decoding's steps (greedy requests without a drafter): CUDA "
-                        "graphs of the model's kernels (default), or one persistent kernel a "
-                        "token (Hopper GPUs, bfloat16 Qwen2/Llama models; faster, and its tokens "
-                        "can differ from the graphs' where two logits nearly tie)")
+    p.add_argument("--decode-kernel", default="graph", choices=["graph", "megakernel"],
+                   help="greedy one-token steps of plain decoding (requests without a "
+                        "drafter) and of a draft model: CUDA graphs of the model's kernels "
+                        "(default), or one persistent kernel a token (Hopper GPUs, bfloat16 "
+                        "Qwen2/Llama models; faster; plain decoding's tokens can differ from "
+                        "the graphs' where two logits nearly tie, speculation's cannot)")
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="weight-only quantization of the target, applied at load")
     p.add_argument("--draft-quantization", default="auto", choices=["auto", "none", "int8", "int4"],
@@ -76,7 +77,7 @@ def build_llm(args):
                cuda_graphs=args.cuda_graphs, compile=args.compile,
                quantization=args.quantization, draft_quantization=args.draft_quantization,
                adaptive_speculation=getattr(args, "adaptive_speculation", True),
-               plain_kernel=args.plain_kernel)
+               decode_kernel=args.decode_kernel)
 
 
 def sampling_from(args):
@@ -181,7 +182,7 @@ def cmd_bench(args) -> None:
         cuda_graphs=args.cuda_graphs, compile=args.compile, quantization=args.quantization,
         adaptive_speculation={"on": (True,), "off": (False,), "both": (True, False)}[
             args.adaptive_speculation],
-        draft_quantization=args.draft_quantization, plain_kernel=args.plain_kernel,
+        draft_quantization=args.draft_quantization, decode_kernel=args.decode_kernel,
         command=shlex.join(sys.argv),
         progress=not args.no_progress))
 

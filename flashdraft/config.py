@@ -146,9 +146,9 @@ class EngineConfig:
     # decode plainly while drafting does not pay (engine.AdaptiveSpeculation); False: every
     # step drafts up to num_speculative_tokens
     adaptive_speculation: bool = True
-    # plain decoding's steps: "graph" (CUDA graphs of the model's kernels) or "megakernel" (one
-    # persistent kernel a token, greedy requests without a drafter; flashdraft.megakernel)
-    plain_kernel: str = "graph"
+    # greedy one-token steps of plain decoding and of a draft model: "graph" (CUDA graphs of the
+    # model's kernels) or "megakernel" (one persistent kernel a token; flashdraft.megakernel)
+    decode_kernel: str = "graph"
 
     def __post_init__(self):
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 64:
@@ -166,8 +166,8 @@ class EngineConfig:
         if self.draft_quantization not in (None, "none", "auto", "int8", "int4"):
             raise ValueError(f"draft_quantization {self.draft_quantization!r} is not one of "
                              f"int8, int4, none, auto (auto: as the target's)")
-        if self.plain_kernel not in ("graph", "megakernel"):
-            raise ValueError(f"plain_kernel {self.plain_kernel!r} is not one of graph, megakernel")
+        if self.decode_kernel not in ("graph", "megakernel"):
+            raise ValueError(f"decode_kernel {self.decode_kernel!r} is not one of graph, megakernel")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
 

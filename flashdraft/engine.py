@@ -12,10 +12,11 @@ draft come back together in one transfer. Plain decoding runs one step ahead and
 for the GPU: each token is read while the step after it runs.
 
 Plain decoding's steps are CUDA graphs of the model's kernels, or, with
-`plain_kernel="megakernel"`, one persistent kernel a token (`flashdraft.megakernel`: Hopper,
+`decode_kernel="megakernel"`, one persistent kernel a token (`flashdraft.megakernel`: Hopper,
 bfloat16 Qwen2 / Llama) for greedy requests without a drafter. Its tokens can differ from the
 graphs' where two logits nearly tie; speculative requests (their plain stretches included)
-stay on the graphs, so their output is the graph path's plain decoding.
+stay on the graphs, so their output is the graph path's plain decoding. (A draft model's
+greedy steps may take the megakernel too: drafts only propose, so that changes no output.)
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from .model import Transformer
 from .sampling import probs_from_logits, sample
 from .verify import greedy_result, verify_sampled
 
-PLAIN_KERNELS = ("graph", "megakernel")
+DECODE_KERNELS = ("graph", "megakernel")
 
 
 @dataclass
@@ -165,7 +166,7 @@ class Engine:
     def __init__(self, model: Transformer, device: torch.device, dtype: torch.dtype,
                  max_model_len: int, eos_token_ids: tuple[int, ...], *,
                  cuda_graphs: bool = True, compile: bool = False, adaptive: bool = True,
-                 plain_kernel: str = "graph"):
+                 decode_kernel: str = "graph"):
         self.model, self.device, self.dtype = model, device, dtype
         self.adaptive = adaptive  # AdaptiveSpeculation for drafters that allow it
         self.max_model_len = max_model_len
@@ -174,16 +175,16 @@ class Engine:
         # Decode and verification steps replayed as CUDA graphs; None on a CPU (eager).
         self.runner = (StepRunner(model, device, compile=compile)
                        if cuda_graphs and torch.device(device).type == "cuda" else None)
-        if plain_kernel not in PLAIN_KERNELS:
-            raise ValueError(f"plain_kernel {plain_kernel!r} is not one of {', '.join(PLAIN_KERNELS)}")
-        if plain_kernel == "megakernel":
+        if decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel {decode_kernel!r} is not one of {', '.join(DECODE_KERNELS)}")
+        if decode_kernel == "megakernel":
             from .megakernel import unsupported
             why = (unsupported(model) if torch.device(device).type == "cuda"
                    else f"it needs CUDA (device {device})")
             if why:
-                raise ValueError(f"--plain-kernel megakernel cannot run this model: {why}; "
-                                 f"use --plain-kernel graph (the default)")
-        self.plain_kernel = plain_kernel
+                raise ValueError(f"--decode-kernel megakernel cannot run this model: {why}; "
+                                 f"use --decode-kernel graph (the default)")
+        self.decode_kernel = decode_kernel
         self.megakernel = None  # built with each cache (ensure_capacity)
 
     def ensure_capacity(self, length: int, drafter: Drafter | None = None) -> None:
@@ -193,7 +194,7 @@ class Engine:
         if self.cache is None or self.cache.max_len < length:
             self.cache = self.megakernel = None  # free the old ones first
             self.cache = KVCache.for_model(self.model.cfg, 1, length, self.dtype, self.device)
-        if self.plain_kernel == "megakernel" and self.megakernel is None:
+        if self.decode_kernel == "megakernel" and self.megakernel is None:
             from .megakernel import DecodeMegakernel  # compiled once a shape (NVRTC)
             self.megakernel = DecodeMegakernel(self.model, self.cache)
         if drafter is not None and hasattr(drafter, "ensure_capacity"):
@@ -227,8 +228,8 @@ class Engine:
         self.cache.split_len = kernels.split_length(len(prompt) + max_new)
         req = _Request(prompt, params, max_new, drafter, k, metrics, self.eos_token_ids,
                        self.adaptive, self.device)
-        if drafter is None and params.greedy:
-            req.megakernel = self.megakernel  # None unless plain_kernel="megakernel"
+        if self.decode_kernel == "megakernel" and drafter is None and params.greedy:
+            req.megakernel = self.megakernel
 
         start = time.perf_counter()
         logits, hidden = prefill(self.model, prompt, self.cache, req.hidden_layers, self.runner,

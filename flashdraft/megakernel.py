@@ -8,8 +8,8 @@ the weight stream never waits for the activations. `benchmarks/megakernel_step.p
 against the model's CUDA-graph step in one process; `tests/test_megakernel.py` checks its
 logits and tokens against `Transformer.forward` on the GPU.
 
-In the engine it is plain decoding's opt-in path (`Engine(plain_kernel="megakernel")`,
-`--plain-kernel megakernel`) for greedy requests without a drafter; every other step stays
+In the engine it is plain decoding's opt-in path (`Engine(decode_kernel="megakernel")`,
+`--decode-kernel megakernel`) for greedy requests without a drafter; every other step stays
 on the CUDA graphs. Its reductions are not the skinny kernel's, so its tokens can differ from
 the graph path's where two logits nearly tie, and speculative verification (T > 1) has no
 megakernel: speculation reproduces the graph path's plain decoding, not this kernel's.

@@ -334,9 +334,9 @@ def test_settings_refuse_bad_values():
     with pytest.raises(ValueError,
                        match=r"takes True and/or False \(--adaptive-speculation on\|off\|both\)"):
         BenchSettings(model="m", adaptive_speculation=())
-    with pytest.raises(ValueError, match="--plain-kernel 'fast' is not one of graph, megakernel"):
-        BenchSettings(model="m", plain_kernel="fast")
-    mk = BenchSettings(model="m", drafts=("ngram",), temperatures=(0.0, 0.7), plain_kernel="megakernel")
+    with pytest.raises(ValueError, match="--decode-kernel 'fast' is not one of graph, megakernel"):
+        BenchSettings(model="m", decode_kernel="fast")
+    mk = BenchSettings(model="m", drafts=("ngram",), temperatures=(0.0, 0.7), decode_kernel="megakernel")
     assert [c.name for c in configurations(mk) if c.drafter is None] == ["plain (megakernel)", "plain"]
     s = BenchSettings(model="m", drafts=("ngram", "ngram"), num_speculative_tokens=(5, 1, 5))
     assert s.drafts == ("ngram",) and s.num_speculative_tokens == (1, 5)

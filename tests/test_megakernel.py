@@ -135,12 +135,12 @@ def test_engine_refuses_the_megakernel_where_it_cannot_run():
     cfg = SHAPES["hd64-llama"]
     model = build_random_model(cfg, torch.bfloat16, "cpu")
     with pytest.raises(ValueError, match="megakernel cannot run this model: it needs CUDA.*"
-                                         "--plain-kernel graph"):
-        Engine(model, torch.device("cpu"), torch.bfloat16, 64, (), plain_kernel="megakernel")
-    with pytest.raises(ValueError, match="plain_kernel 'fast' is not one of graph, megakernel"):
-        Engine(model, torch.device("cpu"), torch.bfloat16, 64, (), plain_kernel="fast")
-    with pytest.raises(ValueError, match="plain_kernel 'fast'"):
-        EngineConfig(model="m", plain_kernel="fast")
+                                         "--decode-kernel graph"):
+        Engine(model, torch.device("cpu"), torch.bfloat16, 64, (), decode_kernel="megakernel")
+    with pytest.raises(ValueError, match="decode_kernel 'fast' is not one of graph, megakernel"):
+        Engine(model, torch.device("cpu"), torch.bfloat16, 64, (), decode_kernel="fast")
+    with pytest.raises(ValueError, match="decode_kernel 'fast'"):
+        EngineConfig(model="m", decode_kernel="fast")
 
 
 def _run(engine, prompt, params, drafter=None, k=0):
@@ -149,7 +149,7 @@ def _run(engine, prompt, params, drafter=None, k=0):
 
 @pytest.mark.gpu
 def test_engine_plain_decoding_through_the_megakernel_follows_the_model():
-    """plain_kernel="megakernel": every token of a greedy request is the model's choice given
+    """decode_kernel="megakernel": every token of a greedy request is the model's choice given
     the tokens before it (up to near ties: the kernel's reductions are its own), over two
     requests in turn (each starts the kernel's chain at its own prompt), the first of them
     longer than a step of the chain could reach by accident; a speculative request and a
@@ -162,7 +162,7 @@ def test_engine_plain_decoding_through_the_megakernel_follows_the_model():
     with torch.no_grad():  # sharper logits: fewer near ties
         model.lm_head.weight.mul_(20)
     dev = torch.device("cuda")
-    mk_engine = Engine(model, dev, torch.bfloat16, 512, (), plain_kernel="megakernel")
+    mk_engine = Engine(model, dev, torch.bfloat16, 512, (), decode_kernel="megakernel")
     graph_engine = Engine(model, dev, torch.bfloat16, 512, ())
     greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
@@ -187,3 +187,40 @@ def test_engine_plain_decoding_through_the_megakernel_follows_the_model():
         assert spec == _run(graph_engine, prompts[0], greedy)
         sampled = SamplingParams(temperature=0.8, max_tokens=24, seed=5, ignore_eos=True)
         assert _run(mk_engine, prompts[1], sampled) == _run(graph_engine, prompts[1], sampled)
+
+
+@pytest.mark.gpu
+def test_draft_model_steps_through_the_megakernel():
+    """A draft model's greedy steps through the megakernel (decode_kernel="megakernel"): the
+    output is still the target's plain decoding, token for token, and with the target itself
+    as the draft model nearly every draft is kept (a wrong position or a stale token in the
+    kernel's chain would have them rejected)."""
+    from flashdraft.config import SamplingParams
+    from flashdraft.drafters.draft_model import DraftModelDrafter
+    from flashdraft.engine import Engine, RequestMetrics
+    cfg = SHAPES["hd128-split-down"]
+    model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    dev = torch.device("cuda")
+    engine = Engine(model, dev, torch.bfloat16, 512, ())
+    drafter = DraftModelDrafter(model, dev, torch.bfloat16, cfg.vocab_size, megakernel=True)
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    gen = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for n in (100, 5):
+            prompt = torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
+            metrics = RequestMetrics()
+            spec = [t for s in engine.run(prompt, greedy, drafter, 4, metrics) for t in s.token_ids]
+            assert spec == _run(engine, prompt, greedy)
+            assert drafter.megakernel is not None and metrics.drafted_tokens >= 24
+            assert metrics.acceptance_rate >= 0.8, metrics.acceptance_rate
+
+
+def test_draft_model_refuses_the_megakernel_without_cuda():
+    from flashdraft.drafters.draft_model import DraftModelDrafter
+    cfg = SHAPES["hd64-llama"]
+    model = build_random_model(cfg, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="megakernel cannot run the draft model: it needs CUDA"):
+        DraftModelDrafter(model, torch.device("cpu"), torch.bfloat16, cfg.vocab_size,
+                          megakernel=True)

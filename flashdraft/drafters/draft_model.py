@@ -6,6 +6,11 @@ proposing d_1 … d_k its cache holds the context and
 d_1 … d_{k-1} (d_k was sampled, never fed); when the target keeps n of them, the first
 len(context) + min(n, k-1) cached positions are still right, and the next proposal feeds
 the rest of the committed sequence (one or two tokens) before drafting again.
+
+With `megakernel=True`, greedy proposals feed one token at a time through
+`flashdraft.megakernel` (one kernel a token, each step chained on the one before) wherever a
+step feeds one token. The drafts are only proposals, so this changes how fast the target's
+output comes, never what it is.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ class DraftModelDrafter:
     hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, model: Transformer, device: torch.device, dtype: torch.dtype,
-                 target_vocab: int, *, cuda_graphs: bool = True):
+                 target_vocab: int, *, cuda_graphs: bool = True, megakernel: bool = False):
         self.model, self.device, self.dtype = model, device, dtype
         # Each one-token draft step replayed as a CUDA graph; None on a CPU (eager).
         self.runner = (StepRunner(model, device)
@@ -31,13 +36,29 @@ class DraftModelDrafter:
         # rows for one tokenizer): q is cut or padded to the target's width, and sampled from
         # in that form, so that q is exactly the distribution the drafts came from.
         self.target_vocab = target_vocab
+        if megakernel:
+            from ..megakernel import unsupported
+            why = (unsupported(model) if torch.device(device).type == "cuda"
+                   else f"it needs CUDA (device {device})")
+            if not why and model.cfg.vocab_size > target_vocab:
+                why = (f"its {model.cfg.vocab_size} logits would need cutting to the "
+                       f"target's {target_vocab}")
+            if why:
+                raise ValueError(f"--decode-kernel megakernel cannot run the draft model: {why}; "
+                                 f"use --decode-kernel graph (the default)")
+        self.use_megakernel = megakernel
+        self.megakernel = None  # built with each cache (ensure_capacity)
         self.cache: KVCache | None = None
         self.n_cached = 0  # positions of the committed sequence that the cache holds correctly
         self._proposed = (0, 0)  # (context length, k) of the last proposal
 
     def ensure_capacity(self, max_len: int) -> None:
         if self.cache is None or self.cache.max_len < max_len:
+            self.cache = self.megakernel = None  # free the old ones first
             self.cache = KVCache.for_model(self.model.cfg, 1, max_len, self.dtype, self.device)
+        if self.use_megakernel and self.megakernel is None:
+            from ..megakernel import DecodeMegakernel  # compiled once a shape (NVRTC)
+            self.megakernel = DecodeMegakernel(self.model, self.cache)
 
     @torch.inference_mode()
     def begin(self, prompt: list[int]) -> None:
@@ -53,7 +74,17 @@ class DraftModelDrafter:
         feed = torch.tensor([ctx.tokens[self.n_cached:]], device=self.device)
         start = self.n_cached
         tokens, probs = [], []
+        mk = self.megakernel if params.greedy else None
+        chained = False  # the megakernel's steps from here on need no inputs
         for i in range(k):
+            if mk is not None and feed.shape[1] == 1:
+                if not chained:
+                    mk.start(feed, start)
+                    chained = True
+                mk.launch()
+                tokens.append(mk.token_out.clone())  # the next step overwrites token_out
+                start += 1
+                continue
             # 1 or 2 tokens (graphed): the first of a request feeds the target's first token,
             # later ones what the target added after the kept drafts.
             if self.runner is not None and feed.shape[1] <= 2:
