@@ -200,7 +200,7 @@ for phase in "$@"; do
   mkstep)
     # The megakernel's step against the graph step, random weights (MK_SHAPES, MK_VARIANTS).
     python3 benchmarks/megakernel_step.py --out "$OUT/mkstep" --shapes ${MK_SHAPES:-qwen2.5-1.5b} \
-      --variants ${MK_VARIANTS:-8x24576+trace 8x24576} 2>&1 | grep -v Warn | tee "$OUT/mkstep.log"
+      --context ${MK_CONTEXT:-512} --variants ${MK_VARIANTS:-8x24576+trace 8x24576} 2>&1 | grep -v Warn | tee "$OUT/mkstep.log"
     ;;
   plainkernels)
     # The real target's plain decoding through the megakernel (with transformers in the same

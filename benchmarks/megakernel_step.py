@@ -1,5 +1,5 @@
 """The decode megakernel (flashdraft.megakernel) against the model's CUDA-graph step, in one
-process, random weights (speed only), context 512 in the cache.
+process, random weights (speed only), 512 positions in the cache (--context).
 
 For each shape: the copy bandwidth and the bytes a step reads (the roofline), the graph step
 (t1, and plain decoding's tokens/s with one host read a step), then for each megakernel variant
@@ -12,7 +12,8 @@ compile-time setting of decode_mk.cu, e.g. D:LLX=1), and the probes `nowait` (no
 the one before: wrong output, the most that faster dependencies could give) and `nocompute`.
 
     PYTHONPATH=. python3 benchmarks/megakernel_step.py --out DIR \
-        [--shapes qwen2.5-1.5b qwen2.5-0.5b] [--variants 8x24576+trace 8x24576+bulk 8x24576+nowait]
+        [--shapes qwen2.5-1.5b qwen2.5-0.5b] [--context 512 4096] \
+        [--variants 8x24576+trace 8x24576+bulk 8x24576+nowait]
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from flashdraft.megakernel import DecodeMegakernel  # noqa: E402
 from flashdraft.shapes import (_decode_loop, _time_steps, build_random_model, get_shape,  # noqa: E402
                                measure_copy_bandwidth, step_bytes)
 
-CONTEXT = 512
+CONTEXT = 512  # cached positions before the step (--context)
 
 
 def parse_variant(v: str) -> dict:
@@ -78,15 +79,15 @@ def time_launches(mk: DecodeMegakernel, n: int = 200, repeats: int = 5) -> float
     return statistics.median(times)
 
 
-def decode_loop(mk: DecodeMegakernel, steps: int = 256) -> float:
+def decode_loop(mk: DecodeMegakernel, context: int, steps: int = 256) -> float:
     """Tokens/s of greedy decoding through the kernel with one host read a step, each step
     chained on the one before (it leaves its token and the next position as inputs); positions
-    advance from CONTEXT. The engine (`--decode-kernel megakernel`) reads one step behind."""
-    mk.start(torch.zeros(1, dtype=torch.int64, device="cuda"), CONTEXT)
+    advance from `context`. The engine (`--decode-kernel megakernel`) reads one step behind."""
+    mk.start(torch.zeros(1, dtype=torch.int64, device="cuda"), context)
     for _ in range(4):
         mk.launch()
         int(mk.token_out)
-    mk.start(mk.token_out, CONTEXT)
+    mk.start(mk.token_out, context)
     torch.cuda.synchronize()
     began = time.perf_counter()
     for _ in range(steps):
@@ -96,40 +97,40 @@ def decode_loop(mk: DecodeMegakernel, steps: int = 256) -> float:
 
 
 @torch.inference_mode()
-def run_shape(shape: str, variants: list[str], bandwidth: float) -> dict:
+def run_shape(shape: str, variants: list[str], bandwidth: float, context: int = CONTEXT) -> dict:
     cfg = get_shape(shape)
     model = build_random_model(cfg, torch.bfloat16, "cuda")
-    cache = KVCache.for_model(cfg, 1, 1024, torch.bfloat16, "cuda")
+    cache = KVCache.for_model(cfg, 1, context + 512, torch.bfloat16, "cuda")
     cache.kv.normal_()
-    need = step_bytes(model, cfg, CONTEXT, 1, torch.bfloat16)["bytes"]
+    need = step_bytes(model, cfg, context, 1, torch.bfloat16)["bytes"]
     roof = bandwidth / need
     runner = StepRunner(model, "cuda")
-    t1 = _time_steps(runner, cache, 1, CONTEXT, cfg.vocab_size, 30)
-    tps = _decode_loop(runner, cache, CONTEXT, cfg.vocab_size, 128)
-    out = {"shape": shape, "bytes_per_step": need, "roofline_tok_s": roof,
+    t1 = _time_steps(runner, cache, 1, context, cfg.vocab_size, 30)
+    tps = _decode_loop(runner, cache, context, cfg.vocab_size, 128)
+    out = {"shape": shape, "context": context, "bytes_per_step": need, "roofline_tok_s": roof,
            "graph": {"t1_ms": t1 * 1e3, "roofline_t1": need / bandwidth / t1, "decode_tok_s": tps,
                      "roofline_decode": tps / roof}, "megakernel": {}}
-    print(f"{shape}: roofline {roof:.0f} tok/s; graph t1 {t1 * 1e3:.3f} ms "
+    print(f"{shape} at {context}: roofline {roof:.0f} tok/s; graph t1 {t1 * 1e3:.3f} ms "
           f"({need / bandwidth / t1:.1%}), decode {tps:.1f} tok/s ({tps / roof:.1%})", flush=True)
     token = torch.randint(0, cfg.vocab_size, (1, 1), device="cuda")
-    ref, _ = runner(token, CONTEXT, cache)
+    ref, _ = runner(token, context, cache)
     ref = ref[0, -1].float()
     for v in variants:
         opts = parse_variant(v)
         try:
             mk = DecodeMegakernel(model, cache, **opts)
-            logits, _ = mk.step(token.view(1), torch.tensor([CONTEXT], device="cuda"))
+            logits, _ = mk.step(token.view(1), torch.tensor([context], device="cuda"))
             torch.cuda.synchronize()
             mk.check()
             err = (logits - ref).abs().max().item()
             t = time_launches(mk)
             mk.check()
-            d = decode_loop(mk) if not opts["probe"] else None
+            d = decode_loop(mk, context) if not opts["probe"] else None
             mk.check()
             timeline = None
             if mk.trace is not None:  # one more step at the same position, traced
                 mk.trace.zero_()
-                mk.step(token.view(1), torch.tensor([CONTEXT], device="cuda"))
+                mk.step(token.view(1), torch.tensor([context], device="cuda"))
                 torch.cuda.synchronize()
                 mk.check()
                 timeline = mk.timeline()
@@ -159,6 +160,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--shapes", nargs="+", default=["qwen2.5-1.5b", "qwen2.5-0.5b"])
+    ap.add_argument("--context", type=int, nargs="+", default=[CONTEXT],
+                    help="cached positions before the step; each shape runs at each")
     ap.add_argument("--variants", nargs="+",
                     default=["8x24576+trace", "8x24576", "8x24576+bulk"])
     args = ap.parse_args()
@@ -168,7 +171,8 @@ def main() -> None:
     results = {"copy_bandwidth": bandwidth, "device": torch.cuda.get_device_name(),
                "torch": torch.__version__, "shapes": []}
     for shape in args.shapes:
-        results["shapes"].append(run_shape(shape, args.variants, bandwidth))
+        for context in args.context:
+            results["shapes"].append(run_shape(shape, args.variants, bandwidth, context))
         (args.out / "megakernel_step.json").write_text(json.dumps(results, indent=1))
 
 

@@ -28,7 +28,7 @@ def test_refused_without_cuda_with_the_reason():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("prompt", [5, 100])  # one attention split, and several merged
+@pytest.mark.parametrize("prompt", [5, 100, 700])  # one attention split, several, the most
 @pytest.mark.parametrize("ring", ["8x24576", "4x49152", "8x24576+bulk", "8x24576+llx"])
 def test_megakernel_matches_the_model(shape, prompt, ring):
     from flashdraft.megakernel import DecodeMegakernel
@@ -37,8 +37,8 @@ def test_megakernel_matches_the_model(shape, prompt, ring):
     model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
     with torch.no_grad():  # sharper logits than N(0, 0.02) gives: fewer near ties
         model.lm_head.weight.mul_(20)
-    ref_cache = KVCache.for_model(cfg, 1, 256, torch.bfloat16, "cuda")
-    mk_cache = KVCache.for_model(cfg, 1, 256, torch.bfloat16, "cuda")
+    ref_cache = KVCache.for_model(cfg, 1, 1024, torch.bfloat16, "cuda")
+    mk_cache = KVCache.for_model(cfg, 1, 1024, torch.bfloat16, "cuda")
     tokens = torch.randint(0, cfg.vocab_size, (1, prompt), device="cuda")
     positions = torch.arange(prompt, device="cuda")[None]
     with torch.inference_mode():
