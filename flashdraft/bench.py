@@ -897,6 +897,12 @@ def format_markdown(results: dict, full: bool = False) -> str:
             row.append(f"{u['mean']:.0f}% (max {u['max']})" if u else "—")
         rows.append(row)
     lines += ["", *table(head, rows)]
+    if s.get("decode_kernel") == "megakernel" and any(c["label"] == "plain (megakernel)"
+                                                      for c in configs):
+        lines += ["", "Greedy plain decoding ran through the megakernel (--decode-kernel), whose "
+                      "tokens can part from the CUDA graphs' where two logits nearly tie; "
+                      "speculative outputs are the graphs' plain decoding, so a prompt where "
+                      "they part counts as not the same as plain here."]
     if full and any(c["drafter"] for c in configs):
         pos = [[c["name"], f"{c['temperature']:g}",
                 " ".join(_f(a, ".2f") for a in c["summary"]["per_position_acceptance"]) or "—"]

@@ -10,7 +10,8 @@ import pytest
 
 from flashdraft import cli
 from flashdraft.bench import (HUMANEVAL_TEMPLATE, PLOTS, BenchSettings, configurations,
-                              load_prompts, parse_jsonl, run_bench, spread, token_accounting)
+                              format_markdown, load_prompts, parse_jsonl, run_bench, spread,
+                              token_accounting)
 from flashdraft.engine import RequestMetrics
 from tests.tiny import build_model
 
@@ -214,6 +215,13 @@ def test_terminal_table_and_results_md(run):
     md = (out / "results.md").read_text()
     assert "Per-position acceptance" in md and "random weights: speed only" in md
     assert all(f"]({p})" in md for p in PLOTS)
+    assert "ran through the megakernel" not in md
+    # the same results as a --decode-kernel megakernel run would label them (that needs a GPU)
+    mk = json.loads(json.dumps(results))
+    mk["settings"]["decode_kernel"] = "megakernel"
+    mk["configurations"][0].update(name="plain (megakernel)", label="plain (megakernel)")
+    text = format_markdown(mk)
+    assert "| plain (megakernel) | 0 |" in text and "ran through the megakernel" in text
 
 
 def test_ctrl_c_writes_what_has_finished(target, tmp_path, monkeypatch):
