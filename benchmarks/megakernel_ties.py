@@ -52,8 +52,10 @@ def main() -> None:
         engine.decode_kernel = "graph"  # last: the cache holds the graphs' keys and values
         graph_out = llm.generate({"prompt_token_ids": ids}, params)[0].token_ids
         at = next((i for i, (a, b) in enumerate(zip(graph_out, mk_out)) if a != b), None)
+        if at is None and len(graph_out) != len(mk_out):  # one stopped where the other went on
+            at = min(len(graph_out), len(mk_out))
         row = {"prompt": p.id, "tokens": min(len(graph_out), len(mk_out)), "first_difference": at}
-        if at is not None and at > 0:  # token `at` follows the step at position len(ids)+at-1
+        if at is not None and 0 < at < min(len(graph_out), len(mk_out)):  # token `at` follows the step at position len(ids)+at-1
             pos = len(ids) + at - 1
             token = torch.tensor([[graph_out[at - 1]]], device=llm.device)
             g_logits, _ = engine.runner(token, pos, engine.cache)

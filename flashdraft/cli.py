@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .config import DECODE_KERNELS
+
 
 def add_model_args(p: argparse.ArgumentParser, draft: bool = True,
                    model_required: bool = True) -> None:
@@ -37,7 +39,7 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True,
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the forward before graph capture (faster steps, "
                         "a minute or two of start-up)")
-    p.add_argument("--decode-kernel", default="graph", choices=["graph", "megakernel"],
+    p.add_argument("--decode-kernel", default="graph", choices=DECODE_KERNELS,
                    help="greedy one-token steps of plain decoding (requests without a "
                         "drafter) and of a draft model: CUDA graphs of the model's kernels "
                         "(default), or one persistent kernel a token (Hopper GPUs, bfloat16 "

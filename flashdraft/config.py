@@ -126,6 +126,8 @@ class SamplingParams:
 
 
 DRAFT_NGRAM = "ngram"
+# how greedy one-token steps run: CUDA graphs of the model's kernels, or flashdraft.megakernel
+DECODE_KERNELS = ("graph", "megakernel")
 
 
 @dataclass(frozen=True)
@@ -166,8 +168,9 @@ class EngineConfig:
         if self.draft_quantization not in (None, "none", "auto", "int8", "int4"):
             raise ValueError(f"draft_quantization {self.draft_quantization!r} is not one of "
                              f"int8, int4, none, auto (auto: as the target's)")
-        if self.decode_kernel not in ("graph", "megakernel"):
-            raise ValueError(f"decode_kernel {self.decode_kernel!r} is not one of graph, megakernel")
+        if self.decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel {self.decode_kernel!r} is not one of "
+                             f"{', '.join(DECODE_KERNELS)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
 

@@ -26,15 +26,13 @@ from dataclasses import dataclass, field
 import torch
 
 from . import kernels
-from .config import SamplingParams
+from .config import DECODE_KERNELS, SamplingParams
 from .cuda_graphs import StepRunner, eager_step, prefill
 from .drafters.base import Draft, DraftContext, Drafter
 from .kv_cache import KVCache
 from .model import Transformer
 from .sampling import probs_from_logits, sample
 from .verify import greedy_result, verify_sampled
-
-DECODE_KERNELS = ("graph", "megakernel")
 
 
 @dataclass
@@ -178,12 +176,8 @@ class Engine:
         if decode_kernel not in DECODE_KERNELS:
             raise ValueError(f"decode_kernel {decode_kernel!r} is not one of {', '.join(DECODE_KERNELS)}")
         if decode_kernel == "megakernel":
-            from .megakernel import unsupported
-            why = (unsupported(model) if torch.device(device).type == "cuda"
-                   else f"it needs CUDA (device {device})")
-            if why:
-                raise ValueError(f"--decode-kernel megakernel cannot run this model: {why}; "
-                                 f"use --decode-kernel graph (the default)")
+            from .megakernel import refuse_unsupported
+            refuse_unsupported(model, device)
         self.decode_kernel = decode_kernel
         self.megakernel = None  # built with each cache (ensure_capacity)
 

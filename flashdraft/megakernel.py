@@ -8,9 +8,9 @@ the weight stream never waits for the activations. `benchmarks/megakernel_step.p
 against the model's CUDA-graph step in one process; `tests/test_megakernel.py` checks its
 logits and tokens against `Transformer.forward` on the GPU.
 
-In the engine it is plain decoding's opt-in path (`Engine(decode_kernel="megakernel")`,
-`--decode-kernel megakernel`) for greedy requests without a drafter; every other step stays
-on the CUDA graphs. Its reductions are not the skinny kernel's, so its tokens can differ from
+In the engine it is an opt-in path (`--decode-kernel megakernel`) for the greedy one-token
+steps of plain decoding (requests without a drafter, `Engine(decode_kernel=...)`) and of a
+draft model (`DraftModelDrafter(megakernel=True)`); every other step stays on the CUDA graphs. Its reductions are not the skinny kernel's, so its tokens can differ from
 the graph path's where two logits nearly tie, and speculative verification (T > 1) has no
 megakernel: speculation reproduces the graph path's plain decoding, not this kernel's.
 
@@ -80,6 +80,16 @@ def unsupported(model: Transformer, cache: KVCache | None = None,
             if type(lin) is not torch.nn.Linear or not lin.weight.is_contiguous():
                 return "every product must be a contiguous bfloat16 nn.Linear (not quantized)"
     return None
+
+
+def refuse_unsupported(model: Transformer, device, role: str = "this model") -> None:
+    """For `--decode-kernel megakernel`: raise a user's error naming why the kernel cannot
+    run `model` (`role`: which model, in the message) on `device`."""
+    why = (unsupported(model) if torch.device(device).type == "cuda"
+           else f"it needs CUDA (device {device})")
+    if why:
+        raise ValueError(f"--decode-kernel megakernel cannot run {role}: {why}; "
+                         f"use --decode-kernel graph (the default)")
 
 
 def _ring(ring: str | None = None) -> tuple[int, int]:

@@ -37,15 +37,12 @@ class DraftModelDrafter:
         # in that form, so that q is exactly the distribution the drafts came from.
         self.target_vocab = target_vocab
         if megakernel:
-            from ..megakernel import unsupported
-            why = (unsupported(model) if torch.device(device).type == "cuda"
-                   else f"it needs CUDA (device {device})")
-            if not why and model.cfg.vocab_size > target_vocab:
-                why = (f"its {model.cfg.vocab_size} logits would need cutting to the "
-                       f"target's {target_vocab}")
-            if why:
-                raise ValueError(f"--decode-kernel megakernel cannot run the draft model: {why}; "
-                                 f"use --decode-kernel graph (the default)")
+            from ..megakernel import refuse_unsupported
+            refuse_unsupported(model, device, "the draft model")
+            if model.cfg.vocab_size > target_vocab:  # its argmax could be a row cut off
+                raise ValueError(f"--decode-kernel megakernel cannot run the draft model: its "
+                                 f"{model.cfg.vocab_size} logits would need cutting to the "
+                                 f"target's {target_vocab}; use --decode-kernel graph")
         self.use_megakernel = megakernel
         self.megakernel = None  # built with each cache (ensure_capacity)
         self.cache: KVCache | None = None
