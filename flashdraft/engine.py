@@ -412,8 +412,8 @@ class _TokenReader:
             self.turn = 0
 
     def start(self, token: torch.Tensor):
-        if not self.cuda:
-            return token
+        if not self.cuda:  # the value now, as the copy below keeps it: token's buffer may be
+            return int(token)  # written again before the read (the megakernel's token_out)
         buf = self.buffers[self.turn]
         self.turn ^= 1
         buf.copy_(token.view(-1), non_blocking=True)  # on the stream of token's device

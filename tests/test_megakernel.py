@@ -224,3 +224,63 @@ def test_draft_model_refuses_the_megakernel_without_cuda():
     with pytest.raises(ValueError, match="megakernel cannot run the draft model: it needs CUDA"):
         DraftModelDrafter(model, torch.device("cpu"), torch.bfloat16, cfg.vocab_size,
                           megakernel=True)
+
+
+class _ChainedSteps:
+    """DecodeMegakernel's interface and chaining on the CPU, for the engine's wiring: each
+    launch is the model's own one-token step on token_in at pos_in, and leaves its token and
+    the next position there."""
+
+    def __init__(self, model, cache):
+        self.model, self.cache = model, cache
+        self.token_in, self.pos_in, self.token_out = (torch.zeros(1, dtype=torch.long)
+                                                      for _ in range(3))
+        self.starts = self.launches = 0
+
+    def start(self, token, position):
+        self.token_in.copy_(token.reshape(1))
+        self.pos_in.fill_(position)
+        self.starts += 1
+
+    def launch(self):
+        p = int(self.pos_in)
+        logits, _ = self.model(self.token_in.view(1, 1), torch.tensor([[p]]), self.cache, kv_len=p + 1)
+        self.token_out.copy_(logits[0, -1].argmax().view(1))
+        self.token_in.copy_(self.token_out)
+        self.pos_in.fill_(p + 1)
+        self.launches += 1
+
+    def check(self):
+        pass
+
+
+def test_engine_routes_greedy_plain_steps_through_the_kernel_and_chains_them(monkeypatch):
+    """On the CPU, with the kernel stood in for by the model's own step: greedy plain requests
+    start the kernel's chain once each at their prompt's end and then only launch, and give
+    exactly the engine's plain tokens; speculative and sampled requests never touch it."""
+    from flashdraft import megakernel
+    from flashdraft.config import SamplingParams
+    from flashdraft.drafters.ngram import NgramDrafter
+    from flashdraft.engine import Engine
+    monkeypatch.setattr(megakernel, "DecodeMegakernel", _ChainedSteps)
+    cfg = SHAPES["hd64-llama"]
+    model = build_random_model(cfg, torch.float32, "cpu", seed=2)
+    cpu = torch.device("cpu")
+    plain_engine = Engine(model, cpu, torch.float32, 256, ())
+    engine = Engine(model, cpu, torch.float32, 256, ())
+    engine.decode_kernel = "megakernel"  # refused on a CPU at construction: the wiring only
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (9, 30)]
+    with torch.inference_mode():
+        for i, prompt in enumerate(prompts):
+            assert _run(engine, prompt, greedy) == _run(plain_engine, prompt, greedy)
+            mk = engine.megakernel
+            assert isinstance(mk, _ChainedSteps) and mk.starts == i + 1
+            assert mk.launches >= 19 * (i + 1)  # a step a token after the first
+        before = (mk.starts, mk.launches)
+        drafter = NgramDrafter((2,), cpu)
+        assert _run(engine, prompts[0], greedy, drafter, 3) == _run(plain_engine, prompts[0], greedy)
+        sampled = SamplingParams(temperature=0.9, max_tokens=12, seed=3, ignore_eos=True)
+        assert _run(engine, prompts[1], sampled) == _run(plain_engine, prompts[1], sampled)
+        assert (mk.starts, mk.launches) == before
