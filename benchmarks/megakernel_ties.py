@@ -55,12 +55,13 @@ def main() -> None:
         if at is None and len(graph_out) != len(mk_out):  # one stopped where the other went on
             at = min(len(graph_out), len(mk_out))
         row = {"prompt": p.id, "tokens": min(len(graph_out), len(mk_out)), "first_difference": at}
-        if at is not None and 0 < at < min(len(graph_out), len(mk_out)):  # token `at` follows the step at position len(ids)+at-1
-            pos = len(ids) + at - 1
+        if at is not None and 0 < at < min(len(graph_out), len(mk_out)):
+            pos = len(ids) + at - 1  # the step whose output is token `at`
             token = torch.tensor([[graph_out[at - 1]]], device=llm.device)
             g_logits, _ = engine.runner(token, pos, engine.cache)
             g = g_logits[0, -1].float().clone()
-            m = engine.megakernel.step(token.view(1), torch.tensor([pos], device=llm.device))[0].clone()
+            at_pos = torch.tensor([pos], device=llm.device)
+            m = engine.megakernel.step(token.view(1), at_pos)[0].clone()
             torch.cuda.synchronize()
             row.update(graph=top2(g), megakernel=top2(m),
                        max_logit_difference=(g - m).abs().max().item(),

@@ -174,7 +174,8 @@ class Engine:
         self.runner = (StepRunner(model, device, compile=compile)
                        if cuda_graphs and torch.device(device).type == "cuda" else None)
         if decode_kernel not in DECODE_KERNELS:
-            raise ValueError(f"decode_kernel {decode_kernel!r} is not one of {', '.join(DECODE_KERNELS)}")
+            raise ValueError(f"decode_kernel {decode_kernel!r} is not one of "
+                             f"{', '.join(DECODE_KERNELS)}")
         if decode_kernel == "megakernel":
             from .megakernel import refuse_unsupported
             refuse_unsupported(model, device)

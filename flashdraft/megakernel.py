@@ -10,9 +10,10 @@ logits and tokens against `Transformer.forward` on the GPU.
 
 In the engine it is an opt-in path (`--decode-kernel megakernel`) for the greedy one-token
 steps of plain decoding (requests without a drafter, `Engine(decode_kernel=...)`) and of a
-draft model (`DraftModelDrafter(megakernel=True)`); every other step stays on the CUDA graphs. Its reductions are not the skinny kernel's, so its tokens can differ from
-the graph path's where two logits nearly tie, and speculative verification (T > 1) has no
-megakernel: speculation reproduces the graph path's plain decoding, not this kernel's.
+draft model (`DraftModelDrafter(megakernel=True)`); every other step stays on the CUDA
+graphs. Its reductions are not the skinny kernel's, so its tokens can differ from the graph
+path's where two logits nearly tie, and speculative verification (T > 1) has no megakernel:
+speculation reproduces the graph path's plain decoding, not this kernel's.
 
     mk = DecodeMegakernel(model, cache)      # a folded bfloat16 Qwen2 / Llama model on CUDA
     logits, token = mk.step(token, position)  # int64 tensors [1] on the device, in and out

@@ -344,8 +344,10 @@ def test_settings_refuse_bad_values():
         BenchSettings(model="m", adaptive_speculation=())
     with pytest.raises(ValueError, match="--decode-kernel 'fast' is not one of graph, megakernel"):
         BenchSettings(model="m", decode_kernel="fast")
-    mk = BenchSettings(model="m", drafts=("ngram",), temperatures=(0.0, 0.7), decode_kernel="megakernel")
-    assert [c.name for c in configurations(mk) if c.drafter is None] == ["plain (megakernel)", "plain"]
+    mk = BenchSettings(model="m", drafts=("ngram",), temperatures=(0.0, 0.7),
+                       decode_kernel="megakernel")
+    plains = [c.name for c in configurations(mk) if c.drafter is None]
+    assert plains == ["plain (megakernel)", "plain"]
     s = BenchSettings(model="m", drafts=("ngram", "ngram"), num_speculative_tokens=(5, 1, 5))
     assert s.drafts == ("ngram",) and s.num_speculative_tokens == (1, 5)
     with pytest.raises(SystemExit, match="megakernel_step.py"):

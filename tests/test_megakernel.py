@@ -244,7 +244,8 @@ class _ChainedSteps:
 
     def launch(self):
         p = int(self.pos_in)
-        logits, _ = self.model(self.token_in.view(1, 1), torch.tensor([[p]]), self.cache, kv_len=p + 1)
+        logits, _ = self.model(self.token_in.view(1, 1), torch.tensor([[p]]), self.cache,
+                               kv_len=p + 1)
         self.token_out.copy_(logits[0, -1].argmax().view(1))
         self.token_in.copy_(self.token_out)
         self.pos_in.fill_(p + 1)
@@ -280,7 +281,8 @@ def test_engine_routes_greedy_plain_steps_through_the_kernel_and_chains_them(mon
             assert mk.launches >= 19 * (i + 1)  # a step a token after the first
         before = (mk.starts, mk.launches)
         drafter = NgramDrafter((2,), cpu)
-        assert _run(engine, prompts[0], greedy, drafter, 3) == _run(plain_engine, prompts[0], greedy)
+        spec = _run(engine, prompts[0], greedy, drafter, 3)
+        assert spec == _run(plain_engine, prompts[0], greedy)
         sampled = SamplingParams(temperature=0.9, max_tokens=12, seed=3, ignore_eos=True)
         assert _run(engine, prompts[1], sampled) == _run(plain_engine, prompts[1], sampled)
         assert (mk.starts, mk.launches) == before
