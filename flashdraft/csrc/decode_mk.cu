@@ -82,17 +82,6 @@ struct __align__(16) u32x4 { u32 x, y, z, w; };
 #ifndef NPROD
 #define NPROD 1  // producer warps: producer i copies the chunks c with c % NPROD == i
 #endif
-#ifndef L2AHEAD
-#define L2AHEAD 0  // chunks past the ring asked of the L2 as the ring's copies go out (0: none)
-#endif
-#ifndef L2LINES
-#define L2LINES 0  // L2AHEAD asks with one prefetch.global.L2 a 128-byte line (else one bulk
-                   // prefetch a chunk, cp.async.bulk.prefetch.L2)
-#endif
-#ifndef EARLY
-#define EARLY 0  // 1: a consumer warp frees its slot once its rows are in registers, before the
-                 // sums and the epilogue (else after them)
-#endif
 #ifndef NOCOMPUTE
 #define NOCOMPUTE 0  // measurement only, wrong output: consumers take each chunk and multiply nothing
 #endif
@@ -336,18 +325,6 @@ struct Shared {
     int best_i[NCW];
 };
 
-// L2AHEAD: ask the L2 for a chunk that the ring will copy later (nothing held; the chunk's
-// copy then reads it from the L2), so that the memory keeps streaming while the ring is full.
-__device__ __forceinline__ void prefetch_l2(const Chunk& ch, int lane) {
-    if (L2LINES) {
-        for (u32 off = 128 * lane; off < ch.bytes; off += 32 * 128)
-            asm volatile("prefetch.global.L2 [%0];" :: "l"((const char*)ch.src + off));
-    } else if (lane == 0) {
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
-                     :: "l"(ch.src), "r"(ch.bytes) : "memory");
-    }
-}
-
 __device__ __forceinline__ unsigned char* slot_ptr(unsigned char* ring, u32 c) {
     return ring + (size_t)(c % NS) * SLOT;
 }
@@ -560,21 +537,6 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
         mbar_wait(&s.full[c % NS], (c / NS) & 1);
         if (i == 0) TR(j, 2);
         const u16* w = (const u16*)slot_ptr(ring, c);
-        u32x4 wq[RPW][NV];  // EARLY: this warp's pieces of its rows, loaded before any is used
-#pragma unroll
-        for (int rr = 0; EARLY && rr < RPW; rr++) {
-            const u32x4* row = (const u32x4*)(w + (size_t)(wrow + NCW * rr) * K);
-#pragma unroll
-            for (int v = 0; v < NV; v++) {
-                const int idx = seg * VS + lane + 32 * v;
-                if (!NOCOMPUTE && wrow + NCW * rr < nr && ((NVEC % (32 * WPR) == 0) || idx < v_end))
-                    wq[rr][v] = row[idx];
-            }
-        }
-        if (EARLY) {
-            __syncwarp();
-            if (lane == 0) mbar_arrive(&s.empty[c % NS]);
-        }
 #pragma unroll
         for (int rr = 0; rr < RPW; rr++) {
             const int r = wrow + NCW * rr;
@@ -587,7 +549,7 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
                 for (int v = 0; v < NV; v++) {
                     const int idx = seg * VS + lane + 32 * v;
                     if ((NVEC % (32 * WPR) == 0) || idx < v_end) {
-                        const u32x4 q = EARLY ? wq[rr][v] : row[idx];
+                        const u32x4 q = row[idx];
                         float& acc = part[v % ACCS];
                         acc = fmaf(lo_f32(q.x), xr[8 * v + 0], acc);
                         acc = fmaf(hi_f32(q.x), xr[8 * v + 1], acc);
@@ -638,10 +600,8 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
                 }
             }
         }
-        if (!EARLY) {
-            __syncwarp();
-            if (lane == 0) mbar_arrive(&s.empty[c % NS]);
-        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&s.empty[c % NS]);
     }
     if (WPR > 1) {  // DOWN over several warps a row: the segments added in order
         consumer_sync();
@@ -999,9 +959,8 @@ decode_step(Args a) {
         const u32 me = warp - NCW;
 #if LDGSTS
         {
-            Cursor cur = {0, 0, 0}, ahead = {0, 0, 0};
-            Chunk ch, pc;
-            u32 pa = 0;  // L2AHEAD: chunks the cursor ahead has passed
+            Cursor cur = {0, 0, 0};
+            Chunk ch;
             for (u32 c = 0; next_chunk(a, cur, b, G, ch); c++) {
                 if (c % NPROD != me) continue;
                 if (c >= NS) mbar_wait(&s.empty[c % NS], ((c / NS) - 1) & 1);
@@ -1013,9 +972,6 @@ decode_step(Args a) {
                 asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];"
                              :: "r"(smem_addr(&s.full[c % NS])) : "memory");
                 if (lane == 0) TRP(ch.j, 1);
-                // this warp's chunks among the next L2AHEAD (those past the ring's first fill)
-                for (; L2AHEAD && pa <= c + L2AHEAD && next_chunk(a, ahead, b, G, pc); pa++)
-                    if (pa > c && pa >= NS && pa % NPROD == me) prefetch_l2(pc, lane);
             }
             asm volatile("cp.async.wait_all;" ::: "memory");
         }
