@@ -58,19 +58,15 @@ def unsupported(model: Transformer, cache: KVCache | None = None,
         return why
     if torch.cuda.get_device_capability(device) < (9, 0):
         return "it needs an sm_90 (Hopper) or newer GPU (bulk copies and mbarriers)"
-    if cfg.qk_norm:
-        return "Qwen3's per-head q/k norms are not in the kernel"
     if not model.norms_folded:
         return "the model's block norms must be folded into its products (Transformer.fold_norms)"
     if cfg.head_dim not in (64, 128):
         return f"head_dim {cfg.head_dim} (the kernel takes 64 or 128)"
     slots, slot = _ring(ring)
     h, inter, qd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
-    if 16 * max(h, qd) > slot:
-        return (f"hidden size {h} / q width {qd}: a warp a row needs 8 rows of them in a "
-                f"{slot}-byte slot (FLASHDRAFT_MK_RING)")
-    if 2 * inter > slot:
-        return f"intermediate size {inter}: a row must fit a {slot}-byte slot"
+    if 2 * max(h, qd, inter) > slot:
+        return (f"hidden size {h}, q width {qd}, intermediate size {inter}: a row of each must "
+                f"fit a {slot}-byte slot (FLASHDRAFT_MK_RING)")
     if cache is not None and (cache.kv.shape[2] != 1 or cache.kv.dtype != torch.bfloat16):
         return "the cache must hold one bfloat16 sequence"
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -106,7 +102,7 @@ def _ring(ring: str | None = None) -> tuple[int, int]:
 
 class _Args(ctypes.Structure):  # decode_mk.cu's Args, field for field
     _fields_ = [(name, ctypes.c_void_p) for name in (
-        "table", "embed", "head", "fnorm", "inv_freq", "kv", "token", "pos", "x", "qkv", "att",
+        "table", "embed", "head", "fnorm", "qknorm", "inv_freq", "kv", "token", "pos", "x", "qkv", "att",
         "hbuf", "part", "logits", "best", "counters", "out_token", "error", "trace", "step_count")] + [
         ("max_len", ctypes.c_int), ("eps", ctypes.c_float), ("chain", ctypes.c_int)]
 
@@ -179,19 +175,27 @@ class DecodeMegakernel:
         self.pos_in = torch.zeros(1, dtype=torch.int64, device=dev)
         self.token_out = torch.zeros(1, dtype=torch.int64, device=dev)
         self.fnorm = model.norm.weight.detach().to(torch.bfloat16).contiguous()
+        # Qwen3's head norms, [layers][q, k][head_dim] (a placeholder without them)
+        self.qknorm = (torch.stack([torch.stack([blk.attn.q_norm.weight, blk.attn.k_norm.weight])
+                                    for blk in model.layers]).detach().to(torch.bfloat16).contiguous()
+                       if cfg.qk_norm else torch.zeros(8, **bf16))
         self.inv_freq = model.inv_freq.float().contiguous()
+        if llx and 16 * max(h, qd) > slot:
+            raise ValueError(f"LLX: hidden size {h} / q width {qd}: LLX takes a warp a row, "
+                             f"8 rows of them in a {slot}-byte slot")
         if llx and 2 * -(-(h // 2) // self.sms) > 64:  # whole row pairs a block, as many as side loads take
             raise ValueError(f"LLX: hidden size {h} over {self.sms} multiprocessors: at most 64 rows a block")
         defines = (("H", h), ("INTER", inter), ("NQ", cfg.num_heads), ("NKV", cfg.num_kv_heads),
                    ("HD", cfg.head_dim), ("NL", cfg.num_layers), ("VOCAB", cfg.vocab_size),
-                   ("QKV_BIAS", int(cfg.qkv_bias)), ("NS", slots), ("SLOT", slot),
+                   ("QKV_BIAS", int(cfg.qkv_bias)), ("QK_NORM", int(cfg.qk_norm)),
+                   ("NS", slots), ("SLOT", slot),
                    ("NCW", CONSUMER_WARPS),
                    ("NOWAIT", int("nowait" in probes)), ("NOCOMPUTE", int("nocompute" in probes)),
                    ("LDGSTS", int(ldgsts)), ("NPROD", producers)) + tuple(sorted((defines or {}).items()))
         self.producers = producers
         self.fn = _kernel(defines, dev.index if dev.index is not None else torch.cuda.current_device())
         # shared memory: the ring, then decode_mk.cu's Shared (mbarriers, sums, attention state)
-        shared_struct = (16 * slots + 4 * 64 * CONSUMER_WARPS
+        shared_struct = (16 * slots + 4 * 64 * CONSUMER_WARPS + 4 * 3 * CONSUMER_WARPS
                          + 4 * CONSUMER_WARPS * group * (3 + cfg.head_dim) + 8 * group
                          + 8 * CONSUMER_WARPS + 16
                          + ((2 * h + 2 * XO_ROWS + 16) if llx else 0))  # LLX: x polled, rows out
@@ -203,7 +207,7 @@ class DecodeMegakernel:
         mma._allow_shared(self.fn, self.shared)
         self.args = _Args(
             self.table.data_ptr(), model.embed.weight.data_ptr(), model.lm_head.weight.data_ptr(),
-            self.fnorm.data_ptr(), self.inv_freq.data_ptr(), cache.kv.data_ptr(),
+            self.fnorm.data_ptr(), self.qknorm.data_ptr(), self.inv_freq.data_ptr(), cache.kv.data_ptr(),
             self.token_in.data_ptr(), self.pos_in.data_ptr(), self.x.data_ptr(),
             self.qkv.data_ptr(), self.att.data_ptr(), self.hbuf.data_ptr(), self.part.data_ptr(),
             self.logits.data_ptr(), self.best.data_ptr(), self.counters.data_ptr(),

@@ -7,12 +7,17 @@ from flashdraft.config import ModelConfig
 from flashdraft.kv_cache import KVCache
 from flashdraft.shapes import build_random_model
 
-# Two tiny shapes that take every path of the kernel: head dim 128 and 64; an MLP whose rows
-# are split over several warps (4,608 features: 2 rows a 24 KB slot) and one whose are not.
+# Tiny shapes that take every path of the kernel: head dim 128 and 64; an MLP whose rows are
+# split over several warps (4,608 features: 2 rows a 24 KB slot) and one whose are not; Qwen3's
+# head norms with a hidden size whose rows are split over warps in QKV, gate/up and the head
+# (4,096: 2 rows a 24 KB slot, 4 warps a row; 4 rows a 48 KB slot, 2 warps a row), as the
+# 8B shape's are.
 SHAPES = {
     "hd128-split-down": ModelConfig("qwen2", 1000, 256, 4608, 3, 4, 2, 128, qkv_bias=True,
                                     rope_theta=1e6),
     "hd64-llama": ModelConfig("llama", 777, 384, 512, 2, 6, 2, 64, rope_theta=5e5),
+    "qwen3-split-rows": ModelConfig("qwen3", 1000, 4096, 1024, 2, 8, 2, 128, qk_norm=True,
+                                    rope_theta=1e6),
 }
 
 
@@ -34,6 +39,8 @@ def test_megakernel_matches_the_model(shape, prompt, ring):
     from flashdraft.megakernel import DecodeMegakernel
     torch.manual_seed(0)
     cfg = SHAPES[shape]
+    if shape == "qwen3-split-rows" and ring.endswith("+llx"):
+        pytest.skip("LLX takes a warp a row (refused: test_llx_refuses_rows_split_over_warps)")
     model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
     with torch.no_grad():  # sharper logits than N(0, 0.02) gives: fewer near ties
         model.lm_head.weight.mul_(20)
@@ -73,6 +80,16 @@ def test_megakernel_matches_the_model(shape, prompt, ring):
                 assert (a.float() - b.float()).abs().max().item() <= 0.02 * b.abs().max().item() + 0.02
             token = ref.argmax().view(1)
     assert compared >= 12  # most steps decided the token
+
+
+@pytest.mark.gpu
+def test_llx_refuses_rows_split_over_warps():
+    from flashdraft.megakernel import DecodeMegakernel
+    cfg = SHAPES["qwen3-split-rows"]
+    model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
+    cache = KVCache.for_model(cfg, 1, 64, torch.bfloat16, "cuda")
+    with pytest.raises(ValueError, match="LLX: hidden size 4096 .* a warp a row"):
+        DecodeMegakernel(model, cache, defines={"LLX": 1})
 
 
 @pytest.mark.gpu

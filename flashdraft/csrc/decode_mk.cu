@@ -64,6 +64,9 @@ struct __align__(16) u32x4 { u32 x, y, z, w; };
 #ifndef QKV_BIAS
 #define QKV_BIAS 1
 #endif
+#ifndef QK_NORM
+#define QK_NORM 0  // Qwen3: an RMSNorm over each q and k head before rope (Args.qknorm)
+#endif
 #ifndef NS
 #define NS 8  // ring slots
 #endif
@@ -121,6 +124,7 @@ struct Args {
     const u16* embed;      // [VOCAB][H]
     const u16* head;       // [VOCAB][H]
     const u16* fnorm;      // [H]
+    const u16* qknorm;     // QK_NORM: [NL][2][HD], the q and k heads' norm weights
     const float* inv_freq; // [HD / 2]
     u16* kv;               // cache
     long long* token;      // the step's token and position; with chain set, the step leaves
@@ -255,8 +259,6 @@ __host__ __device__ constexpr int rows_per_chunk(int k) {
          : 2 * k * 2 <= SLOT ? 2 : 1;
 }
 static_assert(2 * INTER <= SLOT && 2 * H <= SLOT && 2 * QD <= SLOT, "a row must fit a slot");
-static_assert(rows_per_chunk(H) >= NCW && rows_per_chunk(QD) >= NCW,
-              "QKV, O, GU and HEAD need a warp a row (NCW rows of H and of NQ * HD a slot)");
 static_assert(H % 8 == 0 && INTER % 8 == 0 && QD % 8 == 0, "rows are read in 16-byte pieces");
 static_assert(HD == 64 || HD == 128, "head dim 64 or 128");
 
@@ -313,7 +315,9 @@ __device__ __forceinline__ bool next_chunk(const Args& a, Cursor& c, int b, int 
 
 struct Shared {
     u64 full[NS], empty[NS];
-    float red[RED_ROWS][NCW];     // segment sums of rows split over warps
+    float red[RED_ROWS][NCW];     // DOWN: segment sums of rows split over warps
+    float red_chunk[2][NCW];      // other ops: a chunk's segment sums (alternate chunks)
+    float ss[NCW];                // a segment's sum of squares of x (rows split over warps)
     float st_m[NCW][GS], st_l[NCW][GS];
     float st_acc[NCW][GS][HD];    // attention: each warp's running state
     float st_f[NCW][GS], st_hm[GS], st_hl[GS];  // its warps' weights, a head's max and sum
@@ -424,7 +428,10 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
     constexpr int NVEC = K / 8;                    // 16-byte pieces a row
     constexpr int VS = (NVEC + WPR - 1) / WPR;     // pieces a warp's segment
     constexpr int NV = (VS + 31) / 32;             // pieces a lane
-    static_assert(WPR == 1 || KIND == OP_DOWN, "only DOWN splits its rows over warps");
+    // Rows split over warps: DOWN adds the segments at the op's end (its rows fit Shared.red);
+    // the other ops (long rows: hidden size over 1,536) add them a chunk at a time.
+    constexpr bool SPLIT_CHUNK = WPR > 1 && KIND != OP_DOWN;
+    static_assert(!LLX || !SPLIT_CHUNK, "LLX takes a warp a row in QKV, O, GU and HEAD");
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int seg = warp % WPR, wrow = warp / WPR;
     const int v_end = min(NVEC, (seg + 1) * VS);
@@ -479,7 +486,7 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
         if (SIDE) {
             ll_rows(a, r0 + lane < r1 ? r0 + lane : -1, r0 + lane + 32 < r1 ? r0 + lane + 32 : -1,
                     resid_flag, j, side0w, side1w);
-        } else if (WPR > 1) {
+        } else if (KIND == OP_DOWN && WPR > 1) {
             u16 none;
             const int t = threadIdx.x;
             ll_rows(a, t < r1 - r0 ? r0 + t : -1, -1, resid_flag, j, resid_w, none);
@@ -489,7 +496,8 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
             if (r0 + lane < r1) side0w = ld_cg16(side_src + r0 + lane);
             if (r0 + lane + 32 < r1) side1w = ld_cg16(side_src + r0 + lane + 32);
         }
-        if (WPR > 1 && threadIdx.x < r1 - r0) resid_w = ld_cg16(a.x + r0 + threadIdx.x);
+        if (KIND == OP_DOWN && WPR > 1 && threadIdx.x < r1 - r0)
+            resid_w = ld_cg16(a.x + r0 + threadIdx.x);
     }
     float xr[NV * 8];
 #pragma unroll
@@ -505,13 +513,21 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
         float ss = 0.f;
 #pragma unroll
         for (int i = 0; i < NV * 8; i++) ss = fmaf(xr[i], xr[i], ss);
-        scale = rsqrtf(warp_sum(ss) / (float)K + a.eps);
+        ss = warp_sum(ss);
+        if (WPR > 1) {  // each warp holds a segment: the segments' sums added in order
+            if (wrow == 0 && lane == 0) s.ss[seg] = ss;
+            consumer_sync();
+            ss = 0.f;
+#pragma unroll
+            for (int sg = 0; sg < WPR; sg++) ss += s.ss[sg];
+        }
+        scale = rsqrtf(ss / (float)K + a.eps);
     }
     if (KIND == OP_HEAD) {  // the final norm, rounded as its own kernel would round it
 #pragma unroll
         for (int v = 0; v < NV; v++) {
-            const int idx = lane + 32 * v;
-            if (idx < NVEC) {
+            const int idx = seg * VS + lane + 32 * v;
+            if (idx < v_end) {
                 u32x4 g = *(const u32x4*)(a.fnorm + 8 * idx);
                 const u32 gw[4] = {g.x, g.y, g.z, g.w};
 #pragma unroll
@@ -565,8 +581,16 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
 #pragma unroll
                 for (int k = 1; k < ACCS; k++) acc += part[k];
                 acc = warp_sum(acc);
+                if (SPLIT_CHUNK) {  // the row's warps meet; its first warp adds and finishes it
+                    if (lane == 0) s.red_chunk[i & 1][warp] = acc;
+                    asm volatile("bar.sync %0, %1;" :: "r"(2 + wrow), "n"(WPR * 32) : "memory");
+                    if (seg != 0) continue;
+                    acc = 0.f;
+#pragma unroll
+                    for (int sg = 0; sg < WPR; sg++) acc += s.red_chunk[i & 1][warp + sg];
+                }
                 const int row_id = r0 + ci * R + r;  // the op's output feature
-                if (WPR > 1) {
+                if (KIND == OP_DOWN && WPR > 1) {
                     if (lane == 0) s.red[ci * R + r][seg] = acc;
                 } else if (KIND == OP_QKV || KIND == OP_O || KIND == OP_DOWN) {
                     float other = 0.f;
@@ -603,7 +627,7 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
         __syncwarp();
         if (lane == 0) mbar_arrive(&s.empty[c % NS]);
     }
-    if (WPR > 1) {  // DOWN over several warps a row: the segments added in order
+    if (KIND == OP_DOWN && WPR > 1) {  // DOWN over several warps a row: segments added in order
         consumer_sync();
         for (int r = threadIdx.x; r < r1 - r0; r += CT) {
             float acc = 0.f;
@@ -655,6 +679,17 @@ __device__ __forceinline__ void rope_lane(float* v, const float* cs, const float
         const float other = __shfl_xor_sync(0xffffffffu, v[e], 16);
         v[e] = lane < 16 ? v[e] * cs[e] - other * sn[e] : v[e] * cs[e] + other * sn[e];
     }
+}
+
+// QK_NORM: a head's RMSNorm (w: this lane's EPL weights), rounded to bfloat16 before rope as
+// the model's kernel stores it.
+__device__ __forceinline__ void head_norm(float* v, const float* w, float eps) {
+    float ss = 0.f;
+#pragma unroll
+    for (int e = 0; e < EPL; e++) ss = fmaf(v[e], v[e], ss);
+    const float inv = rsqrtf(warp_sum(ss) / (float)HD + eps);
+#pragma unroll
+    for (int e = 0; e < EPL; e++) v[e] = round_bf16(v[e] * inv * w[e]);
 }
 
 // This lane's EPL bfloat16 of a head as raw words (loads only: convert with unpack_head, after
@@ -728,6 +763,11 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
         // QKV), then q of the group's heads, the new key and value
         u32 kb[PU][EPL / 2], vb[PU][EPL / 2];
         load_kv_batch(kcache, vcache, j0 + warp, j1, p, lane, kb, vb);
+        u32 qnw[EPL / 2], knw[EPL / 2];  // QK_NORM: the head norms' weights
+        if (QK_NORM) {
+            load_words(a.qknorm + (size_t)(2 * layer) * HD + lane * EPL, qnw);
+            load_words(a.qknorm + (size_t)(2 * layer + 1) * HD + lane * EPL, knw);
+        }
         if (!waited) { wait_op(a, 5 * layer, G); waited = true; }
         u32 qw[GS][EPL / 2], kw[EPL / 2], vw[EPL / 2];
 #pragma unroll
@@ -747,6 +787,12 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
         float kn[EPL], vn[EPL];
         unpack_head(kw, kn);
         unpack_head(vw, vn);
+        float qn_w[EPL], kn_w[EPL];
+        if (QK_NORM) {
+            unpack_head(qnw, qn_w);
+            unpack_head(knw, kn_w);
+            head_norm(kn, kn_w, a.eps);
+        }
         rope_lane(kn, cs, sn, lane);
 #pragma unroll
         for (int e = 0; e < EPL; e++) kn[e] = round_bf16(kn[e]);
@@ -761,6 +807,7 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
 #pragma unroll
         for (int hh = 0; hh < GS; hh++) {
             unpack_head(qw[hh], q[hh]);
+            if (QK_NORM) head_norm(q[hh], qn_w, a.eps);
             rope_lane(q[hh], cs, sn, lane);
 #pragma unroll
             for (int e = 0; e < EPL; e++) {
