@@ -15,7 +15,7 @@ graphs. Its reductions are not the skinny kernel's, so its tokens can differ fro
 path's where two logits nearly tie, and speculative verification (T > 1) has no megakernel:
 speculation reproduces the graph path's plain decoding, not this kernel's.
 
-    mk = DecodeMegakernel(model, cache)      # a folded bfloat16 Qwen2 / Llama model on CUDA
+    mk = DecodeMegakernel(model, cache)      # a folded bf16 Qwen2/Qwen3/Llama model, CUDA
     logits, token = mk.step(token, position)  # int64 tensors [1] on the device, in and out
     mk.start(token, position); mk.launch(); mk.launch()  # chained: each step leaves its token
                                                           # and the next position as inputs

@@ -9,14 +9,14 @@ from flashdraft.shapes import build_random_model
 
 # Tiny shapes that take every path of the kernel: head dim 128 and 64; an MLP whose rows are
 # split over several warps (4,608 features: 2 rows a 24 KB slot) and one whose are not; Qwen3's
-# head norms with a hidden size whose rows are split over warps in QKV, gate/up and the head
-# (4,096: 2 rows a 24 KB slot, 4 warps a row; 4 rows a 48 KB slot, 2 warps a row), as the
-# 8B shape's are.
+# head norms with rows split over warps in QKV, gate/up and the head (hidden size 4,096: 2 rows
+# a 24 KB slot, 4 warps a row; 4 rows a 48 KB slot, 2 warps a row), as the 8B shape's are, and
+# in O (q width 2,048: 4 rows a 24 KB slot, 2 warps a row), as Qwen3-0.6B's are.
 SHAPES = {
     "hd128-split-down": ModelConfig("qwen2", 1000, 256, 4608, 3, 4, 2, 128, qkv_bias=True,
                                     rope_theta=1e6),
     "hd64-llama": ModelConfig("llama", 777, 384, 512, 2, 6, 2, 64, rope_theta=5e5),
-    "qwen3-split-rows": ModelConfig("qwen3", 1000, 4096, 1024, 2, 8, 2, 128, qk_norm=True,
+    "qwen3-split-rows": ModelConfig("qwen3", 1000, 4096, 1024, 2, 16, 4, 128, qk_norm=True,
                                     rope_theta=1e6),
 }
 

@@ -17,7 +17,8 @@
 //   finished the op before (a counter per op: one acquire poll by one thread, then a named
 //   barrier); after it they add one to its counter (release). Ops of a layer:
 //     QKV   qkv = r · (W_qkv x) + b          r = 1 / rms(x), the norm folded into W_qkv
-//     ATT   rope on q and the new k, the new k and v into the cache, attention over 0 .. pos
+//     ATT   (Qwen3: RMSNorm of each q and k head,) rope on q and the new k, the new k and v
+//           into the cache, attention over 0 .. pos
 //           (units of (kv head, split of positions); once every unit of a head has written
 //           its partials, each merges a slice of the head group's outputs)
 //     O     x += W_o att
@@ -28,8 +29,8 @@
 //   position as the next step's inputs (the engine launches step after step), and resets the
 //   counters.
 // - Each output row's dot product is computed by one block: a warp (or, for long rows, NCW / R
-//   warps' segments added in a fixed order) over the row's chunk in shared memory, against x
-//   held in registers; the chunking and the split of rows over blocks are fixed by the shape
+//   warps' segments added in a fixed order: by DOWN at its end, by the other ops a chunk at a
+//   time) over the row's chunk in shared memory, against x held in registers; the chunking and the split of rows over blocks are fixed by the shape
 //   and the block count, so the result does not depend on timing.
 //
 // Layout assumed (flashdraft.megakernel checks it): row-major bfloat16 matrices [out, in], the
