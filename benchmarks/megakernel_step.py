@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,7 +30,8 @@ from flashdraft.cuda_graphs import StepRunner  # noqa: E402
 from flashdraft.kv_cache import KVCache  # noqa: E402
 from flashdraft.megakernel import DecodeMegakernel  # noqa: E402
 from flashdraft.shapes import (_decode_loop, _time_steps, build_random_model, get_shape,  # noqa: E402
-                               measure_copy_bandwidth, step_bytes)
+                               measure_copy_bandwidth, megakernel_decode, megakernel_step_time,
+                               step_bytes)
 
 CONTEXT = 512  # cached positions before the step (--context)
 
@@ -62,40 +61,6 @@ def parse_variant(v: str) -> dict:
     return out
 
 
-def time_launches(mk: DecodeMegakernel, n: int = 200, repeats: int = 5) -> float:
-    """Median seconds a step over `repeats` runs of n back-to-back launches."""
-    for _ in range(5):
-        mk.launch()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(n):
-            mk.launch()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / n)
-    return statistics.median(times)
-
-
-def decode_loop(mk: DecodeMegakernel, context: int, steps: int = 256) -> float:
-    """Tokens/s of greedy decoding through the kernel with one host read a step, each step
-    chained on the one before (it leaves its token and the next position as inputs); positions
-    advance from `context`. The engine (`--decode-kernel megakernel`) reads one step behind."""
-    mk.start(torch.zeros(1, dtype=torch.int64, device="cuda"), context)
-    for _ in range(4):
-        mk.launch()
-        int(mk.token_out)
-    mk.start(mk.token_out, context)
-    torch.cuda.synchronize()
-    began = time.perf_counter()
-    for _ in range(steps):
-        mk.launch()
-        int(mk.token_out)
-    return steps / (time.perf_counter() - began)
-
-
 @torch.inference_mode()
 def run_shape(shape: str, variants: list[str], bandwidth: float, context: int = CONTEXT) -> dict:
     cfg = get_shape(shape)
@@ -123,9 +88,9 @@ def run_shape(shape: str, variants: list[str], bandwidth: float, context: int = 
             torch.cuda.synchronize()
             mk.check()
             err = (logits - ref).abs().max().item()
-            t = time_launches(mk)
+            t = megakernel_step_time(mk)
             mk.check()
-            d = decode_loop(mk, context) if not opts["probe"] else None
+            d = megakernel_decode(mk, context) if not opts["probe"] else None
             mk.check()
             timeline = None
             if mk.trace is not None:  # one more step at the same position, traced

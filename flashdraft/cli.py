@@ -160,14 +160,11 @@ def cmd_bench(args) -> None:
 
         if args.shape not in SHAPES:
             raise SystemExit(f"error: --random-weights needs --shape, one of {', '.join(SHAPES)}")
-        if args.decode_kernel != "graph":
-            raise SystemExit("error: --random-weights measures the CUDA-graph steps only; the "
-                             "megakernel's step on a random-weight shape: "
-                             "benchmarks/megakernel_step.py --shapes SHAPE")
         print("random weights: this measures speed only; acceptance is not measured")
         print(format_shape_bench(run_shape_bench(
             args.shape, args.dtype or "bfloat16", args.quantization, args.device or "cuda",
-            context=args.context, cuda_graphs=args.cuda_graphs, compile=args.compile)))
+            context=args.context, cuda_graphs=args.cuda_graphs, compile=args.compile,
+            decode_kernel=args.decode_kernel)))
         return
     if not args.model:
         raise SystemExit("error: --model is required (or --random-weights --shape NAME)")

@@ -34,9 +34,9 @@ from .kv_cache import KVCache
 from .model import Transformer
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_mk.cu"
-# Ring of shared-memory slots a block (FLASHDRAFT_MK_RING="slots x bytes"); measured choices
-# live in benchmarks/RESULTS.md.
-RING = os.environ.get("FLASHDRAFT_MK_RING", "8x24576")
+# Ring of shared-memory slots a block (FLASHDRAFT_MK_RING="slots x bytes", else default_ring);
+# measured choices live in benchmarks/RESULTS.md.
+RING = os.environ.get("FLASHDRAFT_MK_RING")
 CONSUMER_WARPS = 8
 # decode_mk.cu's layouts read here: TRACE's times an op (consumer, producer), XO_ROWS
 TRACE_CONSUMER, TRACE_PRODUCER = 8, 2
@@ -62,7 +62,7 @@ def unsupported(model: Transformer, cache: KVCache | None = None,
         return "the model's block norms must be folded into its products (Transformer.fold_norms)"
     if cfg.head_dim not in (64, 128):
         return f"head_dim {cfg.head_dim} (the kernel takes 64 or 128)"
-    slots, slot = _ring(ring)
+    slots, slot = _ring(ring or default_ring(cfg))
     h, inter, qd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
     if 2 * max(h, qd, inter) > slot:
         return (f"hidden size {h}, q width {qd}, intermediate size {inter}: a row of each must "
@@ -89,8 +89,25 @@ def refuse_unsupported(model: Transformer, device, role: str = "this model") -> 
                          f"use --decode-kernel graph (the default)")
 
 
-def _ring(ring: str | None = None) -> tuple[int, int]:
-    ring = ring or RING
+def default_ring(cfg) -> str:
+    """FLASHDRAFT_MK_RING, else the ring measured best for the shape (session 21): 8 slots of
+    24 KB; 6 of 32 KB where a 24 KB slot takes only two thirds of its bytes in rows of the
+    hidden size and the step reads 2 GB of weights or more, so the weight stream dominates
+    (Qwen3-8B: 3.98 instead of 4.06 ms a step; the latency-bound Qwen3-0.6B, whose rows fill a
+    24 KB slot alike, stays faster with 24 KB slots: 0.696 against 0.712 ms)."""
+    if RING:
+        return RING
+    h, qd = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    kvd, inter = cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    weights = 2 * (cfg.num_layers * h * (qd + 2 * kvd + qd + 3 * inter)
+                   + cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2))
+    rows = 24576 // (2 * h)  # rows of the hidden size in a 24 KB slot, as the kernel packs them
+    rows = 1 << (min(rows, 16).bit_length() - 1) if rows else 0
+    filled = rows * 2 * h / 24576
+    return "6x32768" if filled < 0.75 and weights >= 2e9 else "8x24576"
+
+
+def _ring(ring: str) -> tuple[int, int]:
     try:
         slots, slot = (int(v) for v in ring.lower().split("x"))
     except ValueError:
@@ -124,7 +141,7 @@ class DecodeMegakernel:
     def __init__(self, model: Transformer, cache: KVCache, ring: str | None = None,
                  probe: str = "", ldgsts: bool = True, producers: int = 4,
                  defines: dict[str, int] | None = None):
-        """ring: "SLOTSxBYTES" (default FLASHDRAFT_MK_RING); probe: "nowait" (measurement
+        """ring: "SLOTSxBYTES" (default: default_ring); probe: "nowait" (measurement
         only, wrong output: no op waits for the one before, the weight stream's own speed;
         "nocompute": the consumers multiply nothing; both: "nowait,nocompute"); ldgsts: the
         producer warps copy with cp.async, 16 bytes a lane (default, measured faster than one
@@ -139,7 +156,8 @@ class DecodeMegakernel:
         dev = model.embed.weight.device
         self.device = dev
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        slots, slot = _ring(ring)
+        self.ring = ring or default_ring(cfg)
+        slots, slot = _ring(self.ring)
         probes = set(filter(None, probe.split(",")))
         if probes - {"nowait", "nocompute"}:
             raise ValueError(f"probe {probe!r}: '', or nowait and/or nocompute")

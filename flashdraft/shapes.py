@@ -176,15 +176,54 @@ def _decode_loop(runner: StepRunner, cache: KVCache, context: int, vocab: int,
     return steps / (time.perf_counter() - began)
 
 
+def megakernel_step_time(mk, n: int = 200, repeats: int = 5) -> float:
+    """Median seconds a step of a DecodeMegakernel over `repeats` runs of n back-to-back
+    launches (events)."""
+    for _ in range(5):
+        mk.launch()
+    torch.cuda.synchronize(mk.device)
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            mk.launch()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / n)
+    return statistics.median(times)
+
+
+def megakernel_decode(mk, context: int, steps: int = 256) -> float:
+    """Tokens/s of greedy decoding through a DecodeMegakernel with one host read a step, each
+    step chained on the one before (it leaves its token and the next position as inputs);
+    positions advance from `context`. The engine (`--decode-kernel megakernel`) reads one
+    step behind."""
+    mk.start(torch.zeros(1, dtype=torch.int64, device=mk.device), context)
+    for _ in range(4):
+        mk.launch()
+        int(mk.token_out)
+    mk.start(mk.token_out, context)
+    torch.cuda.synchronize(mk.device)
+    began = time.perf_counter()
+    for _ in range(steps):
+        mk.launch()
+        int(mk.token_out)
+    return steps / (time.perf_counter() - began)
+
+
 @torch.inference_mode()
 def run_shape_bench(shape: str, dtype: str = "bfloat16", quant: str | None = None,
                     device: str = "cuda", *, context: int = 512,
                     step_tokens: tuple[int, ...] = STEP_TOKENS, cuda_graphs: bool = True,
                     compile: bool = False, draft: bool = True, repeats: int = 30,
-                    decode_steps: int = 128, bandwidth: float | None = None) -> dict:
+                    decode_steps: int = 128, bandwidth: float | None = None,
+                    decode_kernel: str = "graph") -> dict:
     """Step cost curve, drafter step and plain-decoding roofline fraction of a synthetic shape.
 
     quant: None, "int8", "int4", or "MODE-BACKEND" ("int4-hybrid", "int4-tinygemm", ...).
+    decode_kernel "megakernel": plain decoding through the decode megakernel as well (its
+    step, its tokens/s and roofline fraction; the step curve stays the graphs').
     Returns a dict (see format_shape_bench); `bandwidth` (bytes/s) skips measuring it again.
     """
     dev = torch.device(device)
@@ -204,6 +243,9 @@ def run_shape_bench(shape: str, dtype: str = "bfloat16", quant: str | None = Non
     model = build_random_model(cfg, torch_dtype, dev, quant=quant)
     torch.cuda.synchronize(dev)
     out["build_s"] = time.perf_counter() - began
+    if decode_kernel == "megakernel":  # refused before anything is measured
+        from .megakernel import refuse_unsupported
+        refuse_unsupported(model, dev, f"the {shape} shape ({out['dtype']}, quant {out['quant']})")
     max_t = max(step_tokens)
     cache = KVCache.for_model(cfg, 1, -(-(context + decode_steps + max_t + 8) // 256) * 256,
                               torch_dtype, dev)
@@ -232,6 +274,19 @@ def run_shape_bench(shape: str, dtype: str = "bfloat16", quant: str | None = Non
         out["graph_step_roofline_fraction"] = curve[1]["bandwidth_fraction"]
         if 16 in curve:
             out["verify16_over_decode1"] = curve[16]["ms"] / curve[1]["ms"]
+    if decode_kernel == "megakernel":
+        from .megakernel import DecodeMegakernel
+        mk = DecodeMegakernel(model, cache)
+        step = megakernel_step_time(mk)
+        tps = megakernel_decode(mk, context, decode_steps)
+        mk.check()
+        out["megakernel"] = {"ring": mk.ring, "step_ms": step * 1e3,
+                             "step_roofline_fraction": need1["bytes"] / step / bandwidth,
+                             "decode_tokens_per_s": tps,
+                             "roofline_fraction": tps / out["roofline_tokens_per_s"]}
+        if 16 in curve:
+            out["megakernel"]["verify16_over_step"] = curve[16]["ms"] / (step * 1e3)
+        del mk
     del runner, cache, model
     torch.cuda.empty_cache()
     if draft and shape in DRAFT_SHAPES:
@@ -268,6 +323,14 @@ def format_shape_bench(r: dict) -> str:
     for t, c in r["step_curve"].items():
         lines.append(f"                  {int(t):2d} {c['ms']:7.3f} {c['ms'] / base:5.2f}x "
                      f"{100 * c['bandwidth_fraction']:6.1f}%  {c['tflops']:7.1f}")
+    if "megakernel" in r:
+        m = r["megakernel"]
+        lines.append(f"  plain decode through the megakernel (ring {m['ring']}): "
+                     f"{m['decode_tokens_per_s']:.1f} tokens/s = "
+                     f"{100 * m['roofline_fraction']:.1f}% of the roofline; its step "
+                     f"{m['step_ms']:.3f} ms ({100 * m['step_roofline_fraction']:.1f}%)"
+                     + (f"; verifying 16 tokens (graphs) costs {m['verify16_over_step']:.2f}x it"
+                        if "verify16_over_step" in m else ""))
     if "drafter" in r:
         d = r["drafter"]
         lines.append(f"  drafter step ({d['shape']}, {d['dtype']}): {d['step_ms']:.3f} ms")

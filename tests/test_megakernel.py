@@ -84,6 +84,53 @@ def test_megakernel_matches_the_model(shape, prompt, ring):
     assert compared >= (12 if cfg.hidden_size < 4096 else 8)
 
 
+def test_default_ring_follows_the_shape(monkeypatch):
+    from flashdraft import megakernel
+    from flashdraft.shapes import get_shape
+    monkeypatch.setattr(megakernel, "RING", None)
+    # 24 KB slots where rows of the hidden size fill them (1.5B) or the model is small (0.6B);
+    # 32 KB slots for the 8B, whose 8 KB rows fill a 24 KB slot to two thirds
+    assert megakernel.default_ring(get_shape("qwen2.5-1.5b")) == "8x24576"
+    assert megakernel.default_ring(get_shape("qwen3-0.6b")) == "8x24576"
+    assert megakernel.default_ring(get_shape("qwen3-8b")) == "6x32768"
+    monkeypatch.setattr(megakernel, "RING", "4x49152")  # FLASHDRAFT_MK_RING
+    assert megakernel.default_ring(get_shape("qwen3-8b")) == "4x49152"
+
+
+def test_shape_bench_report_shows_the_megakernel():
+    from flashdraft.shapes import format_shape_bench
+    curve = {1: {"ms": 4.0, "bandwidth_fraction": 0.85, "tflops": 0.1},
+             16: {"ms": 4.6, "bandwidth_fraction": 0.75, "tflops": 1.4}}
+    r = {"shape": "qwen3-8b", "dtype": "bfloat16", "quant": "none", "cuda_graphs": True,
+         "compile": False, "gpu": "H200", "context": 512, "bytes_per_step": 16.4e9,
+         "weight_bytes": 16.4e9, "kv_bytes_per_step": 7e7, "flops_per_step": 1.6e10,
+         "copy_bandwidth_Bps": 4.2e12, "decode_tokens_per_s": 238.0, "roofline_fraction": 0.86,
+         "roofline_tokens_per_s": 277.0, "step_curve": curve, "note": "random weights",
+         "megakernel": {"ring": "6x32768", "step_ms": 3.98, "step_roofline_fraction": 0.907,
+                        "decode_tokens_per_s": 249.2, "roofline_fraction": 0.899,
+                        "verify16_over_step": 4.6 / 3.98}}
+    text = format_shape_bench(r)
+    assert ("plain decode through the megakernel (ring 6x32768): 249.2 tokens/s = 89.9% of the "
+            "roofline; its step 3.980 ms (90.7%); verifying 16 tokens (graphs) costs 1.16x it"
+            in text)
+
+
+@pytest.mark.gpu
+def test_shape_bench_runs_the_megakernel_and_refuses_it_for_int4():
+    from flashdraft.shapes import run_shape_bench
+    r = run_shape_bench("qwen2.5-0.5b", step_tokens=(1, 16), draft=False, repeats=3,
+                        decode_steps=16, decode_kernel="megakernel")
+    m = r["megakernel"]
+    assert m["ring"] == "8x24576" and m["step_ms"] > 0 and m["decode_tokens_per_s"] > 0
+    assert m["roofline_fraction"] == pytest.approx(
+        m["decode_tokens_per_s"] / r["roofline_tokens_per_s"])
+    assert m["verify16_over_step"] == pytest.approx(r["step_curve"][16]["ms"] / m["step_ms"])
+    with pytest.raises(ValueError, match="megakernel cannot run the qwen2.5-0.5b shape .*int4.*"
+                                         "contiguous bfloat16 nn.Linear"):
+        run_shape_bench("qwen2.5-0.5b", quant="int4", step_tokens=(1,), draft=False,
+                        decode_kernel="megakernel")
+
+
 @pytest.mark.gpu
 def test_llx_refuses_rows_split_over_warps():
     from flashdraft.megakernel import DecodeMegakernel
