@@ -58,6 +58,10 @@ def unsupported(model: Transformer, cache: KVCache | None = None,
         return why
     if torch.cuda.get_device_capability(device) < (9, 0):
         return "it needs an sm_90 (Hopper) or newer GPU (bulk copies and mbarriers)"
+    for block in model.layers:  # before the norms: a quantized model does not fold them
+        for lin in (block.attn.wqkv, block.attn.wo, block.mlp.w_gate_up, block.mlp.w_down):
+            if type(lin) is not torch.nn.Linear or not lin.weight.is_contiguous():
+                return "every product must be a contiguous bfloat16 nn.Linear (not quantized)"
     if not model.norms_folded:
         return "the model's block norms must be folded into its products (Transformer.fold_norms)"
     if cfg.head_dim not in (64, 128):
@@ -72,10 +76,6 @@ def unsupported(model: Transformer, cache: KVCache | None = None,
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if -(-h // sms) > 64:
         return f"hidden size {h} over {sms} multiprocessors: at most 64 rows a block"
-    for block in model.layers:
-        for lin in (block.attn.wqkv, block.attn.wo, block.mlp.w_gate_up, block.mlp.w_down):
-            if type(lin) is not torch.nn.Linear or not lin.weight.is_contiguous():
-                return "every product must be a contiguous bfloat16 nn.Linear (not quantized)"
     return None
 
 

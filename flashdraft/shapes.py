@@ -277,6 +277,8 @@ def run_shape_bench(shape: str, dtype: str = "bfloat16", quant: str | None = Non
     if decode_kernel == "megakernel":
         from .megakernel import DecodeMegakernel
         mk = DecodeMegakernel(model, cache)
+        mk.step(torch.zeros(1, dtype=torch.int64, device=dev),  # its launches at `context`
+                torch.tensor([context], device=dev))
         step = megakernel_step_time(mk)
         tps = megakernel_decode(mk, context, decode_steps)
         mk.check()

@@ -351,7 +351,7 @@ def test_settings_refuse_bad_values():
     s = BenchSettings(model="m", drafts=("ngram", "ngram"), num_speculative_tokens=(5, 1, 5))
     assert s.drafts == ("ngram",) and s.num_speculative_tokens == (1, 5)
     with pytest.raises(SystemExit, match="random-weight shape benchmark needs a CUDA GPU"):
-        cli.main(["bench", "--random-weights", "--shape", "qwen2.5-1.5b",
+        cli.main(["bench", "--random-weights", "--shape", "qwen2.5-1.5b", "--device", "cpu",
                   "--decode-kernel", "megakernel"])
     assert spread([1, 2, 3, 4, 5]) == {"median": 3, "p10": 1.4, "p90": 4.6, "mean": 3,
                                        "min": 1, "max": 5}
