@@ -83,7 +83,7 @@ def make_drafter(name: str, target: Loaded, cfg: EngineConfig, device, dtype) ->
     check_same_tokenizer(target, draft)
     return DraftModelDrafter(draft.model, device, dtype, target.config.vocab_size,
                              cuda_graphs=cfg.cuda_graphs,
-                             megakernel=cfg.decode_kernel == "megakernel")
+                             decode_kernel=cfg.decode_kernel)
 
 
 class Detokenizer:
@@ -115,7 +115,7 @@ class LLM:
                  max_model_len: int | None = None, ngram_sizes: Iterable[int] = (4, 3, 2),
                  cuda_graphs: bool = True, compile: bool = False,
                  quantization: str | None = None, draft_quantization: str | None = "auto",
-                 adaptive_speculation: bool = True, decode_kernel: str = "graph"):
+                 adaptive_speculation: bool = True, decode_kernel: str = "auto"):
         self.config = EngineConfig(model=model, draft=draft,
                                    num_speculative_tokens=num_speculative_tokens,
                                    ngram_sizes=tuple(ngram_sizes), dtype=dtype, device=device,

@@ -92,8 +92,8 @@ class BenchSettings:
     adaptive_speculation: tuple[bool, ...] = (True,)
     quantization: str | None = None  # of the target: None | "int8" | "int4"
     draft_quantization: str | None = "auto"  # of draft models; "auto": as the target's
-    # greedy one-token steps of plain decoding and draft models: "graph" | "megakernel"
-    decode_kernel: str = "graph"
+    # greedy one-token steps of plain decoding and draft models: "auto" | "graph" | "megakernel"
+    decode_kernel: str = "auto"
     note: str | None = None  # printed with the results, e.g. "random weights: speed only"
     command: str | None = None  # the exact command line, recorded in results.json
     progress: bool = True
@@ -483,7 +483,7 @@ def configurations(s: BenchSettings) -> list[Configuration]:
     """Per temperature: plain decoding first (speedups divide by it), then each drafter × k."""
     out = []
     for t in s.temperatures:
-        out.append(Configuration(None, 0, t, "plain" if s.decode_kernel == "graph" or t > 0
+        out.append(Configuration(None, 0, t, "plain" if s.decode_kernel != "megakernel" or t > 0
                                  else "plain (megakernel)"))
         out += [Configuration(d, k, t, draft_label(d), adaptive)
                 for d in s.drafts for k in s.num_speculative_tokens

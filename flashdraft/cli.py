@@ -39,12 +39,14 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True,
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the forward before graph capture (faster steps, "
                         "a minute or two of start-up)")
-    p.add_argument("--decode-kernel", default="graph", choices=DECODE_KERNELS,
+    p.add_argument("--decode-kernel", default="auto", choices=DECODE_KERNELS,
                    help="greedy one-token steps of plain decoding (requests without a "
                         "drafter) and of a draft model: CUDA graphs of the model's kernels "
-                        "(default), or one persistent kernel a token (Hopper GPUs, bfloat16 "
-                        "Qwen2/Llama models; faster; plain decoding's tokens can differ from "
-                        "the graphs' where two logits nearly tie, speculation's cannot)")
+                        "(graph), or one persistent kernel a token (megakernel: Hopper GPUs, "
+                        "bfloat16 Qwen2/Qwen3/Llama models; faster; plain decoding's tokens "
+                        "can differ from the graphs' where two logits nearly tie, "
+                        "speculation's cannot); auto (default): a draft model's steps through "
+                        "the kernel where it runs, plain decoding's on the graphs")
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="weight-only quantization of the target, applied at load")
     p.add_argument("--draft-quantization", default="auto", choices=["auto", "none", "int8", "int4"],

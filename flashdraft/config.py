@@ -127,7 +127,8 @@ class SamplingParams:
 
 DRAFT_NGRAM = "ngram"
 # how greedy one-token steps run: CUDA graphs of the model's kernels, or flashdraft.megakernel
-DECODE_KERNELS = ("graph", "megakernel")
+# ("auto": a draft model's through the megakernel where it runs, plain decoding's on the graphs)
+DECODE_KERNELS = ("auto", "graph", "megakernel")
 
 
 @dataclass(frozen=True)
@@ -149,8 +150,10 @@ class EngineConfig:
     # step drafts up to num_speculative_tokens
     adaptive_speculation: bool = True
     # greedy one-token steps of plain decoding and of a draft model: "graph" (CUDA graphs of the
-    # model's kernels) or "megakernel" (one persistent kernel a token; flashdraft.megakernel)
-    decode_kernel: str = "graph"
+    # model's kernels), "megakernel" (one persistent kernel a token; flashdraft.megakernel), or
+    # "auto": a draft model's through the megakernel where it can run (drafts only propose, so
+    # the output is the same), plain decoding's on the graphs (the reference)
+    decode_kernel: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 64:

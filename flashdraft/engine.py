@@ -13,10 +13,11 @@ for the GPU: each token is read while the step after it runs.
 
 Plain decoding's steps are CUDA graphs of the model's kernels, or, with
 `decode_kernel="megakernel"`, one persistent kernel a token (`flashdraft.megakernel`: Hopper,
-bfloat16 Qwen2 / Qwen3 / Llama) for greedy requests without a drafter. Its tokens can differ from the
-graphs' where two logits nearly tie; speculative requests (their plain stretches included)
-stay on the graphs, so their output is the graph path's plain decoding. (A draft model's
-greedy steps may take the megakernel too: drafts only propose, so that changes no output.)
+bfloat16 Qwen2 / Qwen3 / Llama) for greedy requests without a drafter. Its tokens can differ
+from the graphs' where two logits nearly tie; speculative requests (their plain stretches
+included) stay on the graphs, so their output is the graph path's plain decoding. (A draft
+model's greedy steps take the megakernel wherever it runs unless decode_kernel="graph":
+drafts only propose, so that changes no output.)
 """
 from __future__ import annotations
 
@@ -164,7 +165,7 @@ class Engine:
     def __init__(self, model: Transformer, device: torch.device, dtype: torch.dtype,
                  max_model_len: int, eos_token_ids: tuple[int, ...], *,
                  cuda_graphs: bool = True, compile: bool = False, adaptive: bool = True,
-                 decode_kernel: str = "graph"):
+                 decode_kernel: str = "auto"):
         self.model, self.device, self.dtype = model, device, dtype
         self.adaptive = adaptive  # AdaptiveSpeculation for drafters that allow it
         self.max_model_len = max_model_len

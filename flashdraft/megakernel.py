@@ -8,10 +8,10 @@ the weight stream never waits for the activations. `benchmarks/megakernel_step.p
 against the model's CUDA-graph step in one process; `tests/test_megakernel.py` checks its
 logits and tokens against `Transformer.forward` on the GPU.
 
-In the engine it is an opt-in path (`--decode-kernel megakernel`) for the greedy one-token
-steps of plain decoding (requests without a drafter, `Engine(decode_kernel=...)`) and of a
-draft model (`DraftModelDrafter(megakernel=True)`); every other step stays on the CUDA
-graphs. Its reductions are not the skinny kernel's, so its tokens can differ from the graph
+In the engine it runs the greedy one-token steps of a draft model wherever it can (the
+default, `--decode-kernel auto`: drafts only propose, so the output is the same) and, opted
+in (`--decode-kernel megakernel`), those of plain decoding too (requests without a drafter,
+`Engine(decode_kernel=...)`); every other step stays on the CUDA graphs. Its reductions are not the skinny kernel's, so its tokens can differ from the graph
 path's where two logits nearly tie, and speculative verification (T > 1) has no megakernel:
 speculation reproduces the graph path's plain decoding, not this kernel's.
 
@@ -79,14 +79,19 @@ def unsupported(model: Transformer, cache: KVCache | None = None,
     return None
 
 
+def why_not(model: Transformer, device) -> str | None:
+    """Why the kernel cannot run `model` on `device` (any device), or None when it can."""
+    return (unsupported(model) if torch.device(device).type == "cuda"
+            else f"it needs CUDA (device {device})")
+
+
 def refuse_unsupported(model: Transformer, device, role: str = "this model") -> None:
     """For `--decode-kernel megakernel`: raise a user's error naming why the kernel cannot
     run `model` (`role`: which model, in the message) on `device`."""
-    why = (unsupported(model) if torch.device(device).type == "cuda"
-           else f"it needs CUDA (device {device})")
+    why = why_not(model, device)
     if why:
         raise ValueError(f"--decode-kernel megakernel cannot run {role}: {why}; "
-                         f"use --decode-kernel graph (the default)")
+                         f"use --decode-kernel auto (the default) or graph")
 
 
 def default_ring(cfg) -> str:

@@ -342,8 +342,12 @@ def test_settings_refuse_bad_values():
     with pytest.raises(ValueError,
                        match=r"takes True and/or False \(--adaptive-speculation on\|off\|both\)"):
         BenchSettings(model="m", adaptive_speculation=())
-    with pytest.raises(ValueError, match="--decode-kernel 'fast' is not one of graph, megakernel"):
+    with pytest.raises(ValueError,
+                       match="--decode-kernel 'fast' is not one of auto, graph, megakernel"):
         BenchSettings(model="m", decode_kernel="fast")
+    auto = BenchSettings(model="m", drafts=("ngram",))  # auto: plain decoding on the graphs
+    assert auto.decode_kernel == "auto"
+    assert [c.name for c in configurations(auto) if c.drafter is None] == ["plain"]
     mk = BenchSettings(model="m", drafts=("ngram",), temperatures=(0.0, 0.7),
                        decode_kernel="megakernel")
     plains = [c.name for c in configurations(mk) if c.drafter is None]

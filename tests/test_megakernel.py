@@ -203,9 +203,10 @@ def test_engine_refuses_the_megakernel_where_it_cannot_run():
     cfg = SHAPES["hd64-llama"]
     model = build_random_model(cfg, torch.bfloat16, "cpu")
     with pytest.raises(ValueError, match="megakernel cannot run this model: it needs CUDA.*"
-                                         "--decode-kernel graph"):
+                                         "--decode-kernel auto"):
         Engine(model, torch.device("cpu"), torch.bfloat16, 64, (), decode_kernel="megakernel")
-    with pytest.raises(ValueError, match="decode_kernel 'fast' is not one of graph, megakernel"):
+    with pytest.raises(ValueError,
+                       match="decode_kernel 'fast' is not one of auto, graph, megakernel"):
         Engine(model, torch.device("cpu"), torch.bfloat16, 64, (), decode_kernel="fast")
     with pytest.raises(ValueError, match="decode_kernel 'fast'"):
         EngineConfig(model="m", decode_kernel="fast")
@@ -272,7 +273,9 @@ def test_draft_model_steps_through_the_megakernel():
         model.lm_head.weight.mul_(20)
     dev = torch.device("cuda")
     engine = Engine(model, dev, torch.bfloat16, 512, ())
-    drafter = DraftModelDrafter(model, dev, torch.bfloat16, cfg.vocab_size, megakernel=True)
+    # "auto", the default, takes the kernel where it runs, as "megakernel" does
+    drafter = DraftModelDrafter(model, dev, torch.bfloat16, cfg.vocab_size, decode_kernel="auto")
+    assert drafter.use_megakernel
     greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     gen = torch.Generator().manual_seed(1)
     with torch.inference_mode():
@@ -291,7 +294,28 @@ def test_draft_model_refuses_the_megakernel_without_cuda():
     model = build_random_model(cfg, torch.bfloat16, "cpu")
     with pytest.raises(ValueError, match="megakernel cannot run the draft model: it needs CUDA"):
         DraftModelDrafter(model, torch.device("cpu"), torch.bfloat16, cfg.vocab_size,
-                          megakernel=True)
+                          decode_kernel="megakernel")
+    # "auto" (the default) takes the graphs / eager steps instead, as does a wider vocabulary
+    auto = DraftModelDrafter(model, torch.device("cpu"), torch.bfloat16, cfg.vocab_size,
+                             decode_kernel="auto")
+    assert not auto.use_megakernel
+
+
+@pytest.mark.gpu
+def test_auto_drafts_on_graphs_where_the_kernel_cannot_run():
+    from flashdraft.drafters.draft_model import DraftModelDrafter
+    cfg = SHAPES["hd64-llama"]
+    model = build_random_model(cfg, torch.bfloat16, "cuda")
+    dev = torch.device("cuda")
+    narrower = cfg.vocab_size - 1  # the draft's logits would need cutting
+    assert not DraftModelDrafter(model, dev, torch.bfloat16, narrower).use_megakernel
+    assert not DraftModelDrafter(model, dev, torch.bfloat16, narrower,
+                                 decode_kernel="auto").use_megakernel
+    with pytest.raises(ValueError, match="its 777 logits would need cutting to the target's 776"):
+        DraftModelDrafter(model, dev, torch.bfloat16, narrower, decode_kernel="megakernel")
+    int8 = build_random_model(cfg, torch.bfloat16, "cuda", quant="int8")
+    assert not DraftModelDrafter(int8, dev, torch.bfloat16, cfg.vocab_size,
+                                 decode_kernel="auto").use_megakernel
 
 
 class _ChainedSteps:

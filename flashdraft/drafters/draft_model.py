@@ -7,10 +7,10 @@ d_1 … d_{k-1} (d_k was sampled, never fed); when the target keeps n of them, t
 len(context) + min(n, k-1) cached positions are still right, and the next proposal feeds
 the rest of the committed sequence (one or two tokens) before drafting again.
 
-With `megakernel=True`, greedy proposals feed one token at a time through
-`flashdraft.megakernel` (one kernel a token, each step chained on the one before) wherever a
-step feeds one token. The drafts are only proposals, so this changes how fast the target's
-output comes, never what it is.
+With `decode_kernel="megakernel"` (or "auto", the default, where the kernel can run the draft
+model), greedy proposals feed one token at a time through `flashdraft.megakernel` (one kernel
+a token, each step chained on the one before) wherever a step feeds one token. The drafts are
+only proposals, so this changes how fast the target's output comes, never what it is.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class DraftModelDrafter:
     hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, model: Transformer, device: torch.device, dtype: torch.dtype,
-                 target_vocab: int, *, cuda_graphs: bool = True, megakernel: bool = False):
+                 target_vocab: int, *, cuda_graphs: bool = True, decode_kernel: str = "graph"):
         self.model, self.device, self.dtype = model, device, dtype
         # Each one-token draft step replayed as a CUDA graph; None on a CPU (eager).
         self.runner = (StepRunner(model, device)
@@ -36,14 +36,17 @@ class DraftModelDrafter:
         # rows for one tokenizer): q is cut or padded to the target's width, and sampled from
         # in that form, so that q is exactly the distribution the drafts came from.
         self.target_vocab = target_vocab
-        if megakernel:
-            from ..megakernel import refuse_unsupported
-            refuse_unsupported(model, device, "the draft model")
-            if model.cfg.vocab_size > target_vocab:  # its argmax could be a row cut off
-                raise ValueError(f"--decode-kernel megakernel cannot run the draft model: its "
-                                 f"{model.cfg.vocab_size} logits would need cutting to the "
-                                 f"target's {target_vocab}; use --decode-kernel graph")
-        self.use_megakernel = megakernel
+        why = None  # why the megakernel cannot run the draft model, where it was asked for
+        if decode_kernel != "graph":
+            from ..megakernel import why_not
+            why = why_not(model, device)
+            if not why and model.cfg.vocab_size > target_vocab:  # its argmax: a row cut off?
+                why = (f"its {model.cfg.vocab_size} logits would need cutting to the target's "
+                       f"{target_vocab}")
+            if why and decode_kernel == "megakernel":
+                raise ValueError(f"--decode-kernel megakernel cannot run the draft model: {why}; "
+                                 f"use --decode-kernel graph or auto")
+        self.use_megakernel = decode_kernel != "graph" and not why
         self.megakernel = None  # built with each cache (ensure_capacity)
         self.cache: KVCache | None = None
         self.n_cached = 0  # positions of the committed sequence that the cache holds correctly
