@@ -225,8 +225,9 @@ for phase in "$@"; do
   pairkernels)
     # The example pair through the chat template (first 8 HumanEval prompts, 128 new tokens,
     # greedy) with the draft model's and plain decoding's steps through the megakernel, then
-    # through the CUDA graphs (--decode-kernel); n-gram drafting in both.
-    for dk in megakernel graph; do
+    # through the CUDA graphs (--decode-kernel; PAIR_DKS: which, e.g. "auto graph"); n-gram
+    # drafting in both.
+    for dk in ${PAIR_DKS:-megakernel graph}; do
       fd bench --model example:qwen2.5-coder-1.5b --draft example:qwen2.5-coder-0.5b \
         --draft ngram --num-speculative-tokens "${PAIR_KS:-3,5,8}" --prompts humaneval \
         --num-prompts 8 --max-tokens 128 --decode-kernel $dk --output "$OUT/pair-$dk" \
