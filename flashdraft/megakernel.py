@@ -11,8 +11,9 @@ logits and tokens against `Transformer.forward` on the GPU.
 In the engine it runs the greedy one-token steps of a draft model wherever it can (the
 default, `--decode-kernel auto`: drafts only propose, so the output is the same) and, opted
 in (`--decode-kernel megakernel`), those of plain decoding too (requests without a drafter,
-`Engine(decode_kernel=...)`); every other step stays on the CUDA graphs. Its reductions are not the skinny kernel's, so its tokens can differ from the graph
-path's where two logits nearly tie, and speculative verification (T > 1) has no megakernel:
+`Engine(decode_kernel=...)`); every other step stays on the CUDA graphs. Its reductions are
+not the skinny kernel's, so its tokens can differ from the graph path's where two logits
+nearly tie, and speculative verification (T > 1) has no megakernel:
 speculation reproduces the graph path's plain decoding, not this kernel's.
 
     mk = DecodeMegakernel(model, cache)      # a folded bf16 Qwen2/Qwen3/Llama model, CUDA
@@ -124,8 +125,8 @@ def _ring(ring: str) -> tuple[int, int]:
 
 class _Args(ctypes.Structure):  # decode_mk.cu's Args, field for field
     _fields_ = [(name, ctypes.c_void_p) for name in (
-        "table", "embed", "head", "fnorm", "qknorm", "inv_freq", "kv", "token", "pos", "x", "qkv", "att",
-        "hbuf", "part", "logits", "best", "counters", "out_token", "error", "trace", "step_count")] + [
+        "table", "embed", "head", "fnorm", "qknorm", "inv_freq", "kv", "token", "pos", "x",
+        "qkv", "att", "hbuf", "part", "logits", "best", "counters", "out_token", "error", "trace", "step_count")] + [
         ("max_len", ctypes.c_int), ("eps", ctypes.c_float), ("chain", ctypes.c_int)]
 
 
@@ -200,7 +201,7 @@ class DecodeMegakernel:
         self.fnorm = model.norm.weight.detach().to(torch.bfloat16).contiguous()
         # Qwen3's head norms, [layers][q, k][head_dim] (a placeholder without them)
         self.qknorm = (torch.stack([torch.stack([blk.attn.q_norm.weight, blk.attn.k_norm.weight])
-                                    for blk in model.layers]).detach().to(torch.bfloat16).contiguous()
+                                    for blk in model.layers]).detach().to(**bf16).contiguous()
                        if cfg.qk_norm else torch.zeros(8, **bf16))
         self.inv_freq = model.inv_freq.float().contiguous()
         if llx and 16 * max(h, qd) > slot:
@@ -230,7 +231,8 @@ class DecodeMegakernel:
         mma._allow_shared(self.fn, self.shared)
         self.args = _Args(
             self.table.data_ptr(), model.embed.weight.data_ptr(), model.lm_head.weight.data_ptr(),
-            self.fnorm.data_ptr(), self.qknorm.data_ptr(), self.inv_freq.data_ptr(), cache.kv.data_ptr(),
+            self.fnorm.data_ptr(), self.qknorm.data_ptr(), self.inv_freq.data_ptr(),
+            cache.kv.data_ptr(),
             self.token_in.data_ptr(), self.pos_in.data_ptr(), self.x.data_ptr(),
             self.qkv.data_ptr(), self.att.data_ptr(), self.hbuf.data_ptr(), self.part.data_ptr(),
             self.logits.data_ptr(), self.best.data_ptr(), self.counters.data_ptr(),

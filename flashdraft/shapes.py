@@ -178,7 +178,7 @@ def _decode_loop(runner: StepRunner, cache: KVCache, context: int, vocab: int,
 
 def megakernel_step_time(mk, n: int = 200, repeats: int = 5) -> float:
     """Median seconds a step of a DecodeMegakernel over `repeats` runs of n back-to-back
-    launches (events)."""
+    launches (events), each at the position of its last `step()`."""
     for _ in range(5):
         mk.launch()
     torch.cuda.synchronize(mk.device)

@@ -313,6 +313,11 @@ def test_auto_drafts_on_graphs_where_the_kernel_cannot_run():
                                  decode_kernel="auto").use_megakernel
     with pytest.raises(ValueError, match="its 777 logits would need cutting to the target's 776"):
         DraftModelDrafter(model, dev, torch.bfloat16, narrower, decode_kernel="megakernel")
+    assert DraftModelDrafter(model, dev, torch.bfloat16, cfg.vocab_size,
+                             decode_kernel="auto").use_megakernel
+    # --no-cuda-graphs (eager steps, for debugging) keeps auto off the kernel too
+    assert not DraftModelDrafter(model, dev, torch.bfloat16, cfg.vocab_size, cuda_graphs=False,
+                                 decode_kernel="auto").use_megakernel
     int8 = build_random_model(cfg, torch.bfloat16, "cuda", quant="int8")
     assert not DraftModelDrafter(int8, dev, torch.bfloat16, cfg.vocab_size,
                                  decode_kernel="auto").use_megakernel

@@ -30,8 +30,9 @@
 //   counters.
 // - Each output row's dot product is computed by one block: a warp (or, for long rows, NCW / R
 //   warps' segments added in a fixed order: by DOWN at its end, by the other ops a chunk at a
-//   time) over the row's chunk in shared memory, against x held in registers; the chunking and the split of rows over blocks are fixed by the shape
-//   and the block count, so the result does not depend on timing.
+//   time) over the row's chunk in shared memory, against x held in registers; the chunking
+//   and the split of rows over blocks are fixed by the shape and the block count, so the
+//   result does not depend on timing.
 //
 // Layout assumed (flashdraft.megakernel checks it): row-major bfloat16 matrices [out, in], the
 // MLP's [gate; up] as one matrix of 2 I rows, the cache [layers, 2, 1, NKV, max_len, HD].

@@ -8,7 +8,7 @@ len(context) + min(n, k-1) cached positions are still right, and the next propos
 the rest of the committed sequence (one or two tokens) before drafting again.
 
 With `decode_kernel="megakernel"` (or "auto", the default, where the kernel can run the draft
-model), greedy proposals feed one token at a time through `flashdraft.megakernel` (one kernel
+model and CUDA graphs are on), greedy proposals feed one token at a time through `flashdraft.megakernel` (one kernel
 a token, each step chained on the one before) wherever a step feeds one token. The drafts are
 only proposals, so this changes how fast the target's output comes, never what it is.
 """
@@ -36,6 +36,8 @@ class DraftModelDrafter:
         # rows for one tokenizer): q is cut or padded to the target's width, and sampled from
         # in that form, so that q is exactly the distribution the drafts came from.
         self.target_vocab = target_vocab
+        if decode_kernel == "auto" and not cuda_graphs:  # eager asked for: eager it is
+            decode_kernel = "graph"
         why = None  # why the megakernel cannot run the draft model, where it was asked for
         if decode_kernel != "graph":
             from ..megakernel import why_not
