@@ -67,11 +67,18 @@ def unsupported(model: Transformer, cache: KVCache | None = None,
         return "the model's block norms must be folded into its products (Transformer.fold_norms)"
     if cfg.head_dim not in (64, 128):
         return f"head_dim {cfg.head_dim} (the kernel takes 64 or 128)"
-    slots, slot = _ring(ring or default_ring(cfg))
+    ring = ring or default_ring(cfg)
+    slots, slot = _ring(ring)
     h, inter, qd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
     if 2 * max(h, qd, inter) > slot:
         return (f"hidden size {h}, q width {qd}, intermediate size {inter}: a row of each must "
                 f"fit a {slot}-byte slot (FLASHDRAFT_MK_RING)")
+    need = shared_bytes(cfg, ring)
+    limit = mma._shared_limit(device.index if device.index is not None
+                              else torch.cuda.current_device())
+    if need > limit:  # e.g. GPUs of ~100 KB a block
+        return (f"it needs {need} bytes of shared memory a block, the GPU allows {limit} "
+                f"(FLASHDRAFT_MK_RING: a smaller ring)")
     if cache is not None and (cache.kv.shape[2] != 1 or cache.kv.dtype != torch.bfloat16):
         return "the cache must hold one bfloat16 sequence"
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -111,6 +118,18 @@ def default_ring(cfg) -> str:
     rows = 1 << (min(rows, 16).bit_length() - 1) if rows else 0
     filled = rows * 2 * h / 24576
     return "6x32768" if filled < 0.75 and weights >= 2e9 else "8x24576"
+
+
+def shared_bytes(cfg, ring: str, llx: bool = False) -> int:
+    """Dynamic shared memory a block of the kernel takes: the ring, then decode_mk.cu's Shared
+    (mbarriers, sums, attention state; with LLX, x as polled and the rows going out)."""
+    slots, slot = _ring(ring)
+    group = cfg.num_heads // cfg.num_kv_heads
+    struct = (16 * slots + 4 * 64 * CONSUMER_WARPS + 4 * 3 * CONSUMER_WARPS
+              + 4 * CONSUMER_WARPS * group * (3 + cfg.head_dim) + 8 * group
+              + 8 * CONSUMER_WARPS + 16
+              + ((2 * cfg.hidden_size + 2 * XO_ROWS + 16) if llx else 0))
+    return slots * slot + struct + 128
 
 
 def _ring(ring: str) -> tuple[int, int]:
@@ -217,17 +236,12 @@ class DecodeMegakernel:
                    ("NOWAIT", int("nowait" in probes)), ("NOCOMPUTE", int("nocompute" in probes)),
                    ("LDGSTS", int(ldgsts)), ("NPROD", producers)) + tuple(sorted((defines or {}).items()))
         self.producers = producers
-        self.fn = _kernel(defines, dev.index if dev.index is not None else torch.cuda.current_device())
-        # shared memory: the ring, then decode_mk.cu's Shared (mbarriers, sums, attention state)
-        shared_struct = (16 * slots + 4 * 64 * CONSUMER_WARPS + 4 * 3 * CONSUMER_WARPS
-                         + 4 * CONSUMER_WARPS * group * (3 + cfg.head_dim) + 8 * group
-                         + 8 * CONSUMER_WARPS + 16
-                         + ((2 * h + 2 * XO_ROWS + 16) if llx else 0))  # LLX: x polled, rows out
-        self.shared = slots * slot + shared_struct + 128
+        self.shared = shared_bytes(cfg, self.ring, llx)
         limit = mma._shared_limit(self.fn_device)
-        if self.shared > limit:
+        if self.shared > limit:  # LLX's bytes (unsupported() checks the rest)
             raise ValueError(f"the megakernel needs {self.shared} bytes of shared memory a block, "
                              f"the GPU allows {limit}: use a smaller FLASHDRAFT_MK_RING")
+        self.fn = _kernel(defines, self.fn_device)
         mma._allow_shared(self.fn, self.shared)
         self.args = _Args(
             self.table.data_ptr(), model.embed.weight.data_ptr(), model.lm_head.weight.data_ptr(),

@@ -97,6 +97,38 @@ def test_default_ring_follows_the_shape(monkeypatch):
     assert megakernel.default_ring(get_shape("qwen3-8b")) == "4x49152"
 
 
+def test_shared_memory_fits_hopper_for_the_shapes_we_run_and_not_the_32b():
+    from flashdraft.megakernel import shared_bytes
+    from flashdraft.shapes import get_shape
+    hopper = 227 * 1024 - 1024  # mma._shared_limit on an H100 / H200
+    for shape, ring in (("qwen2.5-1.5b", "8x24576"), ("qwen3-8b", "6x32768"),
+                        ("qwen3-0.6b", "8x24576")):
+        assert 8 * 24576 <= shared_bytes(get_shape(shape), ring) <= hopper, shape
+    # the 32B's 51 KB rows need 4 slots of 51,200 bytes, and 8 heads a group 32 KB of state
+    assert shared_bytes(get_shape("qwen3-32b"), "4x51200") > hopper
+
+
+def test_auto_drafts_on_graphs_where_the_kernel_fails_to_build(monkeypatch):
+    from flashdraft import megakernel
+    from flashdraft.drafters.draft_model import DraftModelDrafter
+    cfg = SHAPES["hd64-llama"]
+    model = build_random_model(cfg, torch.float32, "cpu")
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("compiling decode_mk.cu with NVRTC failed: no sm_999")
+    monkeypatch.setattr(megakernel, "DecodeMegakernel", fails)
+    for kernel in ("auto", "megakernel"):
+        drafter = DraftModelDrafter(model, torch.device("cpu"), torch.float32, cfg.vocab_size)
+        drafter.use_megakernel, drafter.decode_kernel = True, kernel  # as on a GPU it passed
+        if kernel == "auto":
+            with pytest.warns(UserWarning, match="its steps run on the CUDA graphs"):
+                drafter.ensure_capacity(64)
+            assert not drafter.use_megakernel and drafter.cache is not None
+        else:  # asked for by name: the error stands
+            with pytest.raises(RuntimeError, match="no sm_999"):
+                drafter.ensure_capacity(64)
+
+
 def test_shape_bench_report_shows_the_megakernel():
     from flashdraft.shapes import format_shape_bench
     curve = {1: {"ms": 4.0, "bandwidth_fraction": 0.85, "tflops": 0.1},

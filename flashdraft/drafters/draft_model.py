@@ -14,6 +14,8 @@ only proposals, so this changes how fast the target's output comes, never what i
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..cuda_graphs import StepRunner, eager_step, prefill
@@ -49,6 +51,7 @@ class DraftModelDrafter:
                 raise ValueError(f"--decode-kernel megakernel cannot run the draft model: {why}; "
                                  f"use --decode-kernel graph or auto")
         self.use_megakernel = decode_kernel != "graph" and not why
+        self.decode_kernel = decode_kernel
         self.megakernel = None  # built with each cache (ensure_capacity)
         self.cache: KVCache | None = None
         self.n_cached = 0  # positions of the committed sequence that the cache holds correctly
@@ -60,7 +63,14 @@ class DraftModelDrafter:
             self.cache = KVCache.for_model(self.model.cfg, 1, max_len, self.dtype, self.device)
         if self.use_megakernel and self.megakernel is None:
             from ..megakernel import DecodeMegakernel  # compiled once a shape (NVRTC)
-            self.megakernel = DecodeMegakernel(self.model, self.cache)
+            try:
+                self.megakernel = DecodeMegakernel(self.model, self.cache)
+            except (RuntimeError, ValueError) as err:  # e.g. NVRTC on a GPU it does not know
+                if self.decode_kernel != "auto":
+                    raise
+                warnings.warn(f"the decode megakernel could not be built for the draft model "
+                              f"({err}); its steps run on the CUDA graphs", stacklevel=2)
+                self.use_megakernel = False
 
     @torch.inference_mode()
     def begin(self, prompt: list[int]) -> None:
