@@ -145,7 +145,8 @@ def _ring(ring: str) -> tuple[int, int]:
 class _Args(ctypes.Structure):  # decode_mk.cu's Args, field for field
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "table", "embed", "head", "fnorm", "qknorm", "inv_freq", "kv", "token", "pos", "x",
-        "qkv", "att", "hbuf", "part", "logits", "best", "counters", "out_token", "error", "trace", "step_count")] + [
+        "qkv", "att", "hbuf", "part", "logits", "best", "counters", "out_token", "error", "trace",
+        "step_count")] + [
         ("max_len", ctypes.c_int), ("eps", ctypes.c_float), ("chain", ctypes.c_int)]
 
 
