@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flashdraft import LLM, SamplingParams  # noqa: E402
+from benchmarks.same_tokens import first_difference  # noqa: E402
 from flashdraft.bench import load_prompts, prompt_ids  # noqa: E402
 
 
@@ -51,9 +52,7 @@ def main() -> None:
         mk_out = llm.generate({"prompt_token_ids": ids}, params)[0].token_ids
         engine.decode_kernel = "graph"  # last: the cache holds the graphs' keys and values
         graph_out = llm.generate({"prompt_token_ids": ids}, params)[0].token_ids
-        at = next((i for i, (a, b) in enumerate(zip(graph_out, mk_out)) if a != b), None)
-        if at is None and len(graph_out) != len(mk_out):  # one stopped where the other went on
-            at = min(len(graph_out), len(mk_out))
+        at = first_difference(graph_out, mk_out)  # or where one stopped and the other went on
         row = {"prompt": p.id, "tokens": min(len(graph_out), len(mk_out)), "first_difference": at}
         if at is not None and 0 < at < min(len(graph_out), len(mk_out)):
             pos = len(ids) + at - 1  # the step whose output is token `at`

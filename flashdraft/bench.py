@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .config import DECODE_KERNELS, DRAFT_NGRAM, SamplingParams
+from .config import DRAFT_NGRAM, SamplingParams, check_decode_kernel
 
 PROMPT_SETS = ("humaneval", "seed")
 PEERS = ("transformers",)
@@ -135,9 +135,7 @@ class BenchSettings:
         if self.peer and 0.0 not in temps:
             raise ValueError("--peer compares greedy outputs and rates: include 0 in "
                              "--temperature (e.g. --temperature 0,0.7)")
-        if self.decode_kernel not in DECODE_KERNELS:
-            raise ValueError(f"--decode-kernel {self.decode_kernel!r} is not one of "
-                             f"{', '.join(DECODE_KERNELS)}")
+        check_decode_kernel(self.decode_kernel, "--decode-kernel")
         if self.prompt_lookup_tokens < 1:
             raise ValueError(f"prompt_lookup_tokens must be >= 1, got {self.prompt_lookup_tokens}")
 

@@ -131,6 +131,13 @@ DRAFT_NGRAM = "ngram"
 DECODE_KERNELS = ("auto", "graph", "megakernel")
 
 
+def check_decode_kernel(value: str, name: str = "decode_kernel") -> None:
+    """A user's error for a decode kernel that is not one of DECODE_KERNELS (`name`: the
+    setting's name in the message, e.g. the CLI flag)."""
+    if value not in DECODE_KERNELS:
+        raise ValueError(f"{name} {value!r} is not one of {', '.join(DECODE_KERNELS)}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What `LLM(...)` was asked for; flags of the CLI map 1:1 onto these fields."""
@@ -171,9 +178,7 @@ class EngineConfig:
         if self.draft_quantization not in (None, "none", "auto", "int8", "int4"):
             raise ValueError(f"draft_quantization {self.draft_quantization!r} is not one of "
                              f"int8, int4, none, auto (auto: as the target's)")
-        if self.decode_kernel not in DECODE_KERNELS:
-            raise ValueError(f"decode_kernel {self.decode_kernel!r} is not one of "
-                             f"{', '.join(DECODE_KERNELS)}")
+        check_decode_kernel(self.decode_kernel)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import kernels
-from .config import DECODE_KERNELS, SamplingParams
+from .config import SamplingParams, check_decode_kernel
 from .cuda_graphs import StepRunner, eager_step, prefill
 from .drafters.base import Draft, DraftContext, Drafter
 from .kv_cache import KVCache
@@ -174,9 +174,7 @@ class Engine:
         # Decode and verification steps replayed as CUDA graphs; None on a CPU (eager).
         self.runner = (StepRunner(model, device, compile=compile)
                        if cuda_graphs and torch.device(device).type == "cuda" else None)
-        if decode_kernel not in DECODE_KERNELS:
-            raise ValueError(f"decode_kernel {decode_kernel!r} is not one of "
-                             f"{', '.join(DECODE_KERNELS)}")
+        check_decode_kernel(decode_kernel)
         if decode_kernel == "megakernel":
             from .megakernel import refuse_unsupported
             refuse_unsupported(model, device)

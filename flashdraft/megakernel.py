@@ -74,8 +74,7 @@ def unsupported(model: Transformer, cache: KVCache | None = None,
         return (f"hidden size {h}, q width {qd}, intermediate size {inter}: a row of each must "
                 f"fit a {slot}-byte slot (FLASHDRAFT_MK_RING)")
     need = shared_bytes(cfg, ring)
-    limit = mma._shared_limit(device.index if device.index is not None
-                              else torch.cuda.current_device())
+    limit = mma._shared_limit(_device_index(device))
     if need > limit:  # e.g. GPUs of ~100 KB a block
         return (f"it needs {need} bytes of shared memory a block, the GPU allows {limit} "
                 f"(FLASHDRAFT_MK_RING: a smaller ring)")
@@ -114,10 +113,18 @@ def default_ring(cfg) -> str:
     kvd, inter = cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     weights = 2 * (cfg.num_layers * h * (qd + 2 * kvd + qd + 3 * inter)
                    + cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2))
-    rows = 24576 // (2 * h)  # rows of the hidden size in a 24 KB slot, as the kernel packs them
-    rows = 1 << (min(rows, 16).bit_length() - 1) if rows else 0
-    filled = rows * 2 * h / 24576
+    filled = _rows_per_chunk(h, 24576) * 2 * h / 24576
     return "6x32768" if filled < 0.75 and weights >= 2e9 else "8x24576"
+
+
+def _rows_per_chunk(k: int, slot: int) -> int:
+    """decode_mk.cu's rows_per_chunk: rows of k bfloat16 a slot, the largest power of two up
+    to 16 that fits (0: none)."""
+    return next((r for r in (16, 8, 4, 2, 1) if 2 * k * r <= slot), 0)
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def shared_bytes(cfg, ring: str, llx: bool = False) -> int:
@@ -224,7 +231,7 @@ class DecodeMegakernel:
                                     for blk in model.layers]).detach().to(**bf16).contiguous()
                        if cfg.qk_norm else torch.zeros(8, **bf16))
         self.inv_freq = model.inv_freq.float().contiguous()
-        if llx and 16 * max(h, qd) > slot:
+        if llx and min(_rows_per_chunk(h, slot), _rows_per_chunk(qd, slot)) < CONSUMER_WARPS:
             raise ValueError(f"LLX: hidden size {h} / q width {qd}: LLX takes a warp a row, "
                              f"8 rows of them in a {slot}-byte slot")
         if llx and 2 * -(-(h // 2) // self.sms) > 64:  # whole row pairs a block, as many as side loads take
@@ -258,7 +265,7 @@ class DecodeMegakernel:
 
     @property
     def fn_device(self) -> int:
-        return self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return _device_index(self.device)
 
     def launch(self) -> None:
         """One step on the current stream, reading token_in and pos_in, writing logits and
