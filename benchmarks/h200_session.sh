@@ -197,6 +197,20 @@ for phase in "$@"; do
     python3 -m pytest -q -p no:cacheprovider tests/test_megakernel.py tests/test_cuda_graphs.py \
       2>&1 | tee "$OUT/pytest-megakernel.log" | tail -8
     ;;
+  q4tests)
+    # int4 weights through the decode megakernel against the model's int4 steps (a hang of a
+    # wrong chunk count is cut at Q4_TIMEOUT seconds), then the rest of its GPU tests.
+    timeout ${Q4_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -x tests/test_megakernel.py \
+      -k "${Q4_TESTS:-int4}" 2>&1 | tee "$OUT/pytest-q4.log" | tail -12
+    ;;
+  q4shapes)
+    # The shape bench in int4 with plain decoding through the megakernel too (Q4_SHAPES).
+    for s in ${Q4_SHAPES:-qwen2.5-1.5b qwen3-8b qwen3-32b}; do
+      timeout ${Q4_TIMEOUT:-400} python3 -m flashdraft.cli bench --random-weights --shape $s \
+        --quantization int4 --decode-kernel megakernel 2>&1 | grep -v Warn \
+        | tee "$OUT/q4-$s.txt" | tail -16
+    done
+    ;;
   mkstep)
     # The megakernel's step against the graph step, random weights (MK_SHAPES, MK_VARIANTS).
     python3 benchmarks/megakernel_step.py --out "$OUT/mkstep" --shapes ${MK_SHAPES:-qwen2.5-1.5b} \

@@ -42,11 +42,24 @@ CONSUMER_WARPS = 8
 # decode_mk.cu's layouts read here: TRACE's times an op (consumer, producer), XO_ROWS
 TRACE_CONSUMER, TRACE_PRODUCER = 8, 2
 XO_ROWS = 66
+Q4_UNIT, SIDE_MAX = 1088, 256  # Q4: bytes a (tile, group) unit; bias/residual rows a block
+HOPPER_SHARED = 227 * 1024 - 1024  # mma._shared_limit on an H100 / H200
 
 
 def _nops(cfg) -> int:
     """Ops of a step: 5 a layer and the head (decode_mk.cu's NOPS)."""
     return 5 * cfg.num_layers + 1
+
+
+def _products(model: Transformer) -> list:
+    return [lin for block in model.layers for lin in (block.attn.wqkv, block.attn.wo,
+                                                      block.mlp.w_gate_up, block.mlp.w_down)]
+
+
+def is_int4(model: Transformer) -> bool:
+    """Whether the model's products and head are int4 in flashdraft.mma's layout (Q4)."""
+    return all(getattr(lin, "mode", None) == "int4" and getattr(lin, "backend", None) == "mma"
+               for lin in _products(model) + [model.lm_head])
 
 
 def unsupported(model: Transformer, cache: KVCache | None = None,
@@ -59,28 +72,41 @@ def unsupported(model: Transformer, cache: KVCache | None = None,
         return why
     if torch.cuda.get_device_capability(device) < (9, 0):
         return "it needs an sm_90 (Hopper) or newer GPU (bulk copies and mbarriers)"
-    for block in model.layers:  # before the norms: a quantized model does not fold them
-        for lin in (block.attn.wqkv, block.attn.wo, block.mlp.w_gate_up, block.mlp.w_down):
-            if type(lin) is not torch.nn.Linear or not lin.weight.is_contiguous():
-                return "every product must be a contiguous bfloat16 nn.Linear (not quantized)"
-    if not model.norms_folded:
-        return "the model's block norms must be folded into its products (Transformer.fold_norms)"
     if cfg.head_dim not in (64, 128):
         return f"head_dim {cfg.head_dim} (the kernel takes 64 or 128)"
-    ring = ring or default_ring(cfg)
-    slots, slot = _ring(ring)
     h, inter, qd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
-    if 2 * max(h, qd, inter) > slot:
-        return (f"hidden size {h}, q width {qd}, intermediate size {inter}: a row of each must "
-                f"fit a {slot}-byte slot (FLASHDRAFT_MK_RING)")
-    need = shared_bytes(cfg, ring)
+    ring = ring or default_ring(cfg, is_int4(model))
+    slots, slot = _ring(ring)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if is_int4(model):  # before the norms: a quantized model does not fold them
+        gu = [block.mlp.w_gate_up for block in model.layers]
+        if not all(lin.gated_layout for lin in gu):
+            return "int4: the MLP's [gate; up] must be stored gated (FLASHDRAFT_MMA_GATED=1)"
+        if any(lin.bias is not None for block in model.layers
+               for lin in (block.attn.wo, block.mlp.w_gate_up, block.mlp.w_down, model.lm_head)):
+            return "int4: only the q/k/v product may have a bias"
+        rows = 16 * max(-(-(qd + 2 * cfg.num_kv_heads * cfg.head_dim) // 16 // sms),
+                        -(-h // 16 // sms))
+        if rows > SIDE_MAX:
+            return f"int4: {rows} rows of a bias or residual a block (at most {SIDE_MAX})"
+    else:
+        for lin in _products(model):
+            if type(lin) is not torch.nn.Linear or not lin.weight.is_contiguous():
+                return ("every product must be a contiguous bfloat16 nn.Linear, or all of "
+                        "them and the head int4 (mma backend)")
+        if not model.norms_folded:
+            return ("the model's block norms must be folded into its products "
+                    "(Transformer.fold_norms)")
+        if 2 * max(h, qd, inter) > slot:
+            return (f"hidden size {h}, q width {qd}, intermediate size {inter}: a row of each "
+                    f"must fit a {slot}-byte slot (FLASHDRAFT_MK_RING)")
+    need = shared_bytes(cfg, ring, q4=is_int4(model))
     limit = mma._shared_limit(_device_index(device))
     if need > limit:  # e.g. GPUs of ~100 KB a block
         return (f"it needs {need} bytes of shared memory a block, the GPU allows {limit} "
                 f"(FLASHDRAFT_MK_RING: a smaller ring)")
     if cache is not None and (cache.kv.shape[2] != 1 or cache.kv.dtype != torch.bfloat16):
         return "the cache must hold one bfloat16 sequence"
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
     if -(-h // sms) > 64:
         return f"hidden size {h} over {sms} multiprocessors: at most 64 rows a block"
     return None
@@ -101,14 +127,18 @@ def refuse_unsupported(model: Transformer, device, role: str = "this model") -> 
                          f"use --decode-kernel auto (the default) or graph")
 
 
-def default_ring(cfg) -> str:
+def default_ring(cfg, q4: bool = False) -> str:
     """FLASHDRAFT_MK_RING, else the ring measured best for the shape (session 21): 8 slots of
     24 KB; 6 of 32 KB where a 24 KB slot takes only two thirds of its bytes in rows of the
     hidden size and the step reads 2 GB of weights or more, so the weight stream dominates
     (Qwen3-8B: 3.98 instead of 4.06 ms a step; the latency-bound Qwen3-0.6B, whose rows fill a
-    24 KB slot alike, stays faster with 24 KB slots: 0.696 against 0.712 ms)."""
+    24 KB slot alike, stays faster with 24 KB slots: 0.696 against 0.712 ms). int4 (q4): as
+    many 24 KB slots, up to 8, as fit a Hopper block beside the rest (a slot is 97 % units)."""
     if RING:
         return RING
+    if q4:
+        fits = [n for n in range(2, 9) if shared_bytes(cfg, f"{n}x24576", q4=True) <= HOPPER_SHARED]
+        return f"{max(fits) if fits else 2}x24576"
     h, qd = cfg.hidden_size, cfg.num_heads * cfg.head_dim
     kvd, inter = cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     weights = 2 * (cfg.num_layers * h * (qd + 2 * kvd + qd + 3 * inter)
@@ -127,16 +157,24 @@ def _device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def shared_bytes(cfg, ring: str, llx: bool = False) -> int:
+def shared_bytes(cfg, ring: str, llx: bool = False, q4: bool = False) -> int:
     """Dynamic shared memory a block of the kernel takes: the ring, then decode_mk.cu's Shared
-    (mbarriers, sums, attention state; with LLX, x as polled and the rows going out)."""
+    (mbarriers, sums; with LLX, x as polled and the rows going out; with Q4, the tiles' warp
+    sums, x's group sums and the side rows), whose attention state shares its space with Q4's
+    staged x."""
     slots, slot = _ring(ring)
     group = cfg.num_heads // cfg.num_kv_heads
+    h, qd, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size
     struct = (16 * slots + 4 * 64 * CONSUMER_WARPS + 4 * 3 * CONSUMER_WARPS
-              + 4 * CONSUMER_WARPS * group * (3 + cfg.head_dim) + 8 * group
               + 8 * CONSUMER_WARPS + 16
               + ((2 * cfg.hidden_size + 2 * XO_ROWS + 16) if llx else 0))
-    return slots * slot + struct + 128
+    attention = 4 * CONSUMER_WARPS * group * (3 + cfg.head_dim) + 8 * group
+    if q4:
+        units = slot // Q4_UNIT
+        tiles = 2 * (units // (min(h, qd, inter) // 128)) + 4  # decode_mk.cu's RT
+        struct += 4 * tiles * CONSUMER_WARPS * 16 + 4 * max(h, qd, inter) // 128 + 2 * SIDE_MAX + 16
+        attention = max(attention, 2 * max(h, qd, inter))
+    return slots * slot + struct + attention + 128
 
 
 def _ring(ring: str) -> tuple[int, int]:
@@ -154,7 +192,8 @@ class _Args(ctypes.Structure):  # decode_mk.cu's Args, field for field
         "table", "embed", "head", "fnorm", "qknorm", "inv_freq", "kv", "token", "pos", "x",
         "qkv", "att", "hbuf", "part", "logits", "best", "counters", "out_token", "error", "trace",
         "step_count")] + [
-        ("max_len", ctypes.c_int), ("eps", ctypes.c_float), ("chain", ctypes.c_int)]
+        ("max_len", ctypes.c_int), ("eps", ctypes.c_float), ("chain", ctypes.c_int),
+        ("head_sz", ctypes.c_void_p)]
 
 
 @functools.cache
@@ -189,19 +228,24 @@ class DecodeMegakernel:
         dev = model.embed.weight.device
         self.device = dev
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        self.ring = ring or default_ring(cfg)
+        self.q4 = is_int4(model)
+        self.ring = ring or default_ring(cfg, self.q4)
         slots, slot = _ring(self.ring)
         probes = set(filter(None, probe.split(",")))
         if probes - {"nowait", "nocompute"}:
             raise ValueError(f"probe {probe!r}: '', or nowait and/or nocompute")
         h, inter = cfg.hidden_size, cfg.intermediate_size
         qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        ptrs = []
+        ptrs = []  # decode_mk.cu's Args.table, a layer at a time (TBL)
         for block in model.layers:
             bias = block.attn.wqkv.bias
-            ptrs += [block.attn.wqkv.weight.data_ptr(), bias.data_ptr() if bias is not None else 0,
-                     block.attn.wo.weight.data_ptr(), block.mlp.w_gate_up.weight.data_ptr(),
-                     block.mlp.w_down.weight.data_ptr()]
+            mats = (block.attn.wqkv, block.attn.wo, block.mlp.w_gate_up, block.mlp.w_down)
+            w = [m.qweight if self.q4 else m.weight for m in mats]
+            ptrs += [w[0].data_ptr(), bias.data_ptr() if bias is not None else 0,
+                     w[1].data_ptr(), w[2].data_ptr(), w[3].data_ptr()]
+            if self.q4:  # the scales, then the block norms' weights (not folded)
+                ptrs += [m.scale.data_ptr() for m in mats]
+                ptrs += [block.attn_norm.weight.data_ptr(), block.mlp_norm.weight.data_ptr()]
         self.table = torch.tensor(ptrs, dtype=torch.int64, device=dev)
         bf16 = dict(dtype=torch.bfloat16, device=dev)
         # x: bf16 rows, or with LLX (defines) 8-byte words of 2 rows and their writer's flag
@@ -242,17 +286,21 @@ class DecodeMegakernel:
                    ("NS", slots), ("SLOT", slot),
                    ("NCW", CONSUMER_WARPS),
                    ("NOWAIT", int("nowait" in probes)), ("NOCOMPUTE", int("nocompute" in probes)),
-                   ("LDGSTS", int(ldgsts)), ("NPROD", producers)) + tuple(sorted((defines or {}).items()))
+                   ("LDGSTS", int(ldgsts)), ("NPROD", producers), ("Q4", int(self.q4))
+                   ) + tuple(sorted((defines or {}).items()))
         self.producers = producers
-        self.shared = shared_bytes(cfg, self.ring, llx)
+        if self.q4 and (llx or not ldgsts):
+            raise ValueError("int4 weights: the producers copy with cp.async (ldgsts), no LLX")
+        self.shared = shared_bytes(cfg, self.ring, llx, self.q4)
         limit = mma._shared_limit(self.fn_device)
         if self.shared > limit:  # LLX's bytes (unsupported() checks the rest)
             raise ValueError(f"the megakernel needs {self.shared} bytes of shared memory a block, "
                              f"the GPU allows {limit}: use a smaller FLASHDRAFT_MK_RING")
         self.fn = _kernel(defines, self.fn_device)
         mma._allow_shared(self.fn, self.shared)
+        head = model.lm_head.qweight if self.q4 else model.lm_head.weight
         self.args = _Args(
-            self.table.data_ptr(), model.embed.weight.data_ptr(), model.lm_head.weight.data_ptr(),
+            self.table.data_ptr(), model.embed.weight.data_ptr(), head.data_ptr(),
             self.fnorm.data_ptr(), self.qknorm.data_ptr(), self.inv_freq.data_ptr(),
             cache.kv.data_ptr(),
             self.token_in.data_ptr(), self.pos_in.data_ptr(), self.x.data_ptr(),
@@ -261,7 +309,7 @@ class DecodeMegakernel:
             self.token_out.data_ptr(), self.error.data_ptr(),
             self.trace.data_ptr() if self.trace is not None else 0, self.step_count.data_ptr(),
             cache.max_len,
-            float(cfg.rms_norm_eps), 0)
+            float(cfg.rms_norm_eps), 0, model.lm_head.scale.data_ptr() if self.q4 else 0)
 
     @property
     def fn_device(self) -> int:

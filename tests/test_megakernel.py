@@ -44,6 +44,21 @@ def test_megakernel_matches_the_model(shape, prompt, ring):
     model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
     with torch.no_grad():  # sharper logits than N(0, 0.02) gives: fewer near ties
         model.lm_head.weight.mul_(20)
+    ring, _, option = ring.partition("+")  # bulk: one producer warp's bulk copies; llx:
+    opts = {"bulk": dict(ldgsts=False, producers=1),  # x polled by its flags
+            "llx": dict(defines={"LLX": 1}), "": {}}[option]
+    compared = _follow_the_model(model, prompt, lambda cache: DecodeMegakernel(
+        model, cache, ring=ring, **opts))
+    # most steps decided the token (hidden size 4,096: each logit sums 4,096 rounded terms, so
+    # more near ties fall within the kernel's difference from the model)
+    assert compared >= (12 if cfg.hidden_size < 4096 else 8)
+
+
+def _follow_the_model(model, prompt: int, make_kernel, steps: int = 24) -> int:
+    """Prefill `prompt` random tokens, then `steps` greedy steps of the model and of the
+    kernel (make_kernel(cache)) side by side: logits, tokens and cache writes compared.
+    Returns the steps whose token the model's logits decided (top two apart)."""
+    cfg = model.cfg
     ref_cache = KVCache.for_model(cfg, 1, 1024, torch.bfloat16, "cuda")
     mk_cache = KVCache.for_model(cfg, 1, 1024, torch.bfloat16, "cuda")
     tokens = torch.randint(0, cfg.vocab_size, (1, prompt), device="cuda")
@@ -51,13 +66,10 @@ def test_megakernel_matches_the_model(shape, prompt, ring):
     with torch.inference_mode():
         logits, _ = model(tokens, positions, ref_cache)
         mk_cache.kv.copy_(ref_cache.kv)
-        ring, _, option = ring.partition("+")  # bulk: one producer warp's bulk copies; llx:
-        opts = {"bulk": dict(ldgsts=False, producers=1),  # x polled by its flags
-                "llx": dict(defines={"LLX": 1}), "": {}}[option]
-        mk = DecodeMegakernel(model, mk_cache, ring=ring, **opts)
+        mk = make_kernel(mk_cache)
         token = logits[0, -1].argmax().view(1)
         compared = 0
-        for step in range(24):
+        for step in range(steps):
             pos = prompt + step
             ref, _ = model(token.view(1, 1), torch.tensor([[pos]], device="cuda"), ref_cache,
                            kv_len=pos + 1)
@@ -79,9 +91,48 @@ def test_megakernel_matches_the_model(shape, prompt, ring):
                 a, b = mk_cache.kv[layer, :, 0, :, pos], ref_cache.kv[layer, :, 0, :, pos]
                 assert (a.float() - b.float()).abs().max().item() <= 0.02 * b.abs().max().item() + 0.02
             token = ref.argmax().view(1)
-    # most steps decided the token (hidden size 4,096: each logit sums 4,096 rounded terms, so
-    # more near ties fall within the kernel's difference from the model)
-    assert compared >= (12 if cfg.hidden_size < 4096 else 8)
+    return compared
+
+
+# int4 shapes (flashdraft.mma's layout; vocabularies in 16-row tiles): Qwen2's biases with
+# an MLP of 22 groups; Qwen3's head norms with 8 query heads a kv head (as the 32B's) and head
+# dim 64; a hidden size of 7 groups, fewer than the consumer warps (as the 0.5B's 896).
+Q4_SHAPES = {
+    "q4-qwen2": ModelConfig("qwen2", 2048, 1024, 2816, 2, 8, 2, 128, qkv_bias=True,
+                            rope_theta=1e6),
+    "q4-qwen3-group8": ModelConfig("qwen3", 1024, 1024, 2048, 2, 16, 2, 64, qk_norm=True,
+                                   rope_theta=1e6),
+    "q4-seven-groups": ModelConfig("qwen2", 1024, 896, 1536, 2, 7, 1, 128, qkv_bias=True,
+                                   rope_theta=1e6),
+}
+
+
+def _int4_model(cfg, monkeypatch):
+    """A random int4 model (mma layout) with norms other than 1, which the kernel applies
+    itself (int4 weights keep them unfolded), and sharper logits."""
+    from flashdraft import kernels
+    from flashdraft.quant import quantize_model
+    monkeypatch.setattr(kernels, "FOLD_NORMS", False)
+    model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen, device="cuda"))
+        model.lm_head.weight.mul_(20)
+    return quantize_model(model, "int4")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(Q4_SHAPES))
+@pytest.mark.parametrize("prompt", [5, 100, 700])
+def test_int4_megakernel_matches_the_model(shape, prompt, monkeypatch):
+    from flashdraft.megakernel import DecodeMegakernel, is_int4
+    torch.manual_seed(0)
+    model = _int4_model(Q4_SHAPES[shape], monkeypatch)
+    assert is_int4(model)
+    compared = _follow_the_model(model, prompt, lambda cache: DecodeMegakernel(model, cache))
+    assert compared >= 12
 
 
 def test_default_ring_follows_the_shape(monkeypatch):
@@ -93,6 +144,11 @@ def test_default_ring_follows_the_shape(monkeypatch):
     assert megakernel.default_ring(get_shape("qwen2.5-1.5b")) == "8x24576"
     assert megakernel.default_ring(get_shape("qwen3-0.6b")) == "8x24576"
     assert megakernel.default_ring(get_shape("qwen3-8b")) == "6x32768"
+    # int4: as many 24 KB slots as fit beside the rest, up to 8 (the 32B's 51 KB of staged x
+    # for its down product leave room for 7)
+    assert megakernel.default_ring(get_shape("qwen2.5-1.5b"), q4=True) == "8x24576"
+    assert megakernel.default_ring(get_shape("qwen3-8b"), q4=True) == "8x24576"
+    assert megakernel.default_ring(get_shape("qwen3-32b"), q4=True) == "7x24576"
     monkeypatch.setattr(megakernel, "RING", "4x49152")  # FLASHDRAFT_MK_RING
     assert megakernel.default_ring(get_shape("qwen3-8b")) == "4x49152"
 
@@ -148,7 +204,7 @@ def test_shape_bench_report_shows_the_megakernel():
 
 
 @pytest.mark.gpu
-def test_shape_bench_runs_the_megakernel_and_refuses_it_for_int4():
+def test_shape_bench_runs_the_megakernel_for_bf16_and_int4_and_refuses_it_for_int8():
     from flashdraft.shapes import run_shape_bench
     r = run_shape_bench("qwen2.5-0.5b", step_tokens=(1, 16), draft=False, repeats=3,
                         decode_steps=16, decode_kernel="megakernel")
@@ -159,9 +215,13 @@ def test_shape_bench_runs_the_megakernel_and_refuses_it_for_int4():
     assert m["roofline_fraction"] == pytest.approx(
         m["decode_tokens_per_s"] / r["roofline_tokens_per_s"])
     assert m["verify16_over_step"] == pytest.approx(r["step_curve"][16]["ms"] / m["step_ms"])
-    with pytest.raises(ValueError, match="megakernel cannot run the qwen2.5-0.5b shape .*int4.*"
-                                         "contiguous bfloat16 nn.Linear"):
-        run_shape_bench("qwen2.5-0.5b", quant="int4", step_tokens=(1,), draft=False,
+    q4 = run_shape_bench("qwen2.5-0.5b", quant="int4", step_tokens=(1,), draft=False,
+                         repeats=3, decode_steps=16, decode_kernel="megakernel")["megakernel"]
+    assert q4["ring"] == "8x24576" and 0 < q4["step_roofline_fraction"] < 1
+    with pytest.raises(ValueError, match="megakernel cannot run the qwen2.5-0.5b shape .*int8.*"
+                                         "contiguous bfloat16 nn.Linear, or all of them and the "
+                                         "head int4"):
+        run_shape_bench("qwen2.5-0.5b", quant="int8", step_tokens=(1,), draft=False,
                         decode_kernel="megakernel")
 
 
@@ -353,6 +413,15 @@ def test_auto_drafts_on_graphs_where_the_kernel_cannot_run():
     int8 = build_random_model(cfg, torch.bfloat16, "cuda", quant="int8")
     assert not DraftModelDrafter(int8, dev, torch.bfloat16, cfg.vocab_size,
                                  decode_kernel="auto").use_megakernel
+
+
+@pytest.mark.gpu
+def test_auto_drafts_an_int4_model_through_the_kernel(monkeypatch):
+    from flashdraft.drafters.draft_model import DraftModelDrafter
+    cfg = Q4_SHAPES["q4-qwen3-group8"]
+    model = _int4_model(cfg, monkeypatch)
+    assert DraftModelDrafter(model, torch.device("cuda"), torch.bfloat16, cfg.vocab_size,
+                             decode_kernel="auto").use_megakernel
 
 
 class _ChainedSteps:

@@ -36,6 +36,18 @@
 //
 // Layout assumed (flashdraft.megakernel checks it): row-major bfloat16 matrices [out, in], the
 // MLP's [gate; up] as one matrix of 2 I rows, the cache [layers, 2, 1, NKV, max_len, HD].
+//
+// Q4: every product and the head in int4 instead, in flashdraft.mma's layout (csrc/int4_mma.cu
+// describes it): 16-feature tiles x groups of 128 inputs, 1 KB of codes a (tile, group) unit
+// in the mma A operand's register order and 64 bytes of its scales and zeros; the MLP's rows
+// in the gated order (a tile's features g and g + 8: the gate and the up of output 8 tile + g).
+// The block norms are not folded into int4 weights (they would widen the group scales), so an
+// op that follows a norm stages x as bf16(x r g), as the model's norm kernel rounds it. A chunk
+// is CU consecutive units of the block's tiles (codes, then scales); warp w takes the units
+// u = w mod NCW of the op, multiplies them on the tensor cores (mma.m16n8k16, every B column
+// x) with int4_mma's FOLD (s d + (z - 136 s) sum x, the group sums of x from the same mma with
+// an all-ones A, computed once an op), and adds a tile's units in order; a tile's warps are
+// added in warp order once the chunk that ends it is done (Shared.q4red).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -108,6 +120,9 @@ struct __align__(16) u32x4 { u32 x, y, z, w; };
 #ifndef NOWAIT
 #define NOWAIT 0  // measurement only, wrong output: no op waits for the one before
 #endif
+#ifndef Q4
+#define Q4 0  // 1: int4 weights in flashdraft.mma's layout (see above); 0: bfloat16, norms folded
+#endif
 #define QD (NQ * HD)
 #define KVD (NKV * HD)
 #define NQKV (QD + 2 * KVD)
@@ -119,10 +134,21 @@ struct __align__(16) u32x4 { u32 x, y, z, w; };
 #define SPIN_LIMIT (1u << 22)  // polls before a wait gives up (~seconds; a step waits microseconds)
 
 #define XO_ROWS 66  // rows of x a block writes (flashdraft.megakernel checks it)
+// Args.table a layer: wqkv, bqkv (0: none), wo, w_gate_up, w_down; Q4: then the four products'
+// scales (sqkv, so, sgu, sdown) and the two block norms' weights (attn_norm, mlp_norm)
+#define TBL (Q4 ? 11 : 5)
+#define Q4_UNIT 1088  // bytes a (16-feature tile, 128-input group) unit: codes, scales and zeros
+#define CU (SLOT / Q4_UNIT)  // Q4: units a chunk
+#define KMAX (H > QD ? (H > INTER ? H : INTER) : (QD > INTER ? QD : INTER))
+#define KMIN (H < QD ? (H < INTER ? H : INTER) : (QD < INTER ? QD : INTER))
+// Q4: tiles whose warps' sums wait in Shared.q4red at once: those a chunk ends (added after
+// it), and those the next chunk's warps may store meanwhile
+#define RT (2 * (CU / (KMIN / 128)) + 4)
+#define SIDE_MAX 256  // Q4: rows of a bias or residual a block takes (flashdraft.megakernel checks)
 enum { OP_QKV = 0, OP_ATT = 1, OP_O = 2, OP_GU = 3, OP_DOWN = 4, OP_HEAD = 5 };
 
 struct Args {
-    const u64* table;      // [NL][5]: wqkv, bqkv (0: none), wo, w_gate_up, w_down
+    const u64* table;      // [NL][TBL]: see TBL
     const u16* embed;      // [VOCAB][H]
     const u16* head;       // [VOCAB][H]
     const u16* fnorm;      // [H]
@@ -146,6 +172,7 @@ struct Args {
     int max_len;
     float eps;
     int chain;
+    const unsigned char* head_sz;  // Q4: the head's scales and zeros (head: its codes)
 };
 
 // -- small helpers --------------------------------------------------------------------------------
@@ -260,15 +287,16 @@ __host__ __device__ constexpr int rows_per_chunk(int k) {
     return 2 * k * 16 <= SLOT ? 16 : 2 * k * 8 <= SLOT ? 8 : 2 * k * 4 <= SLOT ? 4
          : 2 * k * 2 <= SLOT ? 2 : 1;
 }
-static_assert(2 * INTER <= SLOT && 2 * H <= SLOT && 2 * QD <= SLOT, "a row must fit a slot");
+static_assert(Q4 || (2 * INTER <= SLOT && 2 * H <= SLOT && 2 * QD <= SLOT), "a row must fit a slot");
 static_assert(H % 8 == 0 && INTER % 8 == 0 && QD % 8 == 0, "rows are read in 16-byte pieces");
 static_assert(HD == 64 || HD == 128, "head dim 64 or 128");
 
 // -- the weight stream: the same sequence of chunks for the producer and the consumers ---------
 
 struct Chunk {
-    const u16* src;
-    u32 bytes;
+    const unsigned char* src;  // bytes to the slot's start
+    const unsigned char* src2;  // Q4: the units' scales, bytes2 of them to the slot's CU KB
+    u32 bytes, bytes2;
     int j, first;  // the op's index (5 * layer + ...), whether the chunk is the op's first
 };
 
@@ -276,31 +304,59 @@ struct Cursor {  // position in the block's sequence of weight chunks
     int layer, op, i;  // op: 0 QKV, 1 O, 2 GU, 3 DOWN, 4 HEAD; i: chunk within the op
 };
 
+// Op `op` of a layer (4: the head): its rows n, inputs k, index j, weights w (Q4: codes) and,
+// Q4, scales sz.
+__device__ __forceinline__ void op_matrix(const Args& a, int layer, int op, int& n, int& k,
+                                          int& j, const unsigned char*& w,
+                                          const unsigned char*& sz) {
+    const u64* t = a.table + TBL * layer;
+    sz = nullptr;
+    if (op == 4) {
+        n = VOCAB; k = H; j = 5 * NL; w = (const unsigned char*)a.head; sz = a.head_sz;
+        return;
+    }
+    const int col = op == 0 ? 0 : op + 1;  // wqkv, (bqkv,) wo, w_gate_up, w_down
+    n = op == 0 ? NQKV : op == 2 ? (Q4 ? 2 * INTER : INTER) : H;
+    k = op == 1 ? QD : op == 3 ? INTER : H;
+    j = 5 * layer + (op == 0 ? 0 : op + 1);
+    w = (const unsigned char*)t[col];
+    if (Q4) sz = (const unsigned char*)t[5 + op];
+}
+
 __device__ __forceinline__ bool next_chunk(const Args& a, Cursor& c, int b, int G, Chunk& out) {
     while (c.layer <= NL) {
         const int op = c.layer == NL ? 4 : c.op;
         int n, k, j;
-        const u16* w;
-        if (op == 4) {
-            n = VOCAB; k = H; j = 5 * NL; w = a.head;
-        } else {
-            const u64* t = a.table + 5 * c.layer;
-            if (op == 0) { n = NQKV; k = H; j = 5 * c.layer; w = (const u16*)t[0]; }
-            else if (op == 1) { n = H; k = QD; j = 5 * c.layer + 2; w = (const u16*)t[2]; }
-            else if (op == 2) { n = INTER; k = H; j = 5 * c.layer + 3; w = (const u16*)t[3]; }
-            else { n = H; k = INTER; j = 5 * c.layer + 4; w = (const u16*)t[4]; }
+        const unsigned char *w, *sz;
+        op_matrix(a, c.layer, op, n, k, j, w, sz);
+        int total, r = 1, r0, r1;
+        if (Q4) {  // CU units a chunk of the block's tiles
+            rows_of(n / 16, j, b, G, r0, r1);
+            total = ((r1 - r0) * (k / 128) + CU - 1) / CU;
+        } else {  // r whole rows a chunk; GU: a chunk of gate rows, then the same of up rows
+            r = rows_per_chunk(k);
+            rows_of(n, j, b, G, r0, r1);
+            const int chunks = (r1 - r0 + r - 1) / r;
+            total = op == 2 ? 2 * chunks : chunks;
         }
-        const int r = rows_per_chunk(k);
-        int r0, r1;
-        rows_of(n, j, b, G, r0, r1);
-        const int chunks = (r1 - r0 + r - 1) / r;
-        const int total = op == 2 ? 2 * chunks : chunks;
         if (c.i < total) {
-            const int ci = op == 2 ? c.i >> 1 : c.i;
-            const int row = r0 + ci * r + (op == 2 && (c.i & 1) ? INTER : 0);
-            const int nr = min(r, r1 - r0 - ci * r);
-            out.src = w + (size_t)row * k;
-            out.bytes = (u32)(nr * k * 2);
+            if (Q4) {
+                const int units = (r1 - r0) * (k / 128), u = c.i * CU;
+                const size_t at = (size_t)r0 * (k / 128) + u;
+                const u32 nu = (u32)min(CU, units - u);
+                out.src = w + at * 1024;
+                out.bytes = nu * 1024;
+                out.src2 = sz + at * 64;
+                out.bytes2 = nu * 64;
+            } else {
+                const int ci = op == 2 ? c.i >> 1 : c.i;
+                const int row = r0 + ci * r + (op == 2 && (c.i & 1) ? INTER : 0);
+                const int nr = min(r, r1 - r0 - ci * r);
+                out.src = w + (size_t)row * k * 2;
+                out.bytes = (u32)(nr * k * 2);
+                out.src2 = nullptr;
+                out.bytes2 = 0;
+            }
             out.j = j;
             out.first = c.i == 0;
             c.i++;
@@ -315,20 +371,32 @@ __device__ __forceinline__ bool next_chunk(const Args& a, Cursor& c, int b, int 
 
 // -- shared memory --------------------------------------------------------------------------------
 
+struct AttState {  // attention: each warp's running state, its warps' weights, a head's max and sum
+    float st_m[NCW][GS], st_l[NCW][GS];
+    float st_acc[NCW][GS][HD];
+    float st_f[NCW][GS], st_hm[GS], st_hl[GS];
+};
+
 struct Shared {
     u64 full[NS], empty[NS];
     float red[RED_ROWS][NCW];     // DOWN: segment sums of rows split over warps
     float red_chunk[2][NCW];      // other ops: a chunk's segment sums (alternate chunks)
     float ss[NCW];                // a segment's sum of squares of x (rows split over warps)
-    float st_m[NCW][GS], st_l[NCW][GS];
-    float st_acc[NCW][GS][HD];    // attention: each warp's running state
-    float st_f[NCW][GS], st_hm[GS], st_hl[GS];  // its warps' weights, a head's max and sum
 #if LLX
     __align__(16) u32 xs[H / 2];  // x as polled (bf16 pairs), for every warp
     u16 xo[XO_ROWS];              // this block's rows of x from O / DOWN, before they go out
 #endif
     float best_v[NCW];
     int best_i[NCW];
+#if Q4
+    float q4red[RT][NCW][16];     // a tile's sums a warp, until the tile's warps are added
+    float sx[KMAX / 128];         // the op's group sums of x (from the mma, as d's)
+    __align__(16) u16 side[SIDE_MAX];  // the block's rows of the bias or the residual
+#endif
+    union __align__(16) {         // attention's state, or (Q4) a product's x, never both at once
+        AttState at;
+        u16 xq[Q4 ? KMAX : 8];
+    } u;
 };
 
 __device__ __forceinline__ unsigned char* slot_ptr(unsigned char* ring, u32 c) {
@@ -417,6 +485,25 @@ __device__ __forceinline__ void ll_rows(const Args& a, int ra, int rb, u32 want,
     vb = (u16)(rb & 1 ? db >> 16 : db);
 }
 
+// HEAD: each warp's best logit (every lane of a warp holds it) to the block's, into a.best
+// (ties: the lower id).
+__device__ __forceinline__ void block_best(const Args& a, Shared& s, int b, float best_v,
+                                           int best_i) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) { s.best_v[warp] = best_v; s.best_i[warp] = best_i; }
+    consumer_sync();
+    if (threadIdx.x == 0) {
+        float bv = s.best_v[0];
+        int bi = s.best_i[0];
+        for (int w = 1; w < NCW; w++)
+            if (s.best_v[w] > bv || (s.best_v[w] == bv && s.best_i[w] < bi)) {
+                bv = s.best_v[w]; bi = s.best_i[w];
+            }
+        a.best[2 * b] = bv;
+        a.best[2 * b + 1] = __int_as_float(bi);
+    }
+}
+
 // -- consumers: a matrix op -------------------------------------------------------------------------
 
 // One op's products for this block: its rows of W (streamed into the ring) against x (in each
@@ -477,7 +564,7 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
     // all of the block's rows at once, lane i holding rows i and i + 32 (side loads in a chunk's
     // epilogue would wait a round trip to the L2 a chunk).
     constexpr bool SIDE = KIND == OP_QKV ? QKV_BIAS : (KIND == OP_O || (KIND == OP_DOWN && WPR == 1));
-    const u16* side_src = KIND == OP_QKV ? (const u16*)a.table[5 * layer + 1]
+    const u16* side_src = KIND == OP_QKV ? (const u16*)a.table[TBL * layer + 1]
                         : (KIND == OP_O && layer == 0) ? a.embed + (size_t)tok * H : a.x;
     const bool side_all = r1 - r0 <= 64;
     u16 side0w = 0, side1w = 0;
@@ -655,21 +742,221 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
         }
     }
 #endif
-    if (KIND == OP_HEAD) {
-        if (lane == 0) { s.best_v[warp] = best_v; s.best_i[warp] = best_i; }
-        consumer_sync();
-        if (threadIdx.x == 0) {
-            float bv = s.best_v[0];
-            int bi = s.best_i[0];
-            for (int w = 1; w < NCW; w++)
-                if (s.best_v[w] > bv || (s.best_v[w] == bv && s.best_i[w] < bi)) {
-                    bv = s.best_v[w]; bi = s.best_i[w];
-                }
-            a.best[2 * b] = bv;
-            a.best[2 * b + 1] = __int_as_float(bi);
+    if (KIND == OP_HEAD) block_best(a, s, b, best_v, best_i);
+}
+
+// -- consumers: an int4 matrix op (Q4) --------------------------------------------------------------
+
+#if Q4
+#define ONES 0x3f803f80u  // the bfloat16 pair (1, 1)
+
+// Nibbles 0 and 4 of q as the bfloat16 pair 128 + nibble: (q & 0x000f000f) | 0x43004300.
+__device__ __forceinline__ u32 biased(u32 q) {
+    u32 v;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(v) : "r"(q), "r"(0x000f000fu), "r"(0x43004300u));
+    return v;
+}
+
+__device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_addr(dst)), "l"(src)
+                 : "memory");
+}
+
+// One group (128 inputs) of a tile against x (s.xq): the mma's C fragment in d, from the A
+// words of the two 16-byte halves (wa, wb; ONES: an all-ones A, which gives the group's sum of
+// x with d's rounding). Every B column is x, so that every lane's d[0] and d[2] are features
+// g and g + 8 of the tile (int4_mma.cu: the B fragments and the k order of a lane).
+template <bool SUM>
+__device__ __forceinline__ void q4_group(const u16* xg, u32x4 wa, u32x4 wb, int t, float* d) {
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const u32x4 q4 = h ? wb : wa;
+        const u32 qs[4] = {q4.x, q4.y, q4.z, q4.w};
+        const u32x4 xa = *(const u32x4*)(xg + 8 * (8 * h + t));
+        const u32x4 xb = *(const u32x4*)(xg + 8 * (8 * h + 4 + t));
+#pragma unroll
+        for (int jj = 0; jj < 4; jj++) {
+            const u32x4 c = jj < 2 ? xa : xb;
+            const u32 b0 = (jj & 1) ? c.z : c.x, b1 = (jj & 1) ? c.w : c.y;
+            const u32 q = qs[jj];
+            if (SUM) mma16816(d, ONES, ONES, ONES, ONES, b0, b1);
+            else mma16816(d, biased(q), biased(q >> 4), biased(q >> 8), biased(q >> 12), b0, b1);
         }
     }
 }
+
+// The ends of tiles [t_lo, t_hi) of the block's (its first: t0): each tile's warps added in
+// order, then the op's epilogue (QKV: + bias; O, DOWN: + residual into x; GU: SiLU(gate) up;
+// HEAD: the logit, and the thread's best so far).
+template <int KIND>
+__device__ __forceinline__ void q4_finish(const Args& a, Shared& s, int t0, int t_lo, int t_hi,
+                                          float& best_v, int& best_i) {
+    constexpr int PER = KIND == OP_GU ? 8 : 16;  // outputs a tile
+    for (int idx = threadIdx.x; idx < (t_hi - t_lo) * PER; idx += CT) {
+        const int tl = t_lo + idx / PER, f = idx % PER;
+        float* red = &s.q4red[tl % RT][0][0];
+        float y = 0.f, up = 0.f;
+#pragma unroll
+        for (int w = 0; w < NCW; w++) {  // zeroed behind: a warp without a unit of a tile
+            y += red[16 * w + f];         // (fewer groups than warps) leaves its zero
+            red[16 * w + f] = 0.f;
+            if (KIND == OP_GU) { up += red[16 * w + f + 8]; red[16 * w + f + 8] = 0.f; }
+        }
+        const int row = (t0 + tl) * 16 + f;  // the output feature (GU: stored order)
+        if (KIND == OP_QKV) {
+            a.qkv[row] = to_bf16(QKV_BIAS ? y + bf(s.side[tl * 16 + f]) : y);
+        } else if (KIND == OP_O || KIND == OP_DOWN) {
+            a.x[row] = to_bf16(bf(s.side[tl * 16 + f]) + round_bf16(y));
+        } else if (KIND == OP_GU) {
+            a.hbuf[(t0 + tl) * 8 + f] = to_bf16(y / (1.f + __expf(-y)) * up);
+        } else {
+            const float v = round_bf16(y);
+            a.logits[row] = v;
+            if (v > best_v || (v == best_v && row < best_i)) { best_v = v; best_i = row; }
+        }
+    }
+    __syncwarp();
+}
+
+// One op's int4 products for this block: x staged (normed where a norm comes first), the
+// group sums of x, then the block's tiles chunk by chunk from the ring (see Q4 above).
+template <int K, int KIND>
+__device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int layer, int b,
+                      int G, u32 /* step: LLX's */) {
+    constexpr int NG = K / 128;  // groups a tile
+    constexpr bool NORM = KIND == OP_QKV || KIND == OP_GU || KIND == OP_HEAD;
+    constexpr int NP = (K / 8 + CT - 1) / CT;  // 16-byte pieces of x a thread
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3, g = lane >> 2;
+    const long long tok = *a.token;
+    int n, k, j;
+    const unsigned char *wq, *wsz;
+    op_matrix(a, layer, KIND == OP_HEAD ? 4 : KIND == OP_QKV ? 0 : KIND - 1, n, k, j, wq, wsz);
+    int t0, t1;
+    rows_of(n / 16, j, b, G, t0, t1);
+    const u16* src = KIND == OP_O ? a.att : KIND == OP_DOWN ? a.hbuf
+                   : (layer == 0 && KIND == OP_QKV) ? a.embed + (size_t)tok * H : a.x;
+    // x and the block's side rows (bias, residual) into shared memory, one round trip
+    for (int i = threadIdx.x; i < K / 8; i += CT) cp_async16(s.u.xq + 8 * i, src + 8 * i);
+    const u64* tb = a.table + TBL * layer;
+    const u16* side = KIND == OP_QKV ? (QKV_BIAS ? (const u16*)tb[1] : nullptr)
+                    : KIND == OP_O ? (layer == 0 ? a.embed + (size_t)tok * H : a.x)
+                    : KIND == OP_DOWN ? a.x : nullptr;
+    if (side)
+        for (int i = threadIdx.x; i < (t1 - t0) * 2; i += CT)
+            cp_async16(s.side + 8 * i, side + t0 * 16 + 8 * i);
+    u32x4 gw[NP];  // the norm's weights of this thread's pieces
+    if (NORM) {
+        const u16* nw = KIND == OP_HEAD ? a.fnorm : (const u16*)tb[KIND == OP_QKV ? 9 : 10];
+#pragma unroll
+        for (int p = 0; p < NP; p++) {
+            const int i = threadIdx.x + p * CT;
+            if (i < K / 8) gw[p] = *(const u32x4*)(nw + 8 * i);
+        }
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    consumer_sync();
+    if (NORM) {  // bf16(x r g), r = 1 / rms(x): the warps' sums of squares added in order
+        float ss = 0.f;
+#pragma unroll
+        for (int p = 0; p < NP; p++) {
+            const int i = threadIdx.x + p * CT;
+            if (i < K / 8) {
+                const u32x4 q = *(const u32x4*)(s.u.xq + 8 * i);
+                const u32 qw[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    ss = fmaf(lo_f32(qw[e]), lo_f32(qw[e]), ss);
+                    ss = fmaf(hi_f32(qw[e]), hi_f32(qw[e]), ss);
+                }
+            }
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) s.ss[warp] = ss;
+        consumer_sync();
+        ss = 0.f;
+#pragma unroll
+        for (int w = 0; w < NCW; w++) ss += s.ss[w];
+        const float r = rsqrtf(ss / (float)K + a.eps);
+#pragma unroll
+        for (int p = 0; p < NP; p++) {
+            const int i = threadIdx.x + p * CT;
+            if (i < K / 8) {
+                u32x4* at = (u32x4*)(s.u.xq + 8 * i);
+                const u32x4 q = *at;
+                const u32 qw[4] = {q.x, q.y, q.z, q.w}, nw[4] = {gw[p].x, gw[p].y, gw[p].z, gw[p].w};
+                u32 o[4];
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    o[e] = (u32)to_bf16(lo_f32(qw[e]) * r * lo_f32(nw[e]))
+                         | ((u32)to_bf16(hi_f32(qw[e]) * r * hi_f32(nw[e])) << 16);
+                *at = u32x4{o[0], o[1], o[2], o[3]};
+            }
+        }
+        consumer_sync();
+    }
+    for (int gr = warp; gr < NG; gr += NCW) {  // the group sums of x
+        float d[4] = {0.f, 0.f, 0.f, 0.f};
+        q4_group<true>(s.u.xq + gr * 128, u32x4{}, u32x4{}, t, d);
+        if (lane == 0) s.sx[gr] = d[0];
+    }
+    consumer_sync();
+
+    const int units = (t1 - t0) * NG, chunks = (units + CU - 1) / CU;
+    float acc0 = 0.f, acc1 = 0.f;  // features g and g + 8 of the warp's tile
+    float best_v = -3.0e38f;
+    int best_i = 0x7fffffff, done = 0;
+    for (int i = 0; i < chunks; i++, c++) {
+        const int u0 = i * CU, nu = min(CU, units - u0);
+        mbar_wait(&s.full[c % NS], (c / NS) & 1);
+        if (i == 0) TR(j, 2);
+        const unsigned char* slot = slot_ptr(ring, c);
+        for (int u = u0 + (warp - u0 % NCW + NCW) % NCW; u < u0 + nu; u += NCW) {
+            const int tl = u / NG, gr = u - tl * NG;
+            const unsigned char* wu = slot + (size_t)(u - u0) * 1024;
+            const u32x4 wa = *(const u32x4*)(wu + 16 * lane);
+            const u32x4 wb = *(const u32x4*)(wu + 512 + 16 * lane);
+            const uint2 sc = *(const uint2*)(slot + CU * 1024 + (u - u0) * 64 + 8 * g);
+            float d[4] = {0.f, 0.f, 0.f, 0.f};
+            if (!NOCOMPUTE) q4_group<false>(s.u.xq + gr * 128, wa, wb, t, d);
+            // sum_k x (q - 8) s + z = s d + (z - 136 s) sum_k x (int4_mma.cu's FOLD)
+            const float s0 = lo_f32(sc.x), s1 = lo_f32(sc.y), sxg = s.sx[gr];
+            acc0 = fmaf(fmaf(-136.f, s0, hi_f32(sc.x)), sxg, fmaf(s0, d[0], acc0));
+            acc1 = fmaf(fmaf(-136.f, s1, hi_f32(sc.y)), sxg, fmaf(s1, d[2], acc1));
+            if (u + NCW >= (tl + 1) * NG) {  // the warp's last unit of the tile
+                if (t == 0) {
+                    s.q4red[tl % RT][warp][g] = acc0;
+                    s.q4red[tl % RT][warp][g + 8] = acc1;
+                }
+                acc0 = acc1 = 0.f;
+            }
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&s.empty[c % NS]);
+        const int ended = (u0 + nu) / NG;  // tiles whose every unit is done after this chunk
+        if (ended > done) {
+            consumer_sync();
+            q4_finish<KIND>(a, s, t0, done, ended, best_v, best_i);
+            done = ended;
+        }
+    }
+    if (KIND == OP_HEAD) {  // the block's best logit (ties: the lower id)
+#pragma unroll
+        for (int o = 16; o; o >>= 1) {
+            const float v = __shfl_xor_sync(0xffffffffu, best_v, o);
+            const int id = __shfl_xor_sync(0xffffffffu, best_i, o);
+            if (v > best_v || (v == best_v && id < best_i)) { best_v = v; best_i = id; }
+        }
+        block_best(a, s, b, best_v, best_i);
+    }
+}
+#endif
 
 // -- consumers: attention ---------------------------------------------------------------------------
 
@@ -717,7 +1004,7 @@ __device__ __forceinline__ void unpack_head(const u32* w, float* v) {
 
 // The split of positions 0 .. p over kv heads: nsplit units a head, ch positions a unit. At most
 // MAX_SPLIT units a head: a unit's merge holds every split's pieces of its slice of the outputs
-// and every split's max and sum in the space of the attention state (Shared.st_acc).
+// and every split's max and sum in the space of the attention state (AttState.st_acc).
 constexpr int MAX_SPLIT = (NCW * GS * HD * 4 - GS * HD * 4) / (16 + 8 * GS);
 __device__ __forceinline__ void attention_split(int p, int G, int& nsplit, int& ch) {
     const int by_len = (p + ATT_MIN) / ATT_MIN;  // ceil((p + 1) / ATT_MIN)
@@ -750,6 +1037,7 @@ __device__ __forceinline__ void load_kv_batch(const u16* kcache, const u16* vcac
 __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) {
     if (NOATT) { wait_op(a, 5 * layer, G); return; }
     bool waited = false;
+    AttState& st = s.u.at;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int p = (int)*a.pos;
     int nsplit, ch;
@@ -889,24 +1177,24 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
         }
 #pragma unroll
         for (int hh = 0; hh < GS; hh++) {
-            if (lane == 0) { s.st_m[warp][hh] = m[hh]; s.st_l[warp][hh] = l[hh]; }
+            if (lane == 0) { st.st_m[warp][hh] = m[hh]; st.st_l[warp][hh] = l[hh]; }
 #pragma unroll
-            for (int e = 0; e < EPL; e++) s.st_acc[warp][hh][lane * EPL + e] = acc[hh][e];
+            for (int e = 0; e < EPL; e++) st.st_acc[warp][hh][lane * EPL + e] = acc[hh][e];
         }
         consumer_sync();
         if (threadIdx.x < GS) {  // head hh: the warps' weights exp2(m_w - M), M and the sum
             const int hh = threadIdx.x;
             float mm = -1.0e30f, ll = 0.f;
 #pragma unroll
-            for (int w = 0; w < NCW; w++) mm = fmaxf(mm, s.st_m[w][hh]);
+            for (int w = 0; w < NCW; w++) mm = fmaxf(mm, st.st_m[w][hh]);
 #pragma unroll
             for (int w = 0; w < NCW; w++) {
-                const float f = exp2f(s.st_m[w][hh] - mm);
-                s.st_f[w][hh] = f;
-                ll = fmaf(s.st_l[w][hh], f, ll);
+                const float f = exp2f(st.st_m[w][hh] - mm);
+                st.st_f[w][hh] = f;
+                ll = fmaf(st.st_l[w][hh], f, ll);
             }
-            s.st_hm[hh] = mm;
-            s.st_hl[hh] = ll;
+            st.st_hm[hh] = mm;
+            st.st_hl[hh] = ll;
         }
         consumer_sync();
         // partials: accumulators [NKV][G][GS][HD], then (max, sum) [NKV][G][GS][2]
@@ -916,12 +1204,12 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
             const int hh = idx / HD, d = idx % HD;
             float o = 0.f;
 #pragma unroll
-            for (int w = 0; w < NCW; w++) o = fmaf(s.st_acc[w][hh][d], s.st_f[w][hh], o);
+            for (int w = 0; w < NCW; w++) o = fmaf(st.st_acc[w][hh][d], st.st_f[w][hh], o);
             if (nsplit == 1) {
-                a.att[(g * GS + hh) * HD + d] = to_bf16(o / s.st_hl[hh]);
+                a.att[(g * GS + hh) * HD + d] = to_bf16(o / st.st_hl[hh]);
             } else {
                 mine[hh * HD + d] = o;
-                if (d == 0) { mine_ml[2 * hh] = s.st_hm[hh]; mine_ml[2 * hh + 1] = s.st_hl[hh]; }
+                if (d == 0) { mine_ml[2 * hh] = st.st_hm[hh]; mine_ml[2 * hh + 1] = st.st_hl[hh]; }
             }
         }
         consumer_sync();
@@ -946,7 +1234,7 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
             const int pc0 = min(NPC, sp * ppu), npc = min(NPC, pc0 + ppu) - pc0;
             const float* all = a.part + (size_t)g * G * GS * HD;
             const float* all_ml = a.part + (size_t)NKV * G * GS * HD + (size_t)g * G * GS * 2;
-            u32x4* po = (u32x4*)&s.st_acc[0][0][0];  // [nsplit][npc]
+            u32x4* po = (u32x4*)&st.st_acc[0][0][0];  // [nsplit][npc]
             float* ml = (float*)(po + nsplit * npc);  // [nsplit][GS][2]
             for (int t = threadIdx.x; t < max(nsplit * npc, nsplit * GS); t += CT) {
                 u32x4 v;
@@ -985,6 +1273,13 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
     if (!waited) wait_op(a, 5 * layer, G);
 }
 
+#if Q4
+#define OP q4_op
+static_assert(LDGSTS && !LLX, "Q4 copies with cp.async (LDGSTS=1), without LLX");
+#else
+#define OP matrix_op
+#endif
+
 // -- the kernel -------------------------------------------------------------------------------------
 
 // Registers: 9 warps put 3 on one of the 4 sub-partitions (16,384 registers each): 168 a thread.
@@ -1017,7 +1312,10 @@ decode_step(Args a) {
                 const u32 dst = smem_addr(slot_ptr(ring, c));
                 for (u32 off = 16 * lane; off < ch.bytes; off += 512)
                     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-                                 :: "r"(dst + off), "l"((const char*)ch.src + off) : "memory");
+                                 :: "r"(dst + off), "l"(ch.src + off) : "memory");
+                for (u32 off = 16 * lane; off < ch.bytes2; off += 512)  // Q4: the scales
+                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                                 :: "r"(dst + CU * 1024 + off), "l"(ch.src2 + off) : "memory");
                 asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];"
                              :: "r"(smem_addr(&s.full[c % NS])) : "memory");
                 if (lane == 0) TRP(ch.j, 1);
@@ -1040,32 +1338,36 @@ decode_step(Args a) {
         return;
     }
 
+#if Q4
+    for (int i = threadIdx.x; i < RT * NCW * 16; i += CT) (&s.q4red[0][0][0])[i] = 0.f;
+    consumer_sync();
+#endif
     u32 c = 0;
     const u32 step = LLX ? ld_cg(a.step_count) : 0u;
     for (int layer = 0; layer < NL; layer++) {
         const int j = 5 * layer;
         if (layer > 0 && !LLX) wait_op(a, j - 1, G);
-        matrix_op<H, OP_QKV>(a, s, ring, c, layer, b, G, step);
+        OP<H, OP_QKV>(a, s, ring, c, layer, b, G, step);
         signal_op(a, j);
         attention_op(a, s, layer, b, G);  // waits for QKV inside, its first loads issued
         signal_op(a, j + 1);
         wait_op(a, j + 1, G);
-        matrix_op<QD, OP_O>(a, s, ring, c, layer, b, G, step);
+        OP<QD, OP_O>(a, s, ring, c, layer, b, G, step);
         if (LLX) {
             TR(j + 2, 3);
         } else {
             signal_op(a, j + 2);
             wait_op(a, j + 2, G);
         }
-        matrix_op<H, OP_GU>(a, s, ring, c, layer, b, G, step);
+        OP<H, OP_GU>(a, s, ring, c, layer, b, G, step);
         signal_op(a, j + 3);
         wait_op(a, j + 3, G);
-        matrix_op<INTER, OP_DOWN>(a, s, ring, c, layer, b, G, step);
+        OP<INTER, OP_DOWN>(a, s, ring, c, layer, b, G, step);
         if (LLX) TR(j + 4, 3);
         else signal_op(a, j + 4);
     }
     if (!LLX) wait_op(a, 5 * NL - 1, G);
-    matrix_op<H, OP_HEAD>(a, s, ring, c, NL, b, G, step);
+    OP<H, OP_HEAD>(a, s, ring, c, NL, b, G, step);
     consumer_sync();
     TR(NOPS - 1, 3);
     if (threadIdx.x == 0) {  // the last block picks the token and clears the counters
