@@ -12,7 +12,7 @@ compile-time setting of decode_mk.cu, e.g. D:LLX=1), and the probes `nowait` (no
 the one before: wrong output, the most that faster dependencies could give) and `nocompute`.
 
     PYTHONPATH=. python3 benchmarks/megakernel_step.py --out DIR \
-        [--shapes qwen2.5-1.5b qwen2.5-0.5b] [--context 512 4096] \
+        [--shapes qwen2.5-1.5b qwen3-32b:int4] [--context 512 4096] \
         [--variants 8x24576+trace 8x24576+bulk 8x24576+nowait]
 """
 from __future__ import annotations
@@ -63,8 +63,9 @@ def parse_variant(v: str) -> dict:
 
 @torch.inference_mode()
 def run_shape(shape: str, variants: list[str], bandwidth: float, context: int = CONTEXT) -> dict:
-    cfg = get_shape(shape)
-    model = build_random_model(cfg, torch.bfloat16, "cuda")
+    name, _, quant = shape.partition(":")  # "qwen3-32b:int4": weights in int4 (mma layout)
+    cfg = get_shape(name)
+    model = build_random_model(cfg, torch.bfloat16, "cuda", quant=quant or None)
     cache = KVCache.for_model(cfg, 1, context + 512, torch.bfloat16, "cuda")
     cache.kv.normal_()
     need = step_bytes(model, cfg, context, 1, torch.bfloat16)["bytes"]

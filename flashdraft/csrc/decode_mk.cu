@@ -749,6 +749,9 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
 
 #if Q4
 #define ONES 0x3f803f80u  // the bfloat16 pair (1, 1)
+#ifndef Q4_UB
+#define Q4_UB 4  // units a warp multiplies at once (independent mma chains)
+#endif
 
 // Nibbles 0 and 4 of q as the bfloat16 pair 128 + nibble: (q & 0x000f000f) | 0x43004300.
 __device__ __forceinline__ u32 biased(u32 q) {
@@ -769,25 +772,45 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
                  : "memory");
 }
 
-// One group (128 inputs) of a tile against x (s.xq): the mma's C fragment in d, from the A
-// words of the two 16-byte halves (wa, wb; ONES: an all-ones A, which gives the group's sum of
-// x with d's rounding). Every B column is x, so that every lane's d[0] and d[2] are features
-// g and g + 8 of the tile (int4_mma.cu: the B fragments and the k order of a lane).
-template <bool SUM>
-__device__ __forceinline__ void q4_group(const u16* xg, u32x4 wa, u32x4 wb, int t, float* d) {
+// NB groups (128 inputs each; gr[k] < 0: none) of tiles against x (s.xq), interleaved so that
+// their mma chains overlap: group k's C fragment in d[k], from the lane's A words of its two
+// 16-byte halves at w[k] and w[k] + 512 bytes in shared memory (SUM: an all-ones A instead,
+// which gives the group's sum of x with the rounding of d's chain). Every B column is x, so
+// every lane's d[k][0] and d[k][2] are features g and g + 8 of the tile (int4_mma.cu: the B
+// fragments and the k order of a lane). Loaded a half and a pair of tiles' inputs at a time,
+// to keep the registers of NB chains few.
+template <bool SUM, int NB>
+__device__ __forceinline__ void q4_groups(const u16* xq, const int* gr,
+                                          const unsigned char* const* w, int t, float (*d)[4]) {
+#pragma unroll
+    for (int k = 0; k < NB; k++) d[k][0] = d[k][1] = d[k][2] = d[k][3] = 0.f;
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        const u32x4 q4 = h ? wb : wa;
-        const u32 qs[4] = {q4.x, q4.y, q4.z, q4.w};
-        const u32x4 xa = *(const u32x4*)(xg + 8 * (8 * h + t));
-        const u32x4 xb = *(const u32x4*)(xg + 8 * (8 * h + 4 + t));
+        u32x4 q4[NB];
+        if (!SUM)
 #pragma unroll
-        for (int jj = 0; jj < 4; jj++) {
-            const u32x4 c = jj < 2 ? xa : xb;
-            const u32 b0 = (jj & 1) ? c.z : c.x, b1 = (jj & 1) ? c.w : c.y;
-            const u32 q = qs[jj];
-            if (SUM) mma16816(d, ONES, ONES, ONES, ONES, b0, b1);
-            else mma16816(d, biased(q), biased(q >> 4), biased(q >> 8), biased(q >> 12), b0, b1);
+            for (int k = 0; k < NB; k++)
+                if (gr[k] >= 0) q4[k] = *(const u32x4*)(w[k] + 512 * h);
+#pragma unroll
+        for (int p = 0; p < 2; p++) {  // inputs 8 (8 h + 4 p + t) .. + 8: A words 2 p, 2 p + 1
+            u32x4 xv[NB];
+#pragma unroll
+            for (int k = 0; k < NB; k++)
+                if (gr[k] >= 0) xv[k] = *(const u32x4*)(xq + gr[k] * 128 + 8 * (8 * h + 4 * p + t));
+#pragma unroll
+            for (int e = 0; e < 2; e++)
+#pragma unroll
+                for (int k = 0; k < NB; k++) {
+                    if (gr[k] < 0) continue;
+                    const u32 b0 = e ? xv[k].z : xv[k].x, b1 = e ? xv[k].w : xv[k].y;
+                    if (SUM) {
+                        mma16816(d[k], ONES, ONES, ONES, ONES, b0, b1);
+                    } else {
+                        const u32 q = p == 0 ? (e ? q4[k].y : q4[k].x) : (e ? q4[k].w : q4[k].z);
+                        mma16816(d[k], biased(q), biased(q >> 4), biased(q >> 8),
+                                 biased(q >> 12), b0, b1);
+                    }
+                }
         }
     }
 }
@@ -901,10 +924,15 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
         }
         consumer_sync();
     }
-    for (int gr = warp; gr < NG; gr += NCW) {  // the group sums of x
-        float d[4] = {0.f, 0.f, 0.f, 0.f};
-        q4_group<true>(s.u.xq + gr * 128, u32x4{}, u32x4{}, t, d);
-        if (lane == 0) s.sx[gr] = d[0];
+    for (int g0 = warp; g0 < NG; g0 += Q4_UB * NCW) {  // the group sums of x, Q4_UB at once
+        int gr[Q4_UB];
+        float d[Q4_UB][4];
+#pragma unroll
+        for (int k = 0; k < Q4_UB; k++) gr[k] = g0 + k * NCW < NG ? g0 + k * NCW : -1;
+        q4_groups<true, Q4_UB>(s.u.xq, gr, nullptr, t, d);
+#pragma unroll
+        for (int k = 0; k < Q4_UB; k++)
+            if (lane == 0 && gr[k] >= 0) s.sx[gr[k]] = d[k][0];
     }
     consumer_sync();
 
@@ -917,24 +945,35 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
         mbar_wait(&s.full[c % NS], (c / NS) & 1);
         if (i == 0) TR(j, 2);
         const unsigned char* slot = slot_ptr(ring, c);
-        for (int u = u0 + (warp - u0 % NCW + NCW) % NCW; u < u0 + nu; u += NCW) {
-            const int tl = u / NG, gr = u - tl * NG;
-            const unsigned char* wu = slot + (size_t)(u - u0) * 1024;
-            const u32x4 wa = *(const u32x4*)(wu + 16 * lane);
-            const u32x4 wb = *(const u32x4*)(wu + 512 + 16 * lane);
-            const uint2 sc = *(const uint2*)(slot + CU * 1024 + (u - u0) * 64 + 8 * g);
-            float d[4] = {0.f, 0.f, 0.f, 0.f};
-            if (!NOCOMPUTE) q4_group<false>(s.u.xq + gr * 128, wa, wb, t, d);
-            // sum_k x (q - 8) s + z = s d + (z - 136 s) sum_k x (int4_mma.cu's FOLD)
-            const float s0 = lo_f32(sc.x), s1 = lo_f32(sc.y), sxg = s.sx[gr];
-            acc0 = fmaf(fmaf(-136.f, s0, hi_f32(sc.x)), sxg, fmaf(s0, d[0], acc0));
-            acc1 = fmaf(fmaf(-136.f, s1, hi_f32(sc.y)), sxg, fmaf(s1, d[2], acc1));
-            if (u + NCW >= (tl + 1) * NG) {  // the warp's last unit of the tile
-                if (t == 0) {
-                    s.q4red[tl % RT][warp][g] = acc0;
-                    s.q4red[tl % RT][warp][g + 8] = acc1;
+        // the warp's units u = warp mod NCW of the chunk, Q4_UB at once (their chains
+        // interleaved), added to the tile's sums in order
+        for (int u = u0 + (warp - u0 % NCW + NCW) % NCW; u < u0 + nu; u += Q4_UB * NCW) {
+            int gr[Q4_UB];
+            const unsigned char* wk[Q4_UB];
+#pragma unroll
+            for (int k = 0; k < Q4_UB; k++) {
+                const int uk = u + k * NCW;
+                gr[k] = uk < u0 + nu ? uk % NG : -1;
+                wk[k] = slot + (size_t)(uk - u0) * 1024 + 16 * lane;
+            }
+            float d[Q4_UB][4];
+            if (!NOCOMPUTE) q4_groups<false, Q4_UB>(s.u.xq, gr, wk, t, d);
+#pragma unroll
+            for (int k = 0; k < Q4_UB; k++) {
+                if (gr[k] < 0) break;
+                const int uk = u + k * NCW, tl = uk / NG;
+                const uint2 sc = *(const uint2*)(slot + CU * 1024 + (uk - u0) * 64 + 8 * g);
+                // sum_k x (q - 8) s + z = s d + (z - 136 s) sum_k x (int4_mma.cu's FOLD)
+                const float s0 = lo_f32(sc.x), s1 = lo_f32(sc.y), sxg = s.sx[gr[k]];
+                acc0 = fmaf(fmaf(-136.f, s0, hi_f32(sc.x)), sxg, fmaf(s0, d[k][0], acc0));
+                acc1 = fmaf(fmaf(-136.f, s1, hi_f32(sc.y)), sxg, fmaf(s1, d[k][2], acc1));
+                if (uk + NCW >= (tl + 1) * NG) {  // the warp's last unit of the tile
+                    if (t == 0) {
+                        s.q4red[tl % RT][warp][g] = acc0;
+                        s.q4red[tl % RT][warp][g + 8] = acc1;
+                    }
+                    acc0 = acc1 = 0.f;
                 }
-                acc0 = acc1 = 0.f;
             }
         }
         __syncwarp();
