@@ -772,13 +772,15 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
                  : "memory");
 }
 
-// NB groups (128 inputs each; gr[k] < 0: none) of tiles against x (s.xq), interleaved so that
+// NB groups (128 inputs each) of tiles against x (s.xq), interleaved so that
 // their mma chains overlap: group k's C fragment in d[k], from the lane's A words of its two
 // 16-byte halves at w[k] and w[k] + 512 bytes in shared memory (SUM: an all-ones A instead,
 // which gives the group's sum of x with the rounding of d's chain). Every B column is x, so
 // every lane's d[k][0] and d[k][2] are features g and g + 8 of the tile (int4_mma.cu: the B
 // fragments and the k order of a lane). Loaded a half and a pair of tiles' inputs at a time,
-// to keep the registers of NB chains few.
+// to keep the registers of NB chains few. No branch around an mma: under one, the compiler
+// puts a warp sync before each (the chains stop overlapping; measured 1.6x slower), so the
+// callers pass a valid group for every k and drop the sums they do not need.
 template <bool SUM, int NB>
 __device__ __forceinline__ void q4_groups(const u16* xq, const int* gr,
                                           const unsigned char* const* w, int t, float (*d)[4]) {
@@ -789,19 +791,17 @@ __device__ __forceinline__ void q4_groups(const u16* xq, const int* gr,
         u32x4 q4[NB];
         if (!SUM)
 #pragma unroll
-            for (int k = 0; k < NB; k++)
-                if (gr[k] >= 0) q4[k] = *(const u32x4*)(w[k] + 512 * h);
+            for (int k = 0; k < NB; k++) q4[k] = *(const u32x4*)(w[k] + 512 * h);
 #pragma unroll
         for (int p = 0; p < 2; p++) {  // inputs 8 (8 h + 4 p + t) .. + 8: A words 2 p, 2 p + 1
             u32x4 xv[NB];
 #pragma unroll
             for (int k = 0; k < NB; k++)
-                if (gr[k] >= 0) xv[k] = *(const u32x4*)(xq + gr[k] * 128 + 8 * (8 * h + 4 * p + t));
+                xv[k] = *(const u32x4*)(xq + gr[k] * 128 + 8 * (8 * h + 4 * p + t));
 #pragma unroll
             for (int e = 0; e < 2; e++)
 #pragma unroll
                 for (int k = 0; k < NB; k++) {
-                    if (gr[k] < 0) continue;
                     const u32 b0 = e ? xv[k].z : xv[k].x, b1 = e ? xv[k].w : xv[k].y;
                     if (SUM) {
                         mma16816(d[k], ONES, ONES, ONES, ONES, b0, b1);
@@ -925,18 +925,19 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
         consumer_sync();
     }
     for (int g0 = warp; g0 < NG; g0 += Q4_UB * NCW) {  // the group sums of x, Q4_UB at once
-        int gr[Q4_UB];
+        int gr[Q4_UB];  // past the last group: group g0 again, its sum not stored
         float d[Q4_UB][4];
 #pragma unroll
-        for (int k = 0; k < Q4_UB; k++) gr[k] = g0 + k * NCW < NG ? g0 + k * NCW : -1;
+        for (int k = 0; k < Q4_UB; k++) gr[k] = g0 + k * NCW < NG ? g0 + k * NCW : g0;
         q4_groups<true, Q4_UB>(s.u.xq, gr, nullptr, t, d);
 #pragma unroll
         for (int k = 0; k < Q4_UB; k++)
-            if (lane == 0 && gr[k] >= 0) s.sx[gr[k]] = d[k][0];
+            if (lane == 0 && g0 + k * NCW < NG) s.sx[gr[k]] = d[k][0];
     }
     consumer_sync();
 
     const int units = (t1 - t0) * NG, chunks = (units + CU - 1) / CU;
+    if (chunks == 0) TR(j, 2);  // a block without tiles of this op (the timeline's "first chunk")
     float acc0 = 0.f, acc1 = 0.f;  // features g and g + 8 of the warp's tile
     float best_v = -3.0e38f;
     int best_i = 0x7fffffff, done = 0;
@@ -948,19 +949,19 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
         // the warp's units u = warp mod NCW of the chunk, Q4_UB at once (their chains
         // interleaved), added to the tile's sums in order
         for (int u = u0 + (warp - u0 % NCW + NCW) % NCW; u < u0 + nu; u += Q4_UB * NCW) {
-            int gr[Q4_UB];
+            int gr[Q4_UB];  // past the chunk: unit u again, its sums dropped
             const unsigned char* wk[Q4_UB];
 #pragma unroll
             for (int k = 0; k < Q4_UB; k++) {
-                const int uk = u + k * NCW;
-                gr[k] = uk < u0 + nu ? uk % NG : -1;
+                const int uk = u + k * NCW < u0 + nu ? u + k * NCW : u;
+                gr[k] = uk % NG;
                 wk[k] = slot + (size_t)(uk - u0) * 1024 + 16 * lane;
             }
             float d[Q4_UB][4];
             if (!NOCOMPUTE) q4_groups<false, Q4_UB>(s.u.xq, gr, wk, t, d);
 #pragma unroll
             for (int k = 0; k < Q4_UB; k++) {
-                if (gr[k] < 0) break;
+                if (u + k * NCW >= u0 + nu) break;
                 const int uk = u + k * NCW, tl = uk / NG;
                 const uint2 sc = *(const uint2*)(slot + CU * 1024 + (uk - u0) * 64 + 8 * g);
                 // sum_k x (q - 8) s + z = s d + (z - 136 s) sum_k x (int4_mma.cu's FOLD)
