@@ -748,9 +748,8 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
 // -- consumers: an int4 matrix op (Q4) --------------------------------------------------------------
 
 #if Q4
-#define ONES 0x3f803f80u  // the bfloat16 pair (1, 1)
 #ifndef Q4_UB
-#define Q4_UB 4  // units a warp multiplies at once (independent mma chains)
+#define Q4_UB 1  // units a warp multiplies at once (independent mma chains; 2-4 measured slower)
 #endif
 
 // Nibbles 0 and 4 of q as the bfloat16 pair 128 + nibble: (q & 0x000f000f) | 0x43004300.
@@ -774,14 +773,13 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 
 // NB groups (128 inputs each) of tiles against x (s.xq), interleaved so that
 // their mma chains overlap: group k's C fragment in d[k], from the lane's A words of its two
-// 16-byte halves at w[k] and w[k] + 512 bytes in shared memory (SUM: an all-ones A instead,
-// which gives the group's sum of x with the rounding of d's chain). Every B column is x, so
+// 16-byte halves at w[k] and w[k] + 512 bytes in shared memory. Every B column is x, so
 // every lane's d[k][0] and d[k][2] are features g and g + 8 of the tile (int4_mma.cu: the B
 // fragments and the k order of a lane). Loaded a half and a pair of tiles' inputs at a time,
 // to keep the registers of NB chains few. No branch around an mma: under one, the compiler
 // puts a warp sync before each (the chains stop overlapping; measured 1.6x slower), so the
 // callers pass a valid group for every k and drop the sums they do not need.
-template <bool SUM, int NB>
+template <int NB>
 __device__ __forceinline__ void q4_groups(const u16* xq, const int* gr,
                                           const unsigned char* const* w, int t, float (*d)[4]) {
 #pragma unroll
@@ -789,9 +787,8 @@ __device__ __forceinline__ void q4_groups(const u16* xq, const int* gr,
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         u32x4 q4[NB];
-        if (!SUM)
 #pragma unroll
-            for (int k = 0; k < NB; k++) q4[k] = *(const u32x4*)(w[k] + 512 * h);
+        for (int k = 0; k < NB; k++) q4[k] = *(const u32x4*)(w[k] + 512 * h);
 #pragma unroll
         for (int p = 0; p < 2; p++) {  // inputs 8 (8 h + 4 p + t) .. + 8: A words 2 p, 2 p + 1
             u32x4 xv[NB];
@@ -803,13 +800,9 @@ __device__ __forceinline__ void q4_groups(const u16* xq, const int* gr,
 #pragma unroll
                 for (int k = 0; k < NB; k++) {
                     const u32 b0 = e ? xv[k].z : xv[k].x, b1 = e ? xv[k].w : xv[k].y;
-                    if (SUM) {
-                        mma16816(d[k], ONES, ONES, ONES, ONES, b0, b1);
-                    } else {
-                        const u32 q = p == 0 ? (e ? q4[k].y : q4[k].x) : (e ? q4[k].w : q4[k].z);
-                        mma16816(d[k], biased(q), biased(q >> 4), biased(q >> 8),
-                                 biased(q >> 12), b0, b1);
-                    }
+                    const u32 q = p == 0 ? (e ? q4[k].y : q4[k].x) : (e ? q4[k].w : q4[k].z);
+                    mma16816(d[k], biased(q), biased(q >> 4), biased(q >> 8), biased(q >> 12),
+                             b0, b1);
                 }
         }
     }
@@ -885,7 +878,8 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
     consumer_sync();
-    if (NORM) {  // bf16(x r g), r = 1 / rms(x): the warps' sums of squares added in order
+    float r = 1.f;
+    if (NORM) {  // r = 1 / rms(x): the warps' sums of squares added in order
         float ss = 0.f;
 #pragma unroll
         for (int p = 0; p < NP; p++) {
@@ -906,33 +900,33 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
         ss = 0.f;
 #pragma unroll
         for (int w = 0; w < NCW; w++) ss += s.ss[w];
-        const float r = rsqrtf(ss / (float)K + a.eps);
-#pragma unroll
-        for (int p = 0; p < NP; p++) {
-            const int i = threadIdx.x + p * CT;
-            if (i < K / 8) {
-                u32x4* at = (u32x4*)(s.u.xq + 8 * i);
-                const u32x4 q = *at;
-                const u32 qw[4] = {q.x, q.y, q.z, q.w}, nw[4] = {gw[p].x, gw[p].y, gw[p].z, gw[p].w};
-                u32 o[4];
+        r = rsqrtf(ss / (float)K + a.eps);
+    }
+    // x as the products take it (NORM: bf16(x r g), as the model's norm kernel rounds it), and
+    // each group's sum of it: a piece's 8 values in order, then the group's 16 pieces (16
+    // lanes) in a fixed tree. In float32 FMAs, not from the mma that forms d: the FOLD's
+    // cancellation loses ~1e-6 of a group's sum this way, far below the output's bf16 rounding.
+    for (int p = 0; p < NP; p++) {
+        const int i = threadIdx.x + p * CT;
+        float sum = 0.f;
+        if (i < K / 8) {
+            u32x4* at = (u32x4*)(s.u.xq + 8 * i);
+            const u32x4 q = *at;
+            u32 qw[4] = {q.x, q.y, q.z, q.w};
+            if (NORM) {
+                const u32 nw[4] = {gw[p].x, gw[p].y, gw[p].z, gw[p].w};
 #pragma unroll
                 for (int e = 0; e < 4; e++)
-                    o[e] = (u32)to_bf16(lo_f32(qw[e]) * r * lo_f32(nw[e]))
-                         | ((u32)to_bf16(hi_f32(qw[e]) * r * hi_f32(nw[e])) << 16);
-                *at = u32x4{o[0], o[1], o[2], o[3]};
+                    qw[e] = (u32)to_bf16(lo_f32(qw[e]) * r * lo_f32(nw[e]))
+                          | ((u32)to_bf16(hi_f32(qw[e]) * r * hi_f32(nw[e])) << 16);
+                *at = u32x4{qw[0], qw[1], qw[2], qw[3]};
             }
+#pragma unroll
+            for (int e = 0; e < 4; e++) sum += lo_f32(qw[e]) + hi_f32(qw[e]);
         }
-        consumer_sync();
-    }
-    for (int g0 = warp; g0 < NG; g0 += Q4_UB * NCW) {  // the group sums of x, Q4_UB at once
-        int gr[Q4_UB];  // past the last group: group g0 again, its sum not stored
-        float d[Q4_UB][4];
 #pragma unroll
-        for (int k = 0; k < Q4_UB; k++) gr[k] = g0 + k * NCW < NG ? g0 + k * NCW : g0;
-        q4_groups<true, Q4_UB>(s.u.xq, gr, nullptr, t, d);
-#pragma unroll
-        for (int k = 0; k < Q4_UB; k++)
-            if (lane == 0 && g0 + k * NCW < NG) s.sx[gr[k]] = d[k][0];
+        for (int o = 8; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if ((lane & 15) == 0 && i < K / 8) s.sx[i / 16] = sum;  // K / 8: whole groups of 16
     }
     consumer_sync();
 
@@ -958,7 +952,7 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
                 wk[k] = slot + (size_t)(uk - u0) * 1024 + 16 * lane;
             }
             float d[Q4_UB][4];
-            if (!NOCOMPUTE) q4_groups<false, Q4_UB>(s.u.xq, gr, wk, t, d);
+            if (!NOCOMPUTE) q4_groups<Q4_UB>(s.u.xq, gr, wk, t, d);
 #pragma unroll
             for (int k = 0; k < Q4_UB; k++) {
                 if (u + k * NCW >= u0 + nu) break;
@@ -979,12 +973,18 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(&s.empty[c % NS]);
-        const int ended = (u0 + nu) / NG;  // tiles whose every unit is done after this chunk
-        if (ended > done) {
+        // tiles whose every unit is done after this chunk: added now, unless the block's
+        // tiles all fit Shared.q4red (then once at the end: no barrier a chunk)
+        const int ended = (u0 + nu) / NG;
+        if (t1 - t0 > RT && ended > done) {
             consumer_sync();
             q4_finish<KIND>(a, s, t0, done, ended, best_v, best_i);
             done = ended;
         }
+    }
+    if (done < t1 - t0) {
+        consumer_sync();
+        q4_finish<KIND>(a, s, t0, done, t1 - t0, best_v, best_i);
     }
     if (KIND == OP_HEAD) {  // the block's best logit (ties: the lower id)
 #pragma unroll
