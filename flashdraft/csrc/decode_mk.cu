@@ -748,6 +748,10 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
 // -- consumers: an int4 matrix op (Q4) --------------------------------------------------------------
 
 #if Q4
+#ifndef Q4_PROBE
+#define Q4_PROBE 0  // measurement only, wrong output: 1 x not loaded (the codes stand in), 2 no
+                    // int4 conversion (the codes are the operand), 3 no mma (one FMA instead)
+#endif
 #ifndef Q4_UB
 #define Q4_UB 1  // units a warp multiplies at once (independent mma chains; 2-4 measured slower)
 #endif
@@ -794,15 +798,23 @@ __device__ __forceinline__ void q4_groups(const u16* xq, const int* gr,
             u32x4 xv[NB];
 #pragma unroll
             for (int k = 0; k < NB; k++)
-                xv[k] = *(const u32x4*)(xq + gr[k] * 128 + 8 * (8 * h + 4 * p + t));
+                xv[k] = Q4_PROBE == 1 ? u32x4{q4[k].x, q4[k].y, q4[k].z, q4[k].w}
+                      : *(const u32x4*)(xq + gr[k] * 128 + 8 * (8 * h + 4 * p + t));
 #pragma unroll
             for (int e = 0; e < 2; e++)
 #pragma unroll
                 for (int k = 0; k < NB; k++) {
                     const u32 b0 = e ? xv[k].z : xv[k].x, b1 = e ? xv[k].w : xv[k].y;
                     const u32 q = p == 0 ? (e ? q4[k].y : q4[k].x) : (e ? q4[k].w : q4[k].z);
-                    mma16816(d[k], biased(q), biased(q >> 4), biased(q >> 8), biased(q >> 12),
-                             b0, b1);
+                    if (Q4_PROBE == 2)  // no conversion: the codes as the operand
+                        mma16816(d[k], q, q ^ b0, q ^ b1, q + 1, b0, b1);
+                    else if (Q4_PROBE == 3)  // no mma: the operands folded in with one FMA
+                        d[k][0] = fmaf(__uint_as_float(biased(q) ^ biased(q >> 4) ^ biased(q >> 8)
+                                                       ^ biased(q >> 12)),
+                                       __uint_as_float(b0 ^ b1), d[k][0]);
+                    else
+                        mma16816(d[k], biased(q), biased(q >> 4), biased(q >> 8),
+                                 biased(q >> 12), b0, b1);
                 }
         }
     }
