@@ -1432,6 +1432,7 @@ decode_step(Args a) {
                 const int i = __float_as_int(ld_cgf(a.best + 2 * t + 1));
                 if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
             }
+            if (bi < 0 || bi >= VOCAB) bi = 0;  // NaN logits everywhere: no token past the table
             *a.out_token = bi;
             if (a.chain) {  // every block read both before it added to the head's counter
                 *a.token = bi;
