@@ -144,11 +144,11 @@ def test_default_ring_follows_the_shape(monkeypatch):
     assert megakernel.default_ring(get_shape("qwen2.5-1.5b")) == "8x24576"
     assert megakernel.default_ring(get_shape("qwen3-0.6b")) == "8x24576"
     assert megakernel.default_ring(get_shape("qwen3-8b")) == "6x32768"
-    # int4: as many 24 KB slots as fit beside the rest, up to 8 (the 32B's 51 KB of staged x
-    # for its down product leave room for 7)
-    assert megakernel.default_ring(get_shape("qwen2.5-1.5b"), q4=True) == "8x24576"
-    assert megakernel.default_ring(get_shape("qwen3-8b"), q4=True) == "8x24576"
-    assert megakernel.default_ring(get_shape("qwen3-32b"), q4=True) == "7x24576"
+    # int4: as many slots of 24 units (26,112 bytes) as fit beside the rest, up to 8 (the 32B's
+    # 51 KB of staged x for its down product leave room for 6)
+    assert megakernel.default_ring(get_shape("qwen2.5-1.5b"), q4=True) == "7x26112"
+    assert megakernel.default_ring(get_shape("qwen3-8b"), q4=True) == "7x26112"
+    assert megakernel.default_ring(get_shape("qwen3-32b"), q4=True) == "6x26112"
     monkeypatch.setattr(megakernel, "RING", "4x49152")  # FLASHDRAFT_MK_RING
     assert megakernel.default_ring(get_shape("qwen3-8b")) == "4x49152"
 
@@ -217,7 +217,7 @@ def test_shape_bench_runs_the_megakernel_for_bf16_and_int4_and_refuses_it_for_in
     assert m["verify16_over_step"] == pytest.approx(r["step_curve"][16]["ms"] / m["step_ms"])
     q4 = run_shape_bench("qwen2.5-0.5b", quant="int4", step_tokens=(1,), draft=False,
                          repeats=3, decode_steps=16, decode_kernel="megakernel")["megakernel"]
-    assert q4["ring"] == "8x24576" and 0 < q4["step_roofline_fraction"] < 1
+    assert q4["ring"] == "7x26112" and 0 < q4["step_roofline_fraction"] < 1
     with pytest.raises(ValueError, match="megakernel cannot run the qwen2.5-0.5b shape .*int8.*"
                                          "contiguous bfloat16 nn.Linear, or all of them and the "
                                          "head int4"):
