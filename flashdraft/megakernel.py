@@ -8,6 +8,10 @@ the weight stream never waits for the activations. `benchmarks/megakernel_step.p
 against the model's CUDA-graph step in one process; `tests/test_megakernel.py` checks its
 logits and tokens against `Transformer.forward` on the GPU.
 
+Weights: bfloat16 with the block norms folded into the products, or int4 in flashdraft.mma's
+layout (every product and the head, `is_int4`; `quantization="int4"` on a Hopper GPU), whose
+norms the kernel applies itself (decode_mk.cu's Q4).
+
 In the engine it runs the greedy one-token steps of a draft model wherever it can (the
 default, `--decode-kernel auto`: drafts only propose, so the output is the same) and, opted
 in (`--decode-kernel megakernel`), those of plain decoding too (requests without a drafter,
@@ -16,7 +20,8 @@ not the skinny kernel's, so its tokens can differ from the graph path's where tw
 nearly tie, and speculative verification (T > 1) has no megakernel:
 speculation reproduces the graph path's plain decoding, not this kernel's.
 
-    mk = DecodeMegakernel(model, cache)      # a folded bf16 Qwen2/Qwen3/Llama model, CUDA
+    mk = DecodeMegakernel(model, cache)      # a folded bf16 Qwen2/Qwen3/Llama model, CUDA,
+                                             # or one whose products and head are int4 (mma)
     logits, token = mk.step(token, position)  # int64 tensors [1] on the device, in and out
     mk.start(token, position); mk.launch(); mk.launch()  # chained: each step leaves its token
                                                           # and the next position as inputs

@@ -45,9 +45,12 @@
 // op that follows a norm stages x as bf16(x r g), as the model's norm kernel rounds it. A chunk
 // is CU consecutive units of the block's tiles (codes, then scales); warp w takes the units
 // u = w mod NCW of the op, multiplies them on the tensor cores (mma.m16n8k16, every B column
-// x) with int4_mma's FOLD (s d + (z - 136 s) sum x, the group sums of x from the same mma with
-// an all-ones A, computed once an op), and adds a tile's units in order; a tile's warps are
-// added in warp order once the chunk that ends it is done (Shared.q4red).
+// x) with int4_mma's FOLD (s d + (z - 136 s) sum x, the group sums of x taken in float32 once
+// an op, while x is staged), and adds a tile's units in order; a tile's warps are added in
+// warp order once the chunk that ends it is done, or at the op's end where the block's tiles
+// all fit Shared.q4red. Timings (benchmarks/RESULTS.md, session 22): faster than the graphs'
+// int4 products on the 1.5B and 8B shapes, slower on the 32B, whose consumers cannot keep up
+// with the stream (one unit a warp at a time; more at once measured slower).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
