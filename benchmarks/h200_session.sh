@@ -200,8 +200,8 @@ for phase in "$@"; do
   q4tests)
     # int4 weights through the decode megakernel against the model's int4 steps (a hang of a
     # wrong chunk count is cut at Q4_TIMEOUT seconds), then the rest of its GPU tests.
-    timeout ${Q4_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -x tests/test_megakernel.py \
-      -k "${Q4_TESTS:-int4}" 2>&1 | tee "$OUT/pytest-q4.log" | tail -12
+    timeout ${Q4_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -x \
+      tests/test_megakernel.py -k "${Q4_TESTS:-int4}" 2>&1 | tee "$OUT/pytest-q4.log" | tail -12
     ;;
   q4shapes)
     # The shape bench in int4 with plain decoding through the megakernel too (Q4_SHAPES).

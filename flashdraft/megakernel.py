@@ -79,41 +79,50 @@ def unsupported(model: Transformer, cache: KVCache | None = None,
         return "it needs an sm_90 (Hopper) or newer GPU (bulk copies and mbarriers)"
     if cfg.head_dim not in (64, 128):
         return f"head_dim {cfg.head_dim} (the kernel takes 64 or 128)"
-    h, inter, qd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
-    ring = ring or default_ring(cfg, is_int4(model))
-    slots, slot = _ring(ring)
+    q4 = is_int4(model)
+    ring = ring or default_ring(cfg, q4)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if is_int4(model):  # before the norms: a quantized model does not fold them
-        gu = [block.mlp.w_gate_up for block in model.layers]
-        if not all(lin.gated_layout for lin in gu):
-            return "int4: the MLP's [gate; up] must be stored gated (FLASHDRAFT_MMA_GATED=1)"
-        if any(lin.bias is not None for block in model.layers
-               for lin in (block.attn.wo, block.mlp.w_gate_up, block.mlp.w_down, model.lm_head)):
-            return "int4: only the q/k/v product may have a bias"
-        rows = 16 * max(-(-(qd + 2 * cfg.num_kv_heads * cfg.head_dim) // 16 // sms),
-                        -(-h // 16 // sms))
-        if rows > SIDE_MAX:
-            return f"int4: {rows} rows of a bias or residual a block (at most {SIDE_MAX})"
-    else:
-        for lin in _products(model):
-            if type(lin) is not torch.nn.Linear or not lin.weight.is_contiguous():
-                return ("every product must be a contiguous bfloat16 nn.Linear, or all of "
-                        "them and the head int4 (mma backend)")
-        if not model.norms_folded:
-            return ("the model's block norms must be folded into its products "
-                    "(Transformer.fold_norms)")
-        if 2 * max(h, qd, inter) > slot:
-            return (f"hidden size {h}, q width {qd}, intermediate size {inter}: a row of each "
-                    f"must fit a {slot}-byte slot (FLASHDRAFT_MK_RING)")
-    need = shared_bytes(cfg, ring, q4=is_int4(model))
+    why = _why_not_int4(model, sms) if q4 else _why_not_bf16(model, _ring(ring)[1])
+    if why:
+        return why
+    need = shared_bytes(cfg, ring, q4=q4)
     limit = mma._shared_limit(_device_index(device))
     if need > limit:  # e.g. GPUs of ~100 KB a block
         return (f"it needs {need} bytes of shared memory a block, the GPU allows {limit} "
                 f"(FLASHDRAFT_MK_RING: a smaller ring)")
     if cache is not None and (cache.kv.shape[2] != 1 or cache.kv.dtype != torch.bfloat16):
         return "the cache must hold one bfloat16 sequence"
-    if -(-h // sms) > 64:
-        return f"hidden size {h} over {sms} multiprocessors: at most 64 rows a block"
+    if -(-cfg.hidden_size // sms) > 64:
+        return f"hidden size {cfg.hidden_size} over {sms} multiprocessors: at most 64 rows a block"
+    return None
+
+
+def _why_not_bf16(model: Transformer, slot: int) -> str | None:
+    cfg = model.cfg
+    for lin in _products(model):
+        if type(lin) is not torch.nn.Linear or not lin.weight.is_contiguous():
+            return ("every product must be a contiguous bfloat16 nn.Linear, or all of them and "
+                    "the head int4 (mma backend)")
+    if not model.norms_folded:
+        return "the model's block norms must be folded into its products (Transformer.fold_norms)"
+    h, inter, qd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
+    if 2 * max(h, qd, inter) > slot:
+        return (f"hidden size {h}, q width {qd}, intermediate size {inter}: a row of each must "
+                f"fit a {slot}-byte slot (FLASHDRAFT_MK_RING)")
+    return None
+
+
+def _why_not_int4(model: Transformer, sms: int) -> str | None:
+    cfg = model.cfg
+    if not all(block.mlp.w_gate_up.gated_layout for block in model.layers):
+        return "int4: the MLP's [gate; up] must be stored gated (FLASHDRAFT_MMA_GATED=1)"
+    if any(lin.bias is not None for block in model.layers
+           for lin in (block.attn.wo, block.mlp.w_gate_up, block.mlp.w_down, model.lm_head)):
+        return "int4: only the q/k/v product may have a bias"
+    qkv = cfg.num_heads * cfg.head_dim + 2 * cfg.num_kv_heads * cfg.head_dim
+    rows = 16 * max(-(-(n // 16) // sms) for n in (qkv, cfg.hidden_size))  # whole tiles
+    if rows > SIDE_MAX:
+        return f"int4: {rows} rows of a bias or residual a block (at most {SIDE_MAX})"
     return None
 
 
@@ -137,7 +146,7 @@ def default_ring(cfg, q4: bool = False) -> str:
     24 KB; 6 of 32 KB where a 24 KB slot takes only two thirds of its bytes in rows of the
     hidden size and the step reads 2 GB of weights or more, so the weight stream dominates
     (Qwen3-8B: 3.98 instead of 4.06 ms a step; the latency-bound Qwen3-0.6B, whose rows fill a
-    24 KB slots alike, stays faster with 24 KB slots: 0.696 against 0.712 ms). int4 (q4): as
+    24 KB slot alike, stays faster with 24 KB slots: 0.696 against 0.712 ms). int4 (q4): as
     many slots of 24 (tile, group) units, up to 8, as fit a Hopper block beside the rest: a
     chunk that is a multiple of the 8 consumer warps' units keeps them level (Qwen3-32B: 8.11
     ms a step against 8.61 with 7 slots of 22 units; 8.25 with 20, 8.71 with 16)."""
@@ -145,7 +154,8 @@ def default_ring(cfg, q4: bool = False) -> str:
         return RING
     if q4:
         slot = 24 * Q4_UNIT
-        fits = [n for n in range(2, 9) if shared_bytes(cfg, f"{n}x{slot}", q4=True) <= HOPPER_SHARED]
+        fits = [n for n in range(2, 9)
+                if shared_bytes(cfg, f"{n}x{slot}", q4=True) <= HOPPER_SHARED]
         return f"{max(fits) if fits else 2}x{slot}"
     h, qd = cfg.hidden_size, cfg.num_heads * cfg.head_dim
     kvd, inter = cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
@@ -180,7 +190,8 @@ def shared_bytes(cfg, ring: str, llx: bool = False, q4: bool = False) -> int:
     if q4:
         units = slot // Q4_UNIT
         tiles = 2 * (units // (min(h, qd, inter) // 128)) + 4  # decode_mk.cu's RT
-        struct += 4 * tiles * CONSUMER_WARPS * 16 + 4 * max(h, qd, inter) // 128 + 2 * SIDE_MAX + 16
+        struct += (4 * tiles * CONSUMER_WARPS * 16 + 4 * max(h, qd, inter) // 128
+                   + 2 * SIDE_MAX + 16)
         attention = max(attention, 2 * max(h, qd, inter))
     return slots * slot + struct + attention + 128
 

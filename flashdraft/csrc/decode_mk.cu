@@ -290,7 +290,8 @@ __host__ __device__ constexpr int rows_per_chunk(int k) {
     return 2 * k * 16 <= SLOT ? 16 : 2 * k * 8 <= SLOT ? 8 : 2 * k * 4 <= SLOT ? 4
          : 2 * k * 2 <= SLOT ? 2 : 1;
 }
-static_assert(Q4 || (2 * INTER <= SLOT && 2 * H <= SLOT && 2 * QD <= SLOT), "a row must fit a slot");
+static_assert(Q4 || (2 * INTER <= SLOT && 2 * H <= SLOT && 2 * QD <= SLOT),
+              "a row must fit a slot");
 static_assert(H % 8 == 0 && INTER % 8 == 0 && QD % 8 == 0, "rows are read in 16-byte pieces");
 static_assert(HD == 64 || HD == 128, "head dim 64 or 128");
 
@@ -748,7 +749,7 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
     if (KIND == OP_HEAD) block_best(a, s, b, best_v, best_i);
 }
 
-// -- consumers: an int4 matrix op (Q4) --------------------------------------------------------------
+// -- consumers: an int4 matrix op (Q4) -------------------------------------------------------
 
 #if Q4
 #ifndef Q4_PROBE
@@ -856,24 +857,17 @@ __device__ __forceinline__ void q4_finish(const Args& a, Shared& s, int t0, int 
     __syncwarp();
 }
 
-// One op's int4 products for this block: x staged (normed where a norm comes first), the
-// group sums of x, then the block's tiles chunk by chunk from the ring (see Q4 above).
+// Q4: the op's x into s.u.xq (NORM: bf16(x r g), as the model's norm kernel rounds it), the
+// block's side rows (bias, residual) of tiles [t0, t1) into s.side, and each group's sum of x
+// into s.sx; one round trip to the L2 for all of it.
 template <int K, int KIND>
-__device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int layer, int b,
-                      int G, u32 /* step: LLX's */) {
-    constexpr int NG = K / 128;  // groups a tile
+__device__ __forceinline__ void q4_stage(const Args& a, Shared& s, int layer, int t0, int t1) {
     constexpr bool NORM = KIND == OP_QKV || KIND == OP_GU || KIND == OP_HEAD;
     constexpr int NP = (K / 8 + CT - 1) / CT;  // 16-byte pieces of x a thread
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3, g = lane >> 2;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const long long tok = *a.token;
-    int n, k, j;
-    const unsigned char *wq, *wsz;
-    op_matrix(a, layer, KIND == OP_HEAD ? 4 : KIND == OP_QKV ? 0 : KIND - 1, n, k, j, wq, wsz);
-    int t0, t1;
-    rows_of(n / 16, j, b, G, t0, t1);
     const u16* src = KIND == OP_O ? a.att : KIND == OP_DOWN ? a.hbuf
                    : (layer == 0 && KIND == OP_QKV) ? a.embed + (size_t)tok * H : a.x;
-    // x and the block's side rows (bias, residual) into shared memory, one round trip
     for (int i = threadIdx.x; i < K / 8; i += CT) cp_async16(s.u.xq + 8 * i, src + 8 * i);
     const u64* tb = a.table + TBL * layer;
     const u16* side = KIND == OP_QKV ? (QKV_BIAS ? (const u16*)tb[1] : nullptr)
@@ -944,7 +938,21 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
         if ((lane & 15) == 0 && i < K / 8) s.sx[i / 16] = sum;  // K / 8: whole groups of 16
     }
     consumer_sync();
+}
 
+// One op's int4 products for this block: x staged (normed where a norm comes first), the
+// group sums of x, then the block's tiles chunk by chunk from the ring (see Q4 above).
+template <int K, int KIND>
+__device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int layer, int b,
+                      int G, u32 /* step: LLX's */) {
+    constexpr int NG = K / 128;  // groups a tile
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3, g = lane >> 2;
+    int n, k, j;
+    const unsigned char *wq, *wsz;
+    op_matrix(a, layer, KIND == OP_HEAD ? 4 : KIND == OP_QKV ? 0 : KIND - 1, n, k, j, wq, wsz);
+    int t0, t1;
+    rows_of(n / 16, j, b, G, t0, t1);
+    q4_stage<K, KIND>(a, s, layer, t0, t1);
     const int units = (t1 - t0) * NG, chunks = (units + CU - 1) / CU;
     if (chunks == 0) TR(j, 2);  // a block without tiles of this op (the timeline's "first chunk")
     float acc0 = 0.f, acc1 = 0.f;  // features g and g + 8 of the warp's tile
