@@ -7,7 +7,8 @@ its step time (back-to-back launches timed with events), its decode loop as the 
 run it (one launch and one host read a step), and the largest logit difference from the graph
 step at the same position. A variant is the ring (SLOTSxBYTES) and options joined by "+":
 `trace` (the per-op timeline of one more step, DecodeMegakernel.timeline), `bulk` (one
-producer warp's bulk copies instead of 4 warps' cp.async), `prod:N`, `ldgsts`, `D:NAME=V` (a
+producer warp's bulk copies instead of 4 warps' cp.async), `prod:N`, `cw:N` (consumer warps,
+int4 only), `ldgsts`, `D:NAME=V` (a
 compile-time setting of decode_mk.cu, e.g. D:LLX=1), and the probes `nowait` (no op waits for
 the one before: wrong output, the most that faster dependencies could give) and `nocompute`.
 
@@ -43,6 +44,8 @@ def parse_variant(v: str) -> dict:
     for o in opts:
         if o.startswith("prod:"):
             out["producers"] = int(o[5:])
+        elif o.startswith("cw:"):  # consumer warps (int4)
+            out["consumer_warps"] = int(o[3:])
         elif o.startswith("D:"):
             name, value = o[2:].split("=")
             out.setdefault("defines", {})[name] = int(value)
@@ -55,7 +58,7 @@ def parse_variant(v: str) -> dict:
         elif o in ("nowait", "nocompute"):
             probes.append(o)
         else:
-            raise SystemExit(f"variant option {o!r}: prod:N, D:NAME=V, trace, ldgsts, bulk, "
+            raise SystemExit(f"variant option {o!r}: prod:N, cw:N, D:NAME=V, trace, ldgsts, bulk, "
                              "nowait or nocompute")
     out["probe"] = ",".join(probes)
     return out

@@ -175,7 +175,8 @@ def _device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def shared_bytes(cfg, ring: str, llx: bool = False, q4: bool = False) -> int:
+def shared_bytes(cfg, ring: str, llx: bool = False, q4: bool = False,
+                 warps: int = CONSUMER_WARPS) -> int:
     """Dynamic shared memory a block of the kernel takes: the ring, then decode_mk.cu's Shared
     (mbarriers, sums; with LLX, x as polled and the rows going out; with Q4, the tiles' warp
     sums, x's group sums and the side rows), whose attention state shares its space with Q4's
@@ -183,14 +184,13 @@ def shared_bytes(cfg, ring: str, llx: bool = False, q4: bool = False) -> int:
     slots, slot = _ring(ring)
     group = cfg.num_heads // cfg.num_kv_heads
     h, qd, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size
-    struct = (16 * slots + 4 * 64 * CONSUMER_WARPS + 4 * 3 * CONSUMER_WARPS
-              + 8 * CONSUMER_WARPS + 16
+    struct = (16 * slots + 4 * 64 * warps + 4 * 3 * warps + 8 * warps + 16
               + ((2 * cfg.hidden_size + 2 * XO_ROWS + 16) if llx else 0))
-    attention = 4 * CONSUMER_WARPS * group * (3 + cfg.head_dim) + 8 * group
+    attention = 4 * warps * group * (3 + cfg.head_dim) + 8 * group
     if q4:
         units = slot // Q4_UNIT
         tiles = 2 * (units // (min(h, qd, inter) // 128)) + 4  # decode_mk.cu's RT
-        struct += (4 * tiles * CONSUMER_WARPS * 16 + 4 * max(h, qd, inter) // 128
+        struct += (4 * tiles * warps * 16 + 4 * max(h, qd, inter) // 128
                    + 2 * SIDE_MAX + 16)
         attention = max(attention, 2 * max(h, qd, inter))
     return slots * slot + struct + attention + 128
@@ -231,14 +231,15 @@ class DecodeMegakernel:
 
     def __init__(self, model: Transformer, cache: KVCache, ring: str | None = None,
                  probe: str = "", ldgsts: bool = True, producers: int = 4,
-                 defines: dict[str, int] | None = None):
+                 defines: dict[str, int] | None = None, consumer_warps: int = CONSUMER_WARPS):
         """ring: "SLOTSxBYTES" (default: default_ring); probe: "nowait" (measurement
         only, wrong output: no op waits for the one before, the weight stream's own speed;
         "nocompute": the consumers multiply nothing; both: "nowait,nocompute"); ldgsts: the
         producer warps copy with cp.async, 16 bytes a lane (default, measured faster than one
         warp's bulk copies: benchmarks/RESULTS.md, sessions 18-19), else one bulk copy a chunk;
         producers: producer warps; defines: more of decode_mk.cu's compile-time settings
-        (measurement: TRACE, LLX, PU, ATT_MIN, ...)."""
+        (measurement: TRACE, LLX, PU, ATT_MIN, ...); consumer_warps: int4 only, measurement
+        (more warps multiplying, fewer registers a thread: 12 give 128)."""
         why = unsupported(model, cache, ring)
         if why:
             raise ValueError(f"the decode megakernel cannot run this model: {why}")
@@ -303,14 +304,18 @@ class DecodeMegakernel:
                    ("HD", cfg.head_dim), ("NL", cfg.num_layers), ("VOCAB", cfg.vocab_size),
                    ("QKV_BIAS", int(cfg.qkv_bias)), ("QK_NORM", int(cfg.qk_norm)),
                    ("NS", slots), ("SLOT", slot),
-                   ("NCW", CONSUMER_WARPS),
+                   ("NCW", consumer_warps),
                    ("NOWAIT", int("nowait" in probes)), ("NOCOMPUTE", int("nocompute" in probes)),
                    ("LDGSTS", int(ldgsts)), ("NPROD", producers), ("Q4", int(self.q4))
                    ) + tuple(sorted((defines or {}).items()))
         self.producers = producers
         if self.q4 and (llx or not ldgsts):
             raise ValueError("int4 weights: the producers copy with cp.async (ldgsts), no LLX")
-        self.shared = shared_bytes(cfg, self.ring, llx, self.q4)
+        if consumer_warps != CONSUMER_WARPS and not (self.q4 and 1 <= consumer_warps <= 16):
+            raise ValueError(f"consumer_warps {consumer_warps}: {CONSUMER_WARPS} (bfloat16 "
+                             f"takes rows in chunks of 8 warps), or 1 to 16 for int4")
+        self.consumer_warps = consumer_warps
+        self.shared = shared_bytes(cfg, self.ring, llx, self.q4, consumer_warps)
         limit = mma._shared_limit(self.fn_device)
         if self.shared > limit:  # LLX's bytes (unsupported() checks the rest)
             raise ValueError(f"the megakernel needs {self.shared} bytes of shared memory a block, "
@@ -340,7 +345,8 @@ class DecodeMegakernel:
         pos_in). Capturable in a CUDA graph: every address is fixed."""
         params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(self.args), ctypes.c_void_p))
         config = mma._Launch((ctypes.c_uint * 3)(self.sms, 1, 1),
-                             (ctypes.c_uint * 3)(32 * (CONSUMER_WARPS + self.producers), 1, 1), self.shared,
+                             (ctypes.c_uint * 3)(32 * (self.consumer_warps + self.producers), 1, 1),
+                             self.shared,
                              torch.cuda.current_stream(self.device).cuda_stream, None, 0)
         err = mma._launch_kernel_ex()(ctypes.byref(config), self.fn.func, params, None)
         if err:

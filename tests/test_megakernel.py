@@ -126,13 +126,23 @@ def _int4_model(cfg, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(Q4_SHAPES))
 @pytest.mark.parametrize("prompt", [5, 100, 700])
-def test_int4_megakernel_matches_the_model(shape, prompt, monkeypatch):
+@pytest.mark.parametrize("warps", [8, 12])  # 12 consumer warps: a measurement setting
+def test_int4_megakernel_matches_the_model(shape, prompt, warps, monkeypatch):
     from flashdraft.megakernel import DecodeMegakernel, is_int4
     torch.manual_seed(0)
     model = _int4_model(Q4_SHAPES[shape], monkeypatch)
     assert is_int4(model)
-    compared = _follow_the_model(model, prompt, lambda cache: DecodeMegakernel(model, cache))
+    compared = _follow_the_model(model, prompt, lambda cache: DecodeMegakernel(
+        model, cache, consumer_warps=warps))
     assert compared >= 12
+
+
+def test_more_consumer_warps_take_more_shared_memory_and_still_fit_the_32b():
+    from flashdraft.megakernel import HOPPER_SHARED, shared_bytes
+    from flashdraft.shapes import get_shape
+    cfg = get_shape("qwen3-32b")
+    eight = shared_bytes(cfg, "6x26112", q4=True)
+    assert eight < shared_bytes(cfg, "6x26112", q4=True, warps=12) <= HOPPER_SHARED
 
 
 def test_default_ring_follows_the_shape(monkeypatch):

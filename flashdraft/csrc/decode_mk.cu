@@ -754,7 +754,8 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
 #if Q4
 #ifndef Q4_PROBE
 #define Q4_PROBE 0  // measurement only, wrong output: 1 x not loaded (the codes stand in), 2 no
-                    // int4 conversion (the codes are the operand), 3 no mma (one FMA instead)
+                    // int4 conversion (the codes are the operand), 3 no mma (one FMA instead),
+                    // 4 codes not read from shared memory
 #endif
 #ifndef Q4_UB
 #define Q4_UB 1  // units a warp multiplies at once (independent mma chains; 2-4 measured slower)
@@ -796,7 +797,9 @@ __device__ __forceinline__ void q4_groups(const u16* xq, const int* gr,
     for (int h = 0; h < 2; h++) {
         u32x4 q4[NB];
 #pragma unroll
-        for (int k = 0; k < NB; k++) q4[k] = *(const u32x4*)(w[k] + 512 * h);
+        for (int k = 0; k < NB; k++)  // Q4_PROBE 4: codes made up from the address, not read
+            q4[k] = Q4_PROBE == 4 ? u32x4{(u32)(size_t)w[k], (u32)(size_t)w[k] >> 4, 7u * h, 3u}
+                  : *(const u32x4*)(w[k] + 512 * h);
 #pragma unroll
         for (int p = 0; p < 2; p++) {  // inputs 8 (8 h + 4 p + t) .. + 8: A words 2 p, 2 p + 1
             u32x4 xv[NB];
