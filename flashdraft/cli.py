@@ -43,7 +43,8 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True,
                    help="greedy one-token steps of plain decoding (requests without a "
                         "drafter) and of a draft model: CUDA graphs of the model's kernels "
                         "(graph), or one persistent kernel a token (megakernel: Hopper GPUs, "
-                        "bfloat16 Qwen2/Qwen3/Llama models; faster; plain decoding's tokens "
+                        "Qwen2/Qwen3/Llama models in bfloat16 or int4; faster, except int4 "
+                        "at 32B; plain decoding's tokens "
                         "can differ from the graphs' where two logits nearly tie, "
                         "speculation's cannot); auto (default): a draft model's steps through "
                         "the kernel where it runs, plain decoding's on the graphs")

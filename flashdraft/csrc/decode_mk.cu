@@ -50,7 +50,7 @@
 // warp order once the chunk that ends it is done, or at the op's end where the block's tiles
 // all fit Shared.q4red. Timings (benchmarks/RESULTS.md, session 22): faster than the graphs'
 // int4 products on the 1.5B and 8B shapes, slower on the 32B, whose consumers cannot keep up
-// with the stream (one unit a warp at a time; more at once measured slower).
+// with the stream.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -394,7 +394,7 @@ struct Shared {
     int best_i[NCW];
 #if Q4
     float q4red[RT][NCW][16];     // a tile's sums a warp, until the tile's warps are added
-    float sx[KMAX / 128];         // the op's group sums of x (from the mma, as d's)
+    float sx[KMAX / 128];         // the op's group sums of x (float32, taken while staging x)
     __align__(16) u16 side[SIDE_MAX];  // the block's rows of the bias or the residual
 #endif
     union __align__(16) {         // attention's state, or (Q4) a product's x, never both at once
@@ -757,9 +757,6 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
                     // int4 conversion (the codes are the operand), 3 no mma (one FMA instead),
                     // 4 codes not read from shared memory
 #endif
-#ifndef Q4_UB
-#define Q4_UB 1  // units a warp multiplies at once (independent mma chains; 2-4 measured slower)
-#endif
 
 // Nibbles 0 and 4 of q as the bfloat16 pair 128 + nibble: (q & 0x000f000f) | 0x43004300.
 __device__ __forceinline__ u32 biased(u32 q) {
@@ -780,49 +777,36 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
                  : "memory");
 }
 
-// NB groups (128 inputs each) of tiles against x (s.xq), interleaved so that
-// their mma chains overlap: group k's C fragment in d[k], from the lane's A words of its two
-// 16-byte halves at w[k] and w[k] + 512 bytes in shared memory. Every B column is x, so
-// every lane's d[k][0] and d[k][2] are features g and g + 8 of the tile (int4_mma.cu: the B
-// fragments and the k order of a lane). Loaded a half and a pair of tiles' inputs at a time,
-// to keep the registers of NB chains few. No branch around an mma: under one, the compiler
-// puts a warp sync before each (the chains stop overlapping; measured 1.6x slower), so the
-// callers pass a valid group for every k and drop the sums they do not need.
-template <int NB>
-__device__ __forceinline__ void q4_groups(const u16* xq, const int* gr,
-                                          const unsigned char* const* w, int t, float (*d)[4]) {
+// One (tile, group) unit against x (s.xq): the mma's C fragment in d, from the lane's A words
+// of the unit's two 16-byte halves at w and w + 512 bytes in shared memory (gr: the group).
+// Every B column is x, so every lane's d[0] and d[2] are features g and g + 8 of the tile
+// (int4_mma.cu: the B fragments and the k order of a lane). One unit a warp at a time: 2 to 4
+// units' chains interleaved measured slower (session 22). No branch around an mma: under one,
+// the compiler puts a warp sync before each.
+__device__ __forceinline__ void q4_unit(const u16* xq, int gr, const unsigned char* w, int t,
+                                        float* d) {
 #pragma unroll
-    for (int k = 0; k < NB; k++) d[k][0] = d[k][1] = d[k][2] = d[k][3] = 0.f;
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        u32x4 q4[NB];
-#pragma unroll
-        for (int k = 0; k < NB; k++)  // Q4_PROBE 4: codes made up from the address, not read
-            q4[k] = Q4_PROBE == 4 ? u32x4{(u32)(size_t)w[k], (u32)(size_t)w[k] >> 4, 7u * h, 3u}
-                  : *(const u32x4*)(w[k] + 512 * h);
+    for (int h = 0; h < 2; h++) {  // Q4_PROBE 4: codes made up from the address, not read
+        const u32x4 q4 = Q4_PROBE == 4 ? u32x4{(u32)(size_t)w, (u32)(size_t)w >> 4, 7u * h, 3u}
+                       : *(const u32x4*)(w + 512 * h);
 #pragma unroll
         for (int p = 0; p < 2; p++) {  // inputs 8 (8 h + 4 p + t) .. + 8: A words 2 p, 2 p + 1
-            u32x4 xv[NB];
+            const u32x4 xv = Q4_PROBE == 1 ? q4
+                           : *(const u32x4*)(xq + gr * 128 + 8 * (8 * h + 4 * p + t));
 #pragma unroll
-            for (int k = 0; k < NB; k++)
-                xv[k] = Q4_PROBE == 1 ? u32x4{q4[k].x, q4[k].y, q4[k].z, q4[k].w}
-                      : *(const u32x4*)(xq + gr[k] * 128 + 8 * (8 * h + 4 * p + t));
-#pragma unroll
-            for (int e = 0; e < 2; e++)
-#pragma unroll
-                for (int k = 0; k < NB; k++) {
-                    const u32 b0 = e ? xv[k].z : xv[k].x, b1 = e ? xv[k].w : xv[k].y;
-                    const u32 q = p == 0 ? (e ? q4[k].y : q4[k].x) : (e ? q4[k].w : q4[k].z);
-                    if (Q4_PROBE == 2)  // no conversion: the codes as the operand
-                        mma16816(d[k], q, q ^ b0, q ^ b1, q + 1, b0, b1);
-                    else if (Q4_PROBE == 3)  // no mma: the operands folded in with one FMA
-                        d[k][0] = fmaf(__uint_as_float(biased(q) ^ biased(q >> 4) ^ biased(q >> 8)
-                                                       ^ biased(q >> 12)),
-                                       __uint_as_float(b0 ^ b1), d[k][0]);
-                    else
-                        mma16816(d[k], biased(q), biased(q >> 4), biased(q >> 8),
-                                 biased(q >> 12), b0, b1);
-                }
+            for (int e = 0; e < 2; e++) {
+                const u32 b0 = e ? xv.z : xv.x, b1 = e ? xv.w : xv.y;
+                const u32 q = p == 0 ? (e ? q4.y : q4.x) : (e ? q4.w : q4.z);
+                if (Q4_PROBE == 2)  // no conversion: the codes as the operand
+                    mma16816(d, q, q ^ b0, q ^ b1, q + 1, b0, b1);
+                else if (Q4_PROBE == 3)  // no mma: the operands folded in with one FMA
+                    d[0] = fmaf(__uint_as_float(biased(q) ^ biased(q >> 4) ^ biased(q >> 8)
+                                                ^ biased(q >> 12)),
+                                __uint_as_float(b0 ^ b1), d[0]);
+                else
+                    mma16816(d, biased(q), biased(q >> 4), biased(q >> 8), biased(q >> 12),
+                             b0, b1);
+            }
         }
     }
 }
@@ -966,35 +950,22 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
         mbar_wait(&s.full[c % NS], (c / NS) & 1);
         if (i == 0) TR(j, 2);
         const unsigned char* slot = slot_ptr(ring, c);
-        // the warp's units u = warp mod NCW of the chunk, Q4_UB at once (their chains
-        // interleaved), added to the tile's sums in order
-        for (int u = u0 + (warp - u0 % NCW + NCW) % NCW; u < u0 + nu; u += Q4_UB * NCW) {
-            int gr[Q4_UB];  // past the chunk: unit u again, its sums dropped
-            const unsigned char* wk[Q4_UB];
-#pragma unroll
-            for (int k = 0; k < Q4_UB; k++) {
-                const int uk = u + k * NCW < u0 + nu ? u + k * NCW : u;
-                gr[k] = uk % NG;
-                wk[k] = slot + (size_t)(uk - u0) * 1024 + 16 * lane;
-            }
-            float d[Q4_UB][4];
-            if (!NOCOMPUTE) q4_groups<Q4_UB>(s.u.xq, gr, wk, t, d);
-#pragma unroll
-            for (int k = 0; k < Q4_UB; k++) {
-                if (u + k * NCW >= u0 + nu) break;
-                const int uk = u + k * NCW, tl = uk / NG;
-                const uint2 sc = *(const uint2*)(slot + CU * 1024 + (uk - u0) * 64 + 8 * g);
-                // sum_k x (q - 8) s + z = s d + (z - 136 s) sum_k x (int4_mma.cu's FOLD)
-                const float s0 = lo_f32(sc.x), s1 = lo_f32(sc.y), sxg = s.sx[gr[k]];
-                acc0 = fmaf(fmaf(-136.f, s0, hi_f32(sc.x)), sxg, fmaf(s0, d[k][0], acc0));
-                acc1 = fmaf(fmaf(-136.f, s1, hi_f32(sc.y)), sxg, fmaf(s1, d[k][2], acc1));
-                if (uk + NCW >= (tl + 1) * NG) {  // the warp's last unit of the tile
-                    if (t == 0) {
-                        s.q4red[tl % RT][warp][g] = acc0;
-                        s.q4red[tl % RT][warp][g + 8] = acc1;
-                    }
-                    acc0 = acc1 = 0.f;
+        // the warp's units u = warp mod NCW of the chunk, added to the tile's sums in order
+        for (int u = u0 + (warp - u0 % NCW + NCW) % NCW; u < u0 + nu; u += NCW) {
+            const int tl = u / NG, gr = u - tl * NG;
+            float d[4] = {0.f, 0.f, 0.f, 0.f};
+            if (!NOCOMPUTE) q4_unit(s.u.xq, gr, slot + (size_t)(u - u0) * 1024 + 16 * lane, t, d);
+            const uint2 sc = *(const uint2*)(slot + CU * 1024 + (u - u0) * 64 + 8 * g);
+            // sum_k x (q - 8) s + z = s d + (z - 136 s) sum_k x (int4_mma.cu's FOLD)
+            const float s0 = lo_f32(sc.x), s1 = lo_f32(sc.y), sxg = s.sx[gr];
+            acc0 = fmaf(fmaf(-136.f, s0, hi_f32(sc.x)), sxg, fmaf(s0, d[0], acc0));
+            acc1 = fmaf(fmaf(-136.f, s1, hi_f32(sc.y)), sxg, fmaf(s1, d[2], acc1));
+            if (u + NCW >= (tl + 1) * NG) {  // the warp's last unit of the tile
+                if (t == 0) {
+                    s.q4red[tl % RT][warp][g] = acc0;
+                    s.q4red[tl % RT][warp][g + 8] = acc1;
                 }
+                acc0 = acc1 = 0.f;
             }
         }
         __syncwarp();
