@@ -156,13 +156,19 @@ for phase in "$@"; do
     ;;
   qbench)
     # The example pair with its target in int4 (the default int4 kernel), the draft model
-    # quantized as QBENCH_DRAFT_QUANT says (auto: as the target; none: bf16).
-    dq=${QBENCH_DRAFT_QUANT:-auto}
-    fd bench --model example:qwen2.5-coder-1.5b --draft example:qwen2.5-coder-0.5b \
-      --draft ngram --num-speculative-tokens 3,5,8 --prompts humaneval --raw-prompts \
-      --num-prompts 8 --max-tokens 128 --quantization int4 --draft-quantization "$dq" \
-      --output "$OUT/qbench-$dq" --note "$(note); target int4, draft $dq" --no-progress 2>&1 \
-      | tee "$OUT/qbench-$dq.log" | tail -30
+    # quantized as QBENCH_DRAFT_QUANT says (auto: as the target; none: bf16), for each decode
+    # kernel in QBENCH_DKS (auto: the draft model's steps through the megakernel; megakernel:
+    # plain decoding's too; graph: neither), prompts as text (QBENCH_FMT raw) or chat.
+    dq=${QBENCH_DRAFT_QUANT:-auto} fmt=${QBENCH_FMT:-raw}
+    for dk in ${QBENCH_DKS:-auto}; do
+      fd bench --model example:qwen2.5-coder-1.5b --draft example:qwen2.5-coder-0.5b \
+        --draft ngram --num-speculative-tokens 3,5,8 --prompts humaneval \
+        $([ $fmt = raw ] && echo --raw-prompts) --num-prompts 8 --max-tokens 128 \
+        --quantization int4 --draft-quantization "$dq" --decode-kernel $dk \
+        --output "$OUT/qbench-$dq-$fmt-$dk" \
+        --note "$(note); target int4, draft $dq; $fmt; decode kernel $dk" --no-progress 2>&1 \
+        | tee "$OUT/qbench-$dq-$fmt-$dk.log" | tail -14
+    done
     ;;
   loadmem)
     # Peak GPU memory of loading a random bf16 checkpoint with quantization (written to disk

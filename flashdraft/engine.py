@@ -30,7 +30,7 @@ from . import kernels
 from .config import SamplingParams, check_decode_kernel
 from .cuda_graphs import StepRunner, eager_step, prefill
 from .drafters.base import Draft, DraftContext, Drafter
-from .kv_cache import KVCache
+from .kv_cache import KVCache, grow_cache
 from .model import Transformer
 from .sampling import probs_from_logits, sample
 from .verify import greedy_result, verify_sampled
@@ -185,9 +185,7 @@ class Engine:
         """Size the caches for a request before it starts; never on the hot path."""
         # Round up so that similar requests reuse one allocation.
         length = min(-(-length // 256) * 256, self.max_model_len + 64)
-        if self.cache is None or self.cache.max_len < length:
-            self.cache = self.megakernel = None  # free the old ones first
-            self.cache = KVCache.for_model(self.model.cfg, 1, length, self.dtype, self.device)
+        grow_cache(self, length)
         if self.decode_kernel == "megakernel" and self.megakernel is None:
             from .megakernel import DecodeMegakernel  # compiled once a shape (NVRTC)
             self.megakernel = DecodeMegakernel(self.model, self.cache)

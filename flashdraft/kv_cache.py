@@ -42,3 +42,12 @@ class KVCache:
 
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
+
+
+def grow_cache(owner, length: int) -> None:
+    """Give `owner` (the engine or a draft model: its .model, .dtype, .device, .cache and
+    .megakernel) a cache of at least `length` positions. A new cache frees the old one and the
+    megakernel bound to it first, so the two never take GPU memory at once."""
+    if owner.cache is None or owner.cache.max_len < length:
+        owner.cache = owner.megakernel = None
+        owner.cache = KVCache.for_model(owner.model.cfg, 1, length, owner.dtype, owner.device)

@@ -141,7 +141,7 @@ def refuse_unsupported(model: Transformer, device, role: str = "this model") -> 
                          f"use --decode-kernel auto (the default) or graph")
 
 
-def default_ring(cfg, q4: bool = False) -> str:
+def default_ring(cfg, q4: bool = False, warps: int = CONSUMER_WARPS) -> str:
     """FLASHDRAFT_MK_RING, else the ring measured best for the shape (session 21): 8 slots of
     24 KB; 6 of 32 KB where a 24 KB slot takes only two thirds of its bytes in rows of the
     hidden size and the step reads 2 GB of weights or more, so the weight stream dominates
@@ -149,13 +149,14 @@ def default_ring(cfg, q4: bool = False) -> str:
     24 KB slot alike, stays faster with 24 KB slots: 0.696 against 0.712 ms). int4 (q4): as
     many slots of 24 (tile, group) units, up to 8, as fit a Hopper block beside the rest: a
     chunk that is a multiple of the 8 consumer warps' units keeps them level (Qwen3-32B: 8.11
-    ms a step against 8.61 with 7 slots of 22 units; 8.25 with 20, 8.71 with 16)."""
+    ms a step against 8.61 with 7 slots of 22 units; 8.25 with 20, 8.71 with 16); warps: the
+    consumer warps, whose sums take shared memory too."""
     if RING:
         return RING
     if q4:
         slot = 24 * Q4_UNIT
         fits = [n for n in range(2, 9)
-                if shared_bytes(cfg, f"{n}x{slot}", q4=True) <= HOPPER_SHARED]
+                if shared_bytes(cfg, f"{n}x{slot}", q4=True, warps=warps) <= HOPPER_SHARED]
         return f"{max(fits) if fits else 2}x{slot}"
     h, qd = cfg.hidden_size, cfg.num_heads * cfg.head_dim
     kvd, inter = cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
@@ -249,7 +250,7 @@ class DecodeMegakernel:
         self.device = dev
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self.q4 = is_int4(model)
-        self.ring = ring or default_ring(cfg, self.q4)
+        self.ring = ring or default_ring(cfg, self.q4, consumer_warps)
         slots, slot = _ring(self.ring)
         probes = set(filter(None, probe.split(",")))
         if probes - {"nowait", "nocompute"}:

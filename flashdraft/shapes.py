@@ -223,7 +223,8 @@ def run_shape_bench(shape: str, dtype: str = "bfloat16", quant: str | None = Non
 
     quant: None, "int8", "int4", or "MODE-BACKEND" ("int4-hybrid", "int4-tinygemm", ...).
     decode_kernel "megakernel": plain decoding through the decode megakernel as well (its
-    step, its tokens/s and roofline fraction; the step curve stays the graphs').
+    step, its tokens/s and roofline fraction; the step curve stays the graphs'); "auto" or
+    "megakernel": the drafter's step through it as well, as the engine runs a draft model's.
     Returns a dict (see format_shape_bench); `bandwidth` (bytes/s) skips measuring it again.
     """
     dev = torch.device(device)
@@ -302,6 +303,18 @@ def run_shape_bench(shape: str, dtype: str = "bfloat16", quant: str | None = Non
         out["drafter"] = {"shape": dname, "dtype": out["dtype"],
                           "step_ms": _time_steps(drunner, dcache, 1, context, dcfg.vocab_size,
                                                  repeats) * 1e3}
+        if decode_kernel != "graph":  # auto and megakernel run a draft model's steps through it
+            from .megakernel import DecodeMegakernel, why_not
+            why = why_not(dmodel, dev)
+            if why:
+                out["drafter"]["megakernel_refused"] = why
+            else:
+                mk = DecodeMegakernel(dmodel, dcache)
+                mk.step(torch.zeros(1, dtype=torch.int64, device=dev),
+                        torch.tensor([context], device=dev))
+                out["drafter"]["megakernel_step_ms"] = megakernel_step_time(mk) * 1e3
+                mk.check()
+                del mk
         del drunner, dcache, dmodel
         torch.cuda.empty_cache()
     return out
@@ -335,6 +348,10 @@ def format_shape_bench(r: dict) -> str:
                         if "verify16_over_step" in m else ""))
     if "drafter" in r:
         d = r["drafter"]
-        lines.append(f"  drafter step ({d['shape']}, {d['dtype']}): {d['step_ms']:.3f} ms")
+        lines.append(f"  drafter step ({d['shape']}, {d['dtype']}): {d['step_ms']:.3f} ms"
+                     + (f" (graphs); {d['megakernel_step_ms']:.3f} ms through the megakernel"
+                        if "megakernel_step_ms" in d else "")
+                     + (f"; the megakernel refused it: {d['megakernel_refused']}"
+                        if "megakernel_refused" in d else ""))
     lines.append(f"  note: {r['note']}")
     return "\n".join(lines)

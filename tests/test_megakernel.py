@@ -160,6 +160,13 @@ def test_default_ring_follows_the_shape(monkeypatch):
     assert megakernel.default_ring(get_shape("qwen2.5-1.5b"), q4=True) == "7x26112"
     assert megakernel.default_ring(get_shape("qwen3-8b"), q4=True) == "7x26112"
     assert megakernel.default_ring(get_shape("qwen3-32b"), q4=True) == "6x26112"
+    # more consumer warps take more shared memory, so fewer slots where the ring filled it
+    for cfg in (*Q4_SHAPES.values(), get_shape("qwen3-8b"), get_shape("qwen3-32b")):
+        for warps in (8, 12, 16):
+            ring = megakernel.default_ring(cfg, q4=True, warps=warps)
+            assert megakernel.shared_bytes(cfg, ring, q4=True, warps=warps) \
+                <= megakernel.HOPPER_SHARED, (cfg, warps)
+    assert megakernel.default_ring(Q4_SHAPES["q4-seven-groups"], q4=True, warps=12) == "6x26112"
     monkeypatch.setattr(megakernel, "RING", "4x49152")  # FLASHDRAFT_MK_RING
     assert megakernel.default_ring(get_shape("qwen3-8b")) == "4x49152"
 
@@ -212,6 +219,28 @@ def test_shape_bench_report_shows_the_megakernel():
     assert ("plain decode through the megakernel (ring 6x32768): 249.2 tokens/s = 89.9% of the "
             "roofline; its step 3.980 ms (90.7%); verifying 16 tokens (graphs) costs 1.16x it"
             in text)
+    r["drafter"] = {"shape": "qwen3-0.6b", "dtype": "bfloat16", "step_ms": 0.81,
+                    "megakernel_step_ms": 0.7}
+    assert ("drafter step (qwen3-0.6b, bfloat16): 0.810 ms (graphs); 0.700 ms through the "
+            "megakernel" in format_shape_bench(r))
+    r["drafter"] = {"shape": "qwen3-0.6b", "dtype": "bfloat16", "step_ms": 0.81,
+                    "megakernel_refused": "int8 weights"}
+    assert format_shape_bench(r).endswith("drafter step (qwen3-0.6b, bfloat16): 0.810 ms; the "
+                                          "megakernel refused it: int8 weights\n  note: random "
+                                          "weights")
+
+
+@pytest.mark.gpu
+def test_shape_bench_times_the_drafter_through_the_megakernel_unless_graphs_are_asked():
+    from flashdraft.shapes import run_shape_bench
+    for kernel in ("auto", "graph"):
+        d = run_shape_bench("qwen2.5-1.5b", step_tokens=(1,), repeats=3, decode_steps=8,
+                            decode_kernel=kernel)["drafter"]
+        assert d["shape"] == "qwen2.5-0.5b" and d["step_ms"] > 0
+        if kernel == "auto":  # the 0.5B's step: ~0.5 ms on the graphs, less through the kernel
+            assert 0 < d["megakernel_step_ms"] < d["step_ms"]
+        else:
+            assert "megakernel_step_ms" not in d
 
 
 @pytest.mark.gpu

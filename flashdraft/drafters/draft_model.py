@@ -20,7 +20,7 @@ import warnings
 import torch
 
 from ..cuda_graphs import StepRunner, eager_step, prefill
-from ..kv_cache import KVCache
+from ..kv_cache import KVCache, grow_cache
 from ..model import Transformer
 from ..sampling import probs_from_logits, sample
 from .base import Draft, DraftContext
@@ -59,9 +59,7 @@ class DraftModelDrafter:
         self._proposed = (0, 0)  # (context length, k) of the last proposal
 
     def ensure_capacity(self, max_len: int) -> None:
-        if self.cache is None or self.cache.max_len < max_len:
-            self.cache = self.megakernel = None  # free the old ones first
-            self.cache = KVCache.for_model(self.model.cfg, 1, max_len, self.dtype, self.device)
+        grow_cache(self, max_len)
         if self.use_megakernel and self.megakernel is None:
             from ..megakernel import DecodeMegakernel  # compiled once a shape (NVRTC)
             try:
