@@ -43,7 +43,11 @@ SOURCE = Path(__file__).with_name("csrc") / "decode_mk.cu"
 # Ring of shared-memory slots a block (FLASHDRAFT_MK_RING="slots x bytes", else default_ring);
 # measured choices live in benchmarks/RESULTS.md.
 RING = os.environ.get("FLASHDRAFT_MK_RING")
-CONSUMER_WARPS = 8
+CONSUMER_WARPS = 8  # bfloat16 takes rows in chunks of 8 warps
+# int4: 12 consumer warps, attention a position a warp at a time (PU 1) so that 128 registers a
+# thread hold it without spills; 1-4 % faster a step than 8 warps on the 0.5B, 1.5B, 8B and 32B
+# shapes (benchmarks/RESULTS.md, session 23)
+Q4_CONSUMER_WARPS, Q4_MANY_WARPS_DEFINES = 12, {"PU": 1}
 # decode_mk.cu's layouts read here: TRACE's times an op (consumer, producer), XO_ROWS
 TRACE_CONSUMER, TRACE_PRODUCER = 8, 2
 XO_ROWS = 66
@@ -141,16 +145,21 @@ def refuse_unsupported(model: Transformer, device, role: str = "this model") -> 
                          f"use --decode-kernel auto (the default) or graph")
 
 
-def default_ring(cfg, q4: bool = False, warps: int = CONSUMER_WARPS) -> str:
+def default_warps(q4: bool) -> int:
+    """Consumer warps a block unless asked otherwise: Q4_CONSUMER_WARPS for int4, else 8."""
+    return Q4_CONSUMER_WARPS if q4 else CONSUMER_WARPS
+
+
+def default_ring(cfg, q4: bool = False, warps: int | None = None) -> str:
     """FLASHDRAFT_MK_RING, else the ring measured best for the shape (session 21): 8 slots of
     24 KB; 6 of 32 KB where a 24 KB slot takes only two thirds of its bytes in rows of the
     hidden size and the step reads 2 GB of weights or more, so the weight stream dominates
     (Qwen3-8B: 3.98 instead of 4.06 ms a step; the latency-bound Qwen3-0.6B, whose rows fill a
     24 KB slot alike, stays faster with 24 KB slots: 0.696 against 0.712 ms). int4 (q4): as
     many slots of 24 (tile, group) units, up to 8, as fit a Hopper block beside the rest: a
-    chunk that is a multiple of the 8 consumer warps' units keeps them level (Qwen3-32B: 8.11
+    chunk that is a multiple of the consumer warps' units keeps them level (Qwen3-32B: 8.11
     ms a step against 8.61 with 7 slots of 22 units; 8.25 with 20, 8.71 with 16); warps: the
-    consumer warps, whose sums take shared memory too."""
+    consumer warps (default_warps), whose sums take shared memory too."""
     if RING:
         return RING
     if q4:
@@ -177,12 +186,13 @@ def _device_index(device: torch.device) -> int:
 
 
 def shared_bytes(cfg, ring: str, llx: bool = False, q4: bool = False,
-                 warps: int = CONSUMER_WARPS) -> int:
+                 warps: int | None = None) -> int:
     """Dynamic shared memory a block of the kernel takes: the ring, then decode_mk.cu's Shared
     (mbarriers, sums; with LLX, x as polled and the rows going out; with Q4, the tiles' warp
     sums, x's group sums and the side rows), whose attention state shares its space with Q4's
     staged x."""
     slots, slot = _ring(ring)
+    warps = warps or default_warps(q4)
     group = cfg.num_heads // cfg.num_kv_heads
     h, qd, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size
     struct = (16 * slots + 4 * 64 * warps + 4 * 3 * warps + 8 * warps + 16
@@ -232,15 +242,16 @@ class DecodeMegakernel:
 
     def __init__(self, model: Transformer, cache: KVCache, ring: str | None = None,
                  probe: str = "", ldgsts: bool = True, producers: int = 4,
-                 defines: dict[str, int] | None = None, consumer_warps: int = CONSUMER_WARPS):
+                 defines: dict[str, int] | None = None, consumer_warps: int | None = None):
         """ring: "SLOTSxBYTES" (default: default_ring); probe: "nowait" (measurement
         only, wrong output: no op waits for the one before, the weight stream's own speed;
         "nocompute": the consumers multiply nothing; both: "nowait,nocompute"); ldgsts: the
         producer warps copy with cp.async, 16 bytes a lane (default, measured faster than one
         warp's bulk copies: benchmarks/RESULTS.md, sessions 18-19), else one bulk copy a chunk;
         producers: producer warps; defines: more of decode_mk.cu's compile-time settings
-        (measurement: TRACE, LLX, PU, ATT_MIN, ...); consumer_warps: int4 only, measurement
-        (more warps multiplying, fewer registers a thread: 12 give 128)."""
+        (measurement: TRACE, LLX, PU, ATT_MIN, ...); consumer_warps: default_warps; other
+        than 8 for int4 only (more warps multiplying, fewer registers a thread: 12 give 128,
+        so attention takes a position a warp at a time unless `defines` set PU)."""
         why = unsupported(model, cache, ring)
         if why:
             raise ValueError(f"the decode megakernel cannot run this model: {why}")
@@ -250,6 +261,9 @@ class DecodeMegakernel:
         self.device = dev
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self.q4 = is_int4(model)
+        consumer_warps = consumer_warps or default_warps(self.q4)
+        if self.q4 and consumer_warps > CONSUMER_WARPS:
+            defines = Q4_MANY_WARPS_DEFINES | (defines or {})
         self.ring = ring or default_ring(cfg, self.q4, consumer_warps)
         slots, slot = _ring(self.ring)
         probes = set(filter(None, probe.split(",")))
@@ -309,6 +323,7 @@ class DecodeMegakernel:
                    ("NOWAIT", int("nowait" in probes)), ("NOCOMPUTE", int("nocompute" in probes)),
                    ("LDGSTS", int(ldgsts)), ("NPROD", producers), ("Q4", int(self.q4))
                    ) + tuple(sorted((defines or {}).items()))
+        self.defines = dict(defines)  # decode_mk.cu's settings as compiled
         self.producers = producers
         if self.q4 and (llx or not ldgsts):
             raise ValueError("int4 weights: the producers copy with cp.async (ldgsts), no LLX")

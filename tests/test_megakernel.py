@@ -127,23 +127,28 @@ def _int4_model(cfg, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(Q4_SHAPES))
 @pytest.mark.parametrize("prompt", [5, 100, 700])
-@pytest.mark.parametrize("warps", [8, 12])  # 12 consumer warps: a measurement setting
+@pytest.mark.parametrize("warps", [8, 12])  # 12 consumer warps: int4's default
 def test_int4_megakernel_matches_the_model(shape, prompt, warps, monkeypatch):
     from flashdraft.megakernel import DecodeMegakernel, is_int4
     torch.manual_seed(0)
     model = _int4_model(Q4_SHAPES[shape], monkeypatch)
     assert is_int4(model)
-    compared = _follow_the_model(model, prompt, lambda cache: DecodeMegakernel(
-        model, cache, consumer_warps=warps))
-    assert compared >= 12
+    built = []
+
+    def make(cache):  # 12 warps by default
+        built.append(DecodeMegakernel(model, cache, consumer_warps=None if warps == 12 else warps))
+        return built[-1]
+    compared = _follow_the_model(model, prompt, make)
+    assert compared >= 12 and built[0].consumer_warps == warps
+    assert built[0].defines.get("PU") == (1 if warps == 12 else None)  # attention in 128 regs
 
 
 def test_more_consumer_warps_take_more_shared_memory_and_still_fit_the_32b():
     from flashdraft.megakernel import HOPPER_SHARED, shared_bytes
     from flashdraft.shapes import get_shape
     cfg = get_shape("qwen3-32b")
-    eight = shared_bytes(cfg, "6x26112", q4=True)
-    assert eight < shared_bytes(cfg, "6x26112", q4=True, warps=12) <= HOPPER_SHARED
+    eight = shared_bytes(cfg, "6x26112", q4=True, warps=8)
+    assert eight < shared_bytes(cfg, "6x26112", q4=True) <= HOPPER_SHARED  # int4's 12 warps
 
 
 def test_default_ring_follows_the_shape(monkeypatch):
