@@ -757,6 +757,9 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
                     // int4 conversion (the codes are the operand), 3 no mma (one FMA instead),
                     // 4 codes not read from shared memory
 #endif
+#ifndef Q4_CHAINS
+#define Q4_CHAINS 1  // accumulators a unit's 8 mma are spread over (1, 2 or 4), added at its end
+#endif
 
 // Nibbles 0 and 4 of q as the bfloat16 pair 128 + nibble: (q & 0x000f000f) | 0x43004300.
 __device__ __forceinline__ u32 biased(u32 q) {
@@ -785,6 +788,7 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 // the compiler puts a warp sync before each.
 __device__ __forceinline__ void q4_unit(const u16* xq, int gr, const unsigned char* w, int t,
                                         float* d) {
+    float part[Q4_CHAINS > 1 ? 4 * (Q4_CHAINS - 1) : 1] = {};  // chains 1 .. Q4_CHAINS - 1
 #pragma unroll
     for (int h = 0; h < 2; h++) {  // Q4_PROBE 4: codes made up from the address, not read
         const u32x4 q4 = Q4_PROBE == 4 ? u32x4{(u32)(size_t)w, (u32)(size_t)w >> 4, 7u * h, 3u}
@@ -795,19 +799,26 @@ __device__ __forceinline__ void q4_unit(const u16* xq, int gr, const unsigned ch
                            : *(const u32x4*)(xq + gr * 128 + 8 * (8 * h + 4 * p + t));
 #pragma unroll
             for (int e = 0; e < 2; e++) {
+                const int ch = (4 * h + 2 * p + e) % Q4_CHAINS;
+                float* dc = ch == 0 ? d : part + 4 * (ch - 1);
                 const u32 b0 = e ? xv.z : xv.x, b1 = e ? xv.w : xv.y;
                 const u32 q = p == 0 ? (e ? q4.y : q4.x) : (e ? q4.w : q4.z);
                 if (Q4_PROBE == 2)  // no conversion: the codes as the operand
-                    mma16816(d, q, q ^ b0, q ^ b1, q + 1, b0, b1);
+                    mma16816(dc, q, q ^ b0, q ^ b1, q + 1, b0, b1);
                 else if (Q4_PROBE == 3)  // no mma: the operands folded in with one FMA
                     d[0] = fmaf(__uint_as_float(biased(q) ^ biased(q >> 4) ^ biased(q >> 8)
                                                 ^ biased(q >> 12)),
                                 __uint_as_float(b0 ^ b1), d[0]);
                 else
-                    mma16816(d, biased(q), biased(q >> 4), biased(q >> 8), biased(q >> 12),
+                    mma16816(dc, biased(q), biased(q >> 4), biased(q >> 8), biased(q >> 12),
                              b0, b1);
             }
         }
+    }
+#pragma unroll
+    for (int ch = 1; ch < Q4_CHAINS; ch++) {  // features g and g + 8: d[0], d[2]
+        d[0] += part[4 * (ch - 1)];
+        d[2] += part[4 * (ch - 1) + 2];
     }
 }
 
