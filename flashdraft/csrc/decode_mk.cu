@@ -758,7 +758,8 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
                     // 4 codes not read from shared memory
 #endif
 #ifndef Q4_CHAINS
-#define Q4_CHAINS 1  // accumulators a unit's 8 mma are spread over (1, 2 or 4), added at its end
+#define Q4_CHAINS 2  // accumulators a unit's 8 mma are spread over (1, 2 or 4), added at its end:
+                     // 2 measured 1-3 % faster a step than 1 or 4 (session 23)
 #endif
 
 // Nibbles 0 and 4 of q as the bfloat16 pair 128 + nibble: (q & 0x000f000f) | 0x43004300.
@@ -784,8 +785,9 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 // of the unit's two 16-byte halves at w and w + 512 bytes in shared memory (gr: the group).
 // Every B column is x, so every lane's d[0] and d[2] are features g and g + 8 of the tile
 // (int4_mma.cu: the B fragments and the k order of a lane). One unit a warp at a time: 2 to 4
-// units' chains interleaved measured slower (session 22). No branch around an mma: under one,
-// the compiler puts a warp sync before each.
+// units' chains interleaved measured slower (session 22); the unit's own 8 mma in two chains
+// (Q4_CHAINS) faster (session 23). No branch around an mma: under one, the compiler puts a
+// warp sync before each.
 __device__ __forceinline__ void q4_unit(const u16* xq, int gr, const unsigned char* w, int t,
                                         float* d) {
     float part[Q4_CHAINS > 1 ? 4 * (Q4_CHAINS - 1) : 1] = {};  // chains 1 .. Q4_CHAINS - 1
