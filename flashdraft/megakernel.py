@@ -151,26 +151,33 @@ def default_warps(q4: bool) -> int:
 
 
 def default_ring(cfg, q4: bool = False, warps: int | None = None) -> str:
-    """FLASHDRAFT_MK_RING, else the ring measured best for the shape (session 21): 8 slots of
-    24 KB; 6 of 32 KB where a 24 KB slot takes only two thirds of its bytes in rows of the
-    hidden size and the step reads 2 GB of weights or more, so the weight stream dominates
-    (Qwen3-8B: 3.98 instead of 4.06 ms a step; the latency-bound Qwen3-0.6B, whose rows fill a
-    24 KB slot alike, stays faster with 24 KB slots: 0.696 against 0.712 ms). int4 (q4): as
-    many slots of 24 (tile, group) units, up to 8, as fit a Hopper block beside the rest: a
-    chunk that is a multiple of the consumer warps' units keeps them level (Qwen3-32B: 8.11
-    ms a step against 8.61 with 7 slots of 22 units; 8.25 with 20, 8.71 with 16); warps: the
-    consumer warps (default_warps), whose sums take shared memory too."""
+    """FLASHDRAFT_MK_RING, else the ring measured best for the shape.
+
+    bfloat16 (session 21): 8 slots of 24 KB; 6 of 32 KB where a 24 KB slot takes only two
+    thirds of its bytes in rows of the hidden size and the step reads 2 GB of weights or more,
+    so the weight stream dominates (Qwen3-8B: 3.98 instead of 4.06 ms a step; the
+    latency-bound Qwen3-0.6B, whose rows fill a 24 KB slot alike, stays faster with 24 KB
+    slots: 0.696 against 0.712 ms).
+
+    int4 (q4): as many slots of (tile, group) units, up to 8, as fit a Hopper block beside the
+    rest, a slot's units a multiple of the consumer warps (`warps`, default_warps), so that
+    none idles while the slot is held (session 22, 8 warps: 24 units 8.11 ms a Qwen3-32B step,
+    22 units 8.61). 3 units a warp where the step reads 2 GB of int4 weights or more (session
+    23, 12 warps: 36 units 7.31-7.39 ms against 24 units 7.70-7.79 on the 32B; 1.985 against
+    2.007 ms on the 8B), else 24 units (2 a warp: the 1.5B and smaller keep more slots)."""
     if RING:
         return RING
-    if q4:
-        slot = 24 * Q4_UNIT
-        fits = [n for n in range(2, 9)
-                if shared_bytes(cfg, f"{n}x{slot}", q4=True, warps=warps) <= HOPPER_SHARED]
-        return f"{max(fits) if fits else 2}x{slot}"
     h, qd = cfg.hidden_size, cfg.num_heads * cfg.head_dim
     kvd, inter = cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     weights = 2 * (cfg.num_layers * h * (qd + 2 * kvd + qd + 3 * inter)
                    + cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2))
+    if q4:
+        warps = warps or default_warps(True)
+        # int4 bytes: 4 bits and 4 bytes of scale and zero a group of 128 (17 / 64 of bf16's)
+        slot = (3 * warps if weights * 17 / 64 >= 2e9 else 24) * Q4_UNIT
+        fits = [n for n in range(2, 9)
+                if shared_bytes(cfg, f"{n}x{slot}", q4=True, warps=warps) <= HOPPER_SHARED]
+        return f"{max(fits) if fits else 2}x{slot}"
     filled = _rows_per_chunk(h, 24576) * 2 * h / 24576
     return "6x32768" if filled < 0.75 and weights >= 2e9 else "8x24576"
 

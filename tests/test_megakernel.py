@@ -160,11 +160,14 @@ def test_default_ring_follows_the_shape(monkeypatch):
     assert megakernel.default_ring(get_shape("qwen2.5-1.5b")) == "8x24576"
     assert megakernel.default_ring(get_shape("qwen3-0.6b")) == "8x24576"
     assert megakernel.default_ring(get_shape("qwen3-8b")) == "6x32768"
-    # int4: as many slots of 24 units (26,112 bytes) as fit beside the rest, up to 8 (the 32B's
-    # 51 KB of staged x for its down product leave room for 6)
+    # int4: as many slots as fit beside the rest, up to 8, of 24 units (26,112 bytes: 2 a warp
+    # of 12) for small models, of 3 units a warp where the step reads 2 GB of int4 weights or
+    # more (the 32B's 51 KB of staged x for its down product leave room for 4 of 36)
     assert megakernel.default_ring(get_shape("qwen2.5-1.5b"), q4=True) == "7x26112"
-    assert megakernel.default_ring(get_shape("qwen3-8b"), q4=True) == "7x26112"
-    assert megakernel.default_ring(get_shape("qwen3-32b"), q4=True) == "6x26112"
+    assert megakernel.default_ring(get_shape("qwen3-0.6b"), q4=True) == "7x26112"
+    assert megakernel.default_ring(get_shape("qwen3-8b"), q4=True) == "5x39168"
+    assert megakernel.default_ring(get_shape("qwen3-32b"), q4=True) == "4x39168"
+    assert megakernel.default_ring(get_shape("qwen3-32b"), q4=True, warps=8) == "6x26112"
     # more consumer warps take more shared memory, so fewer slots where the ring filled it
     for cfg in (*Q4_SHAPES.values(), get_shape("qwen3-8b"), get_shape("qwen3-32b")):
         for warps in (8, 12, 16):
