@@ -45,7 +45,7 @@ SOURCE = Path(__file__).with_name("csrc") / "decode_mk.cu"
 RING = os.environ.get("FLASHDRAFT_MK_RING")
 CONSUMER_WARPS = 8  # bfloat16 takes rows in chunks of 8 warps
 # int4: 12 consumer warps, attention a position a warp at a time (PU 1) so that 128 registers a
-# thread hold it without spills; 1-4 % faster a step than 8 warps on the 0.5B, 1.5B, 8B and 32B
+# thread hold it without spills; 1-5 % faster a step than 8 warps on the 0.5B, 1.5B, 8B and 32B
 # shapes (benchmarks/RESULTS.md, session 23)
 Q4_CONSUMER_WARPS, Q4_MANY_WARPS_DEFINES = 12, {"PU": 1}
 # decode_mk.cu's layouts read here: TRACE's times an op (consumer, producer), XO_ROWS
