@@ -13,10 +13,10 @@ for the GPU: each token is read while the step after it runs.
 
 Plain decoding's steps are CUDA graphs of the model's kernels, or, with
 `decode_kernel="megakernel"`, one persistent kernel a token (`flashdraft.megakernel`: Hopper,
-Qwen2 / Qwen3 / Llama in bfloat16 or int4) for greedy requests without a drafter. Its tokens can differ
-from the graphs' where two logits nearly tie; speculative requests (their plain stretches
-included) stay on the graphs, so their output is the graph path's plain decoding. (A draft
-model's greedy steps take the megakernel wherever it runs unless decode_kernel="graph":
+Qwen2 / Qwen3 / Llama in bfloat16 or int4) for greedy requests without a drafter. Its tokens
+can differ from the graphs' where two logits nearly tie; speculative requests (their plain
+stretches included) stay on the graphs, so their output is the graph path's plain decoding. (A
+draft model's greedy steps take the megakernel wherever it runs unless decode_kernel="graph":
 drafts only propose, so that changes no output.)
 """
 from __future__ import annotations

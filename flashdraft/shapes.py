@@ -212,6 +212,16 @@ def megakernel_decode(mk, context: int, steps: int = 256) -> float:
     return steps / (time.perf_counter() - began)
 
 
+def _megakernel_at(model, cache: KVCache, context: int):
+    """A DecodeMegakernel for `model` whose launches run at position `context` (one step
+    there sets it), as the graph steps it is compared with."""
+    from .megakernel import DecodeMegakernel
+    mk = DecodeMegakernel(model, cache)
+    dev = model.embed.weight.device
+    mk.step(torch.zeros(1, dtype=torch.int64, device=dev), torch.tensor([context], device=dev))
+    return mk
+
+
 @torch.inference_mode()
 def run_shape_bench(shape: str, dtype: str = "bfloat16", quant: str | None = None,
                     device: str = "cuda", *, context: int = 512,
@@ -276,10 +286,7 @@ def run_shape_bench(shape: str, dtype: str = "bfloat16", quant: str | None = Non
         if 16 in curve:
             out["verify16_over_decode1"] = curve[16]["ms"] / curve[1]["ms"]
     if decode_kernel == "megakernel":
-        from .megakernel import DecodeMegakernel
-        mk = DecodeMegakernel(model, cache)
-        mk.step(torch.zeros(1, dtype=torch.int64, device=dev),  # its launches at `context`
-                torch.tensor([context], device=dev))
+        mk = _megakernel_at(model, cache, context)
         step = megakernel_step_time(mk)
         tps = megakernel_decode(mk, context, decode_steps)
         mk.check()
@@ -304,14 +311,12 @@ def run_shape_bench(shape: str, dtype: str = "bfloat16", quant: str | None = Non
                           "step_ms": _time_steps(drunner, dcache, 1, context, dcfg.vocab_size,
                                                  repeats) * 1e3}
         if decode_kernel != "graph":  # auto and megakernel run a draft model's steps through it
-            from .megakernel import DecodeMegakernel, why_not
+            from .megakernel import why_not
             why = why_not(dmodel, dev)
             if why:
                 out["drafter"]["megakernel_refused"] = why
             else:
-                mk = DecodeMegakernel(dmodel, dcache)
-                mk.step(torch.zeros(1, dtype=torch.int64, device=dev),
-                        torch.tensor([context], device=dev))
+                mk = _megakernel_at(dmodel, dcache, context)
                 out["drafter"]["megakernel_step_ms"] = megakernel_step_time(mk) * 1e3
                 mk.check()
                 del mk
