@@ -180,9 +180,8 @@ def test_default_ring_follows_the_shape(monkeypatch):
 
 
 def test_shared_memory_fits_hopper_for_the_shapes_we_run_and_not_the_32b():
-    from flashdraft.megakernel import shared_bytes
+    from flashdraft.megakernel import HOPPER_SHARED as hopper, shared_bytes
     from flashdraft.shapes import get_shape
-    hopper = 227 * 1024 - 1024  # mma._shared_limit on an H100 / H200
     for shape, ring in (("qwen2.5-1.5b", "8x24576"), ("qwen3-8b", "6x32768"),
                         ("qwen3-0.6b", "8x24576")):
         assert 8 * 24576 <= shared_bytes(get_shape(shape), ring) <= hopper, shape
@@ -413,7 +412,7 @@ def test_draft_model_steps_through_the_megakernel():
         model.lm_head.weight.mul_(20)
     dev = torch.device("cuda")
     engine = Engine(model, dev, torch.bfloat16, 512, ())
-    # "auto", the default, takes the kernel where it runs, as "megakernel" does
+    # "auto", the engine's default, takes the kernel where it runs, as "megakernel" does
     drafter = DraftModelDrafter(model, dev, torch.bfloat16, cfg.vocab_size, decode_kernel="auto")
     assert drafter.use_megakernel
     greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
@@ -435,7 +434,8 @@ def test_draft_model_refuses_the_megakernel_without_cuda():
     with pytest.raises(ValueError, match="megakernel cannot run the draft model: it needs CUDA"):
         DraftModelDrafter(model, torch.device("cpu"), torch.bfloat16, cfg.vocab_size,
                           decode_kernel="megakernel")
-    # "auto" (the default) takes the graphs / eager steps instead, as does a wider vocabulary
+    # "auto" (the engine's default) takes the graphs / eager steps instead, as does a
+    # wider vocabulary
     auto = DraftModelDrafter(model, torch.device("cpu"), torch.bfloat16, cfg.vocab_size,
                              decode_kernel="auto")
     assert not auto.use_megakernel

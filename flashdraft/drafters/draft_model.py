@@ -7,8 +7,8 @@ d_1 … d_{k-1} (d_k was sampled, never fed); when the target keeps n of them, t
 len(context) + min(n, k-1) cached positions are still right, and the next proposal feeds
 the rest of the committed sequence (one or two tokens) before drafting again.
 
-With `decode_kernel="megakernel"` (or "auto", the default, where the kernel can run the draft
-model and CUDA graphs are on), greedy proposals feed one token at a time through
+With `decode_kernel="megakernel"` (or "auto", the engine's default, where the kernel can run
+the draft model and CUDA graphs are on), greedy proposals feed one token at a time through
 `flashdraft.megakernel` (one kernel a token, each step chained on the one before) wherever a
 step feeds one token. The drafts are only proposals, so this changes how fast the target's
 output comes, never what it is.
