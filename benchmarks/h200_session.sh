@@ -222,6 +222,23 @@ for phase in "$@"; do
     python3 benchmarks/megakernel_step.py --out "$OUT/mkstep" --shapes ${MK_SHAPES:-qwen2.5-1.5b} \
       --context ${MK_CONTEXT:-512} --variants ${MK_VARIANTS:-8x24576+trace 8x24576} 2>&1 | grep -v Warn | tee "$OUT/mkstep.log"
     ;;
+  ncu)
+    # Nsight Compute on one megakernel step a run (NCU_RUNS: "shape=variant ..."): warp states,
+    # scheduler, and each SASS instruction's stall samples, as CSV (gzipped) for the host.
+    N=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    for r in ${NCU_RUNS:-qwen2.5-1.5b=8x24576}; do
+      tag=$(echo "${r%%=*}" | tr ':.' '--')
+      timeout ${NCU_TIMEOUT:-240} "$N" --clock-control none --target-processes all \
+        -k regex:decode_step -s 4 -c 1 --section WarpStateStats --section SchedulerStats \
+        --section SourceCounters --section LaunchStats -o /root/ncu-$tag -f \
+        python3 benchmarks/megakernel_step.py --out /root/ncu-out-$tag --shapes "${r%%=*}" \
+        --variants "${r#*=}" 2>&1 | grep -v Warn | tail -6
+      "$N" -i /root/ncu-$tag.ncu-rep --page details --csv > "$OUT/ncu-$tag-details.csv"
+      "$N" -i /root/ncu-$tag.ncu-rep --page source --csv --print-source sass \
+        | gzip > "$OUT/ncu-$tag-sass.csv.gz"
+      ls -la "$OUT"/ncu-$tag-*
+    done
+    ;;
   plainkernels)
     # The real target's plain decoding through the megakernel (with transformers in the same
     # run), then through the CUDA graphs; n-gram speculation (graphs) in both; where their plain

@@ -182,6 +182,16 @@ def default_ring(cfg, q4: bool = False, warps: int | None = None) -> str:
     return "6x32768" if filled < 0.75 and weights >= 2e9 else "8x24576"
 
 
+def default_finish_every(cfg, ring: str, warps: int | None = None) -> int:
+    """int4: chunks between two additions of the tiles they ended (decode_mk.cu's
+    Q4_FINISH_EVERY; each addition is a barrier of the block's consumer warps), the most of 6,
+    3 and 1 whose tile sums fit beside `ring` in a Hopper block. Session 24, the 32B at 4x39168:
+    7.33-7.43 ms a step at 1, 7.14 at 3, 7.04 at 6."""
+    return next(m for m in (6, 3, 1)
+                if m == 1 or shared_bytes(cfg, ring, q4=True, warps=warps, finish_every=m)
+                <= HOPPER_SHARED)
+
+
 def _rows_per_chunk(k: int, slot: int) -> int:
     """decode_mk.cu's rows_per_chunk: rows of k bfloat16 a slot, the largest power of two up
     to 16 that fits (0: none)."""
@@ -193,7 +203,7 @@ def _device_index(device: torch.device) -> int:
 
 
 def shared_bytes(cfg, ring: str, llx: bool = False, q4: bool = False,
-                 warps: int | None = None) -> int:
+                 warps: int | None = None, finish_every: int = 1) -> int:
     """Dynamic shared memory a block of the kernel takes: the ring, then decode_mk.cu's Shared
     (mbarriers, sums; with LLX, x as polled and the rows going out; with Q4, the tiles' warp
     sums, x's group sums and the side rows), whose attention state shares its space with Q4's
@@ -207,7 +217,7 @@ def shared_bytes(cfg, ring: str, llx: bool = False, q4: bool = False,
     attention = 4 * warps * group * (3 + cfg.head_dim) + 8 * group
     if q4:
         units = slot // Q4_UNIT
-        tiles = 2 * (units // (min(h, qd, inter) // 128)) + 4  # decode_mk.cu's RT
+        tiles = 2 * (finish_every * units // (min(h, qd, inter) // 128)) + 4  # decode_mk.cu's RT
         struct += (4 * tiles * warps * 16 + 4 * max(h, qd, inter) // 128
                    + 2 * SIDE_MAX + 16)
         attention = max(attention, 2 * max(h, qd, inter))
@@ -272,6 +282,9 @@ class DecodeMegakernel:
         if self.q4 and consumer_warps > CONSUMER_WARPS:
             defines = Q4_MANY_WARPS_DEFINES | (defines or {})
         self.ring = ring or default_ring(cfg, self.q4, consumer_warps)
+        if self.q4:
+            every = default_finish_every(cfg, self.ring, consumer_warps)
+            defines = {"Q4_FINISH_EVERY": every} | (defines or {})
         slots, slot = _ring(self.ring)
         probes = set(filter(None, probe.split(",")))
         if probes - {"nowait", "nocompute"}:
@@ -338,7 +351,8 @@ class DecodeMegakernel:
             raise ValueError(f"consumer_warps {consumer_warps}: {CONSUMER_WARPS} (bfloat16 "
                              f"takes rows in chunks of 8 warps), or 1 to 16 for int4")
         self.consumer_warps = consumer_warps
-        self.shared = shared_bytes(cfg, self.ring, llx, self.q4, consumer_warps)
+        self.shared = shared_bytes(cfg, self.ring, llx, self.q4, consumer_warps,
+                                   self.defines.get("Q4_FINISH_EVERY", 1))
         limit = mma._shared_limit(self.fn_device)
         if self.shared > limit:  # LLX's bytes (unsupported() checks the rest)
             raise ValueError(f"the megakernel needs {self.shared} bytes of shared memory a block, "

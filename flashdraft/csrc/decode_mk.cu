@@ -145,9 +145,13 @@ struct __align__(16) u32x4 { u32 x, y, z, w; };
 #define CU (SLOT / Q4_UNIT)  // Q4: units a chunk
 #define KMAX (H > QD ? (H > INTER ? H : INTER) : (QD > INTER ? QD : INTER))
 #define KMIN (H < QD ? (H < INTER ? H : INTER) : (QD < INTER ? QD : INTER))
-// Q4: tiles whose warps' sums wait in Shared.q4red at once: those a chunk ends (added after
-// it), and those the next chunk's warps may store meanwhile
-#define RT (2 * (CU / (KMIN / 128)) + 4)
+#ifndef Q4_FINISH_EVERY
+#define Q4_FINISH_EVERY 1  // Q4: chunks between two additions of ended tiles (each a block-wide
+                           // barrier) where the block's tiles do not all fit Shared.q4red
+#endif
+// Q4: tiles whose warps' sums wait in Shared.q4red at once: those Q4_FINISH_EVERY chunks end
+// (added after them), and those the next chunks' warps may store meanwhile
+#define RT (2 * (Q4_FINISH_EVERY * CU / (KMIN / 128)) + 4)
 #define SIDE_MAX 256  // Q4: rows of a bias or residual a block takes (flashdraft.megakernel checks)
 enum { OP_QKV = 0, OP_ATT = 1, OP_O = 2, OP_GU = 3, OP_DOWN = 4, OP_HEAD = 5 };
 
@@ -984,10 +988,10 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(&s.empty[c % NS]);
-        // tiles whose every unit is done after this chunk: added now, unless the block's
-        // tiles all fit Shared.q4red (then once at the end: no barrier a chunk)
+        // tiles whose every unit is done after this chunk: added every Q4_FINISH_EVERY
+        // chunks, unless the block's tiles all fit Shared.q4red (then once at the end)
         const int ended = (u0 + nu) / NG;
-        if (t1 - t0 > RT && ended > done) {
+        if (t1 - t0 > RT && ended > done && (i + 1) % Q4_FINISH_EVERY == 0) {
             consumer_sync();
             q4_finish<KIND>(a, s, t0, done, ended, best_v, best_i);
             done = ended;
