@@ -124,8 +124,7 @@ def _why_not_int4(model: Transformer, sms: int) -> str | None:
            for lin in (block.attn.wo, block.mlp.w_gate_up, block.mlp.w_down, model.lm_head)):
         return "int4: only the q/k/v product may have a bias"
     qkv = cfg.num_heads * cfg.head_dim + 2 * cfg.num_kv_heads * cfg.head_dim
-    # whole tiles, and one more where a block's units start inside a tile (Q4_SPLIT)
-    rows = 16 * (max(-(-(n // 16) // sms) for n in (qkv, cfg.hidden_size)) + 1)
+    rows = 16 * max(-(-(n // 16) // sms) for n in (qkv, cfg.hidden_size))  # whole tiles
     if rows > SIDE_MAX:
         return f"int4: {rows} rows of a bias or residual a block (at most {SIDE_MAX})"
     return None
@@ -219,7 +218,7 @@ def shared_bytes(cfg, ring: str, llx: bool = False, q4: bool = False,
     if q4:
         units = slot // Q4_UNIT
         tiles = 2 * (finish_every * units // (min(h, qd, inter) // 128)) + 4  # decode_mk.cu's RT
-        struct += (4 * tiles * warps * 16 + 8 + 4 * max(h, qd, inter) // 128
+        struct += (4 * tiles * warps * 16 + 4 * max(h, qd, inter) // 128
                    + 2 * SIDE_MAX + 16)
         attention = max(attention, 2 * max(h, qd, inter))
     return slots * slot + struct + attention + 128
@@ -241,7 +240,7 @@ class _Args(ctypes.Structure):  # decode_mk.cu's Args, field for field
         "qkv", "att", "hbuf", "part", "logits", "best", "counters", "out_token", "error", "trace",
         "step_count")] + [
         ("max_len", ctypes.c_int), ("eps", ctypes.c_float), ("chain", ctypes.c_int),
-        ("head_sz", ctypes.c_void_p), ("q4part", ctypes.c_void_p), ("q4cnt", ctypes.c_void_p)]
+        ("head_sz", ctypes.c_void_p)]
 
 
 @functools.cache
@@ -317,10 +316,6 @@ class DecodeMegakernel:
         self.logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=dev)
         self.best = torch.zeros(2 * self.sms, dtype=torch.float32, device=dev)
         self.counters = torch.zeros(_nops(cfg) + cfg.num_kv_heads, dtype=torch.int32, device=dev)
-        # int4: a block's sums of the tiles it shares with others, and arrivals a tile
-        self.q4part = torch.zeros(self.sms * 2 * 16, dtype=torch.float32, device=dev)
-        self.q4cnt = torch.zeros(max(qd + 2 * kvd, h, 2 * inter, cfg.vocab_size) // 16 + 1,
-                                 dtype=torch.int32, device=dev)
         self.error = torch.zeros(1, dtype=torch.int32, device=dev)
         # TRACE (measurement): the global timer at each op's wait, start and end, a block
         self.trace = (torch.zeros(self.sms * _nops(cfg) * (TRACE_CONSUMER + TRACE_PRODUCER),
@@ -375,8 +370,7 @@ class DecodeMegakernel:
             self.token_out.data_ptr(), self.error.data_ptr(),
             self.trace.data_ptr() if self.trace is not None else 0, self.step_count.data_ptr(),
             cache.max_len,
-            float(cfg.rms_norm_eps), 0, model.lm_head.scale.data_ptr() if self.q4 else 0,
-            self.q4part.data_ptr(), self.q4cnt.data_ptr())
+            float(cfg.rms_norm_eps), 0, model.lm_head.scale.data_ptr() if self.q4 else 0)
 
     @property
     def fn_device(self) -> int:

@@ -181,10 +181,6 @@ struct Args {
     float eps;
     int chain;
     const unsigned char* head_sz;  // Q4: the head's scales and zeros (head: its codes)
-    float* q4part;         // Q4_SPLIT: [G][2][16] a block's sums of its first and last tiles
-                           // where other blocks hold more of their groups
-    u32* q4cnt;            // Q4_SPLIT: [tiles of the largest op] arrivals a shared tile, zero
-                           // between ops (the last to arrive clears it)
 };
 
 // -- small helpers --------------------------------------------------------------------------------
@@ -294,25 +290,6 @@ __device__ __forceinline__ void rows_of(int n, int j, int b, int G, int& r0, int
     if (pairs) { r0 *= 2; r1 *= 2; }
 }
 
-#ifndef Q4_SPLIT
-#define Q4_SPLIT 1  // Q4: 1, an op's (tile, group) units split evenly over the blocks, so that a
-                    // tile's groups may span blocks (the blocks' partial sums of such a tile
-                    // added by the last to arrive, in block order); 0, whole tiles a block
-#endif
-
-// Q4_SPLIT: units [u0, u1) of an op's n (tile-major, group-minor) for block b, rotated by op j
-// as rows_of rotates rows; and which (rotated) block holds unit u.
-__device__ __forceinline__ void units_of(int n, int j, int b, int G, int& u0, int& u1) {
-    const int base = n / G, rem = n % G;
-    const int vb = (b + j * 53) % G;
-    u0 = vb * base + min(vb, rem);
-    u1 = u0 + base + (vb < rem ? 1 : 0);
-}
-__device__ __forceinline__ int unit_owner(int u, int n, int G) {
-    const int base = n / G, rem = n % G, big = rem * (base + 1);
-    return u < big ? u / (base + 1) : rem + (u - big) / base;
-}
-
 // Rows a chunk of a matrix with k columns: the largest power of two up to 16 that fits a slot.
 __host__ __device__ constexpr int rows_per_chunk(int k) {
     return 2 * k * 16 <= SLOT ? 16 : 2 * k * 8 <= SLOT ? 8 : 2 * k * 4 <= SLOT ? 4
@@ -362,15 +339,9 @@ __device__ __forceinline__ bool next_chunk(const Args& a, Cursor& c, int b, int 
         const unsigned char *w, *sz;
         op_matrix(a, c.layer, op, n, k, j, w, sz);
         int total, r = 1, r0, r1;
-        if (Q4) {  // CU units a chunk of the block's units (r0, r1: units, or whole tiles)
-            if (Q4_SPLIT) {
-                units_of(n / 16 * (k / 128), j, b, G, r0, r1);
-            } else {
-                rows_of(n / 16, j, b, G, r0, r1);
-                r0 *= k / 128;
-                r1 *= k / 128;
-            }
-            total = (r1 - r0 + CU - 1) / CU;
+        if (Q4) {  // CU units a chunk of the block's tiles
+            rows_of(n / 16, j, b, G, r0, r1);
+            total = ((r1 - r0) * (k / 128) + CU - 1) / CU;
         } else {  // r whole rows a chunk; GU: a chunk of gate rows, then the same of up rows
             r = rows_per_chunk(k);
             rows_of(n, j, b, G, r0, r1);
@@ -379,8 +350,8 @@ __device__ __forceinline__ bool next_chunk(const Args& a, Cursor& c, int b, int 
         }
         if (c.i < total) {
             if (Q4) {
-                const int units = r1 - r0, u = c.i * CU;
-                const size_t at = (size_t)r0 + u;
+                const int units = (r1 - r0) * (k / 128), u = c.i * CU;
+                const size_t at = (size_t)r0 * (k / 128) + u;
                 const u32 nu = (u32)min(CU, units - u);
                 out.src = w + at * 1024;
                 out.bytes = nu * 1024;
@@ -428,7 +399,6 @@ struct Shared {
     int best_i[NCW];
 #if Q4
     float q4red[RT][NCW][16];     // a tile's sums a warp, until the tile's warps are added
-    int q4last[2];                // Q4_SPLIT: the block was the last to add to its shared tiles
     float sx[KMAX / 128];         // the op's group sums of x (float32, taken while staging x)
     __align__(16) u16 side[SIDE_MAX];  // the block's rows of the bias or the residual
 #endif
@@ -859,41 +829,13 @@ __device__ __forceinline__ void q4_unit(const u16* xq, int gr, const unsigned ch
     }
 }
 
-// A tile's output f (GU: f of the gate and the up) from its sums y and up: the op's epilogue
-// (QKV: + bias; O, DOWN: + residual into x; GU: SiLU(gate) up; HEAD: the logit, and the
-// thread's best so far). tl: the tile among the block's, from t0.
-template <int KIND>
-__device__ __forceinline__ void q4_out(const Args& a, const Shared& s, int t0, int tl, int f,
-                                       float y, float up, float& best_v, int& best_i) {
-    const int row = (t0 + tl) * 16 + f;  // the output feature (GU: stored order)
-    if (KIND == OP_QKV) {
-        a.qkv[row] = to_bf16(QKV_BIAS ? y + bf(s.side[tl * 16 + f]) : y);
-    } else if (KIND == OP_O || KIND == OP_DOWN) {
-        a.x[row] = to_bf16(bf(s.side[tl * 16 + f]) + round_bf16(y));
-    } else if (KIND == OP_GU) {
-        a.hbuf[(t0 + tl) * 8 + f] = to_bf16(y / (1.f + __expf(-y)) * up);
-    } else {
-        const float v = round_bf16(y);
-        a.logits[row] = v;
-        if (v > best_v || (v == best_v && row < best_i)) { best_v = v; best_i = row; }
-    }
-}
-
-// Where the block's units split a tile with other blocks (Q4_SPLIT): the op's n units, the
-// block's [u0, u1) (virtual block vb, tiles from t0), and its first and last tiles, sh[0] and
-// sh[1], where they are shared (-1 where not).
-struct Q4Span {
-    int n, u0, u1, vb, t0, sh[2];
-};
-
 // The ends of tiles [t_lo, t_hi) of the block's (its first: t0): each tile's warps added in
-// order, then q4_out; a tile shared with other blocks goes out as this block's partial sums
-// instead, and the last block to arrive adds every block's in block order before q4_out.
-template <int KIND, int NG>
-__device__ __forceinline__ void q4_finish(const Args& a, Shared& s, const Q4Span& sp, int t_lo,
-                                          int t_hi, float& best_v, int& best_i) {
+// order, then the op's epilogue (QKV: + bias; O, DOWN: + residual into x; GU: SiLU(gate) up;
+// HEAD: the logit, and the thread's best so far).
+template <int KIND>
+__device__ __forceinline__ void q4_finish(const Args& a, Shared& s, int t0, int t_lo, int t_hi,
+                                          float& best_v, int& best_i) {
     constexpr int PER = KIND == OP_GU ? 8 : 16;  // outputs a tile
-    const int t0 = sp.t0;
     for (int idx = threadIdx.x; idx < (t_hi - t_lo) * PER; idx += CT) {
         const int tl = t_lo + idx / PER, f = idx % PER;
         float* red = &s.q4red[tl % RT][0][0];
@@ -904,46 +846,17 @@ __device__ __forceinline__ void q4_finish(const Args& a, Shared& s, const Q4Span
             red[16 * w + f] = 0.f;
             if (KIND == OP_GU) { up += red[16 * w + f + 8]; red[16 * w + f + 8] = 0.f; }
         }
-        if (Q4_SPLIT && (tl == sp.sh[0] || tl == sp.sh[1])) {
-            float* part = a.q4part + (2 * sp.vb + (tl == 0 ? 0 : 1)) * 16;
-            part[f] = y;
-            if (KIND == OP_GU) part[f + 8] = up;
+        const int row = (t0 + tl) * 16 + f;  // the output feature (GU: stored order)
+        if (KIND == OP_QKV) {
+            a.qkv[row] = to_bf16(QKV_BIAS ? y + bf(s.side[tl * 16 + f]) : y);
+        } else if (KIND == OP_O || KIND == OP_DOWN) {
+            a.x[row] = to_bf16(bf(s.side[tl * 16 + f]) + round_bf16(y));
+        } else if (KIND == OP_GU) {
+            a.hbuf[(t0 + tl) * 8 + f] = to_bf16(y / (1.f + __expf(-y)) * up);
         } else {
-            q4_out<KIND>(a, s, t0, tl, f, y, up, best_v, best_i);
-        }
-    }
-    const bool lo = sp.sh[0] >= t_lo && sp.sh[0] < t_hi, hi = sp.sh[1] >= t_lo && sp.sh[1] < t_hi;
-    if (Q4_SPLIT && (lo || hi)) {  // block-uniform
-        __threadfence();  // this thread's partials, before the block's arrival
-        consumer_sync();
-        if (threadIdx.x < 2) {
-            const int tl = threadIdx.x == 0 ? sp.sh[0] : sp.sh[1];  // no local array
-            bool last = false;
-            if ((threadIdx.x == 0 ? lo : hi && sp.sh[1] != sp.sh[0])) {
-                const int T = t0 + tl;
-                const int nb = unit_owner(min((T + 1) * NG, sp.n) - 1, sp.n, gridDim.x)
-                             - unit_owner(T * NG, sp.n, gridDim.x) + 1;
-                last = atomicAdd(a.q4cnt + T, 1u) == (u32)(nb - 1);
-                if (last) a.q4cnt[T] = 0u;
-                __threadfence();
-            }
-            s.q4last[threadIdx.x] = last;
-        }
-        consumer_sync();
-        for (int idx = threadIdx.x; idx < 2 * PER; idx += CT) {
-            const int which = idx / PER, f = idx % PER;
-            if (!s.q4last[which]) continue;
-            const int tl = which ? sp.sh[1] : sp.sh[0], T = t0 + tl, G = gridDim.x;
-            const int base = sp.n / G, rem = sp.n % G;
-            float y = 0.f, up = 0.f;
-            for (int vb = unit_owner(T * NG, sp.n, G);
-                 vb <= unit_owner(min((T + 1) * NG, sp.n) - 1, sp.n, G); vb++) {
-                const int first = (vb * base + min(vb, rem)) / NG;  // vb's first tile
-                const float* part = a.q4part + (2 * vb + (T == first ? 0 : 1)) * 16;
-                y += ld_cgf(part + f);
-                if (KIND == OP_GU) up += ld_cgf(part + f + 8);
-            }
-            q4_out<KIND>(a, s, t0, tl, f, y, up, best_v, best_i);
+            const float v = round_bf16(y);
+            a.logits[row] = v;
+            if (v > best_v || (v == best_v && row < best_i)) { best_v = v; best_i = row; }
         }
     }
     __syncwarp();
@@ -1042,23 +955,10 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
     int n, k, j;
     const unsigned char *wq, *wsz;
     op_matrix(a, layer, KIND == OP_HEAD ? 4 : KIND == OP_QKV ? 0 : KIND - 1, n, k, j, wq, wsz);
-    Q4Span sp;  // the block's units [u0, u1) of the op's n; its tiles [t0, t1)
-    sp.n = n / 16 * NG;
-    if (Q4_SPLIT) {
-        units_of(sp.n, j, b, G, sp.u0, sp.u1);
-    } else {
-        rows_of(n / 16, j, b, G, sp.u0, sp.u1);
-        sp.u0 *= NG;
-        sp.u1 *= NG;
-    }
-    sp.vb = (b + j * 53) % G;
-    sp.t0 = sp.u0 / NG;
-    const int t0 = sp.t0, t1 = sp.u1 > sp.u0 ? (sp.u1 + NG - 1) / NG : t0;
-    const int off = sp.u0 - t0 * NG;  // units of the first tile before the block's
-    sp.sh[0] = off > 0 ? 0 : -1;  // tiles shared with other blocks
-    sp.sh[1] = t1 > t0 && sp.u1 % NG ? t1 - t0 - 1 : -1;
+    int t0, t1;
+    rows_of(n / 16, j, b, G, t0, t1);
     q4_stage<K, KIND>(a, s, layer, t0, t1);
-    const int units = sp.u1 - sp.u0, chunks = (units + CU - 1) / CU;
+    const int units = (t1 - t0) * NG, chunks = (units + CU - 1) / CU;
     if (chunks == 0) TR(j, 2);  // a block without tiles of this op (the timeline's "first chunk")
     float acc0 = 0.f, acc1 = 0.f;  // features g and g + 8 of the warp's tile
     float best_v = -3.0e38f;
@@ -1070,7 +970,7 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
         const unsigned char* slot = slot_ptr(ring, c);
         // the warp's units u = warp mod NCW of the chunk, added to the tile's sums in order
         for (int u = u0 + (warp - u0 % NCW + NCW) % NCW; u < u0 + nu; u += NCW) {
-            const int tl = (u + off) / NG, gr = u + off - tl * NG;
+            const int tl = u / NG, gr = u - tl * NG;
             float d[4] = {0.f, 0.f, 0.f, 0.f};
             if (!NOCOMPUTE) q4_unit(s.u.xq, gr, slot + (size_t)(u - u0) * 1024 + 16 * lane, t, d);
             const uint2 sc = *(const uint2*)(slot + CU * 1024 + (u - u0) * 64 + 8 * g);
@@ -1078,8 +978,7 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
             const float s0 = lo_f32(sc.x), s1 = lo_f32(sc.y), sxg = s.sx[gr];
             acc0 = fmaf(fmaf(-136.f, s0, hi_f32(sc.x)), sxg, fmaf(s0, d[0], acc0));
             acc1 = fmaf(fmaf(-136.f, s1, hi_f32(sc.y)), sxg, fmaf(s1, d[2], acc1));
-            if (u + off + NCW >= (tl + 1) * NG || u + NCW >= units) {  // the warp's last
-                                                                      // unit of the tile
+            if (u + NCW >= (tl + 1) * NG) {  // the warp's last unit of the tile
                 if (t == 0) {
                     s.q4red[tl % RT][warp][g] = acc0;
                     s.q4red[tl % RT][warp][g + 8] = acc1;
@@ -1091,16 +990,16 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
         if (lane == 0) mbar_arrive(&s.empty[c % NS]);
         // tiles whose every unit is done after this chunk: added every Q4_FINISH_EVERY
         // chunks, unless the block's tiles all fit Shared.q4red (then once at the end)
-        const int ended = u0 + nu == units ? t1 - t0 : (u0 + nu + off) / NG;
+        const int ended = (u0 + nu) / NG;
         if (t1 - t0 > RT && ended > done && (i + 1) % Q4_FINISH_EVERY == 0) {
             consumer_sync();
-            q4_finish<KIND, NG>(a, s, sp, done, ended, best_v, best_i);
+            q4_finish<KIND>(a, s, t0, done, ended, best_v, best_i);
             done = ended;
         }
     }
     if (done < t1 - t0) {
         consumer_sync();
-        q4_finish<KIND, NG>(a, s, sp, done, t1 - t0, best_v, best_i);
+        q4_finish<KIND>(a, s, t0, done, t1 - t0, best_v, best_i);
     }
     if (KIND == OP_HEAD) {  // the block's best logit (ties: the lower id)
 #pragma unroll
