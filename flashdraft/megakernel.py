@@ -184,10 +184,10 @@ def default_ring(cfg, q4: bool = False, warps: int | None = None) -> str:
 
 def default_finish_every(cfg, ring: str, warps: int | None = None) -> int:
     """int4: chunks between two additions of the tiles they ended (decode_mk.cu's
-    Q4_FINISH_EVERY; each addition is a barrier of the block's consumer warps), the most of 6,
-    3 and 1 whose tile sums fit beside `ring` in a Hopper block. Session 24, the 32B at 4x39168:
-    7.33-7.43 ms a step at 1, 7.14 at 3, 7.04 at 6."""
-    return next(m for m in (6, 3, 1)
+    Q4_FINISH_EVERY; each addition is a barrier of the block's consumer warps), the most of 8,
+    6, 3 and 1 whose tile sums fit beside `ring` in a Hopper block. Session 24, the 32B at
+    4x39168: 7.33-7.43 ms a step at 1, 7.14 at 3, 7.02-7.11 at 6, 6.94-6.98 at 8."""
+    return next(m for m in (8, 6, 3, 1)
                 if m == 1 or shared_bytes(cfg, ring, q4=True, warps=warps, finish_every=m)
                 <= HOPPER_SHARED)
 
