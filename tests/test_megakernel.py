@@ -179,6 +179,27 @@ def test_default_ring_follows_the_shape(monkeypatch):
     assert megakernel.default_ring(get_shape("qwen3-8b")) == "4x49152"
 
 
+def test_int4_tiles_are_added_as_rarely_as_shared_memory_allows():
+    from flashdraft import megakernel
+    from flashdraft.shapes import get_shape
+    every = megakernel.default_finish_every
+    # the 32B's ring leaves room for 8 chunks' tiles (measured 6.94-6.98 ms a step against
+    # 7.33-7.43 at 1); the 8B's and the 1.5B's rings fill the block, so they keep 1
+    assert every(get_shape("qwen3-32b"), "4x39168") == 8
+    assert every(get_shape("qwen3-8b"), "5x39168") == 1
+    assert every(get_shape("qwen2.5-1.5b"), "7x26112") == 1
+    for cfg in (*Q4_SHAPES.values(), get_shape("qwen3-8b"), get_shape("qwen3-32b"),
+                get_shape("qwen2.5-0.5b")):
+        ring = megakernel.default_ring(cfg, q4=True)
+        m = every(cfg, ring)
+        need = megakernel.shared_bytes(cfg, ring, q4=True, finish_every=m)
+        assert need <= megakernel.HOPPER_SHARED, (cfg, m)
+        larger = [n for n in (8, 6, 3) if n > m]  # the next larger choice would not fit
+        if larger:
+            assert megakernel.shared_bytes(cfg, ring, q4=True, finish_every=larger[-1]) \
+                > megakernel.HOPPER_SHARED, (cfg, m)
+
+
 def test_shared_memory_fits_hopper_for_the_shapes_we_run_and_not_the_32b():
     from flashdraft.megakernel import HOPPER_SHARED as hopper, shared_bytes
     from flashdraft.shapes import get_shape

@@ -47,11 +47,12 @@
 // u = w mod NCW of the op, multiplies them on the tensor cores (mma.m16n8k16, every B column
 // x) with int4_mma's FOLD (s d + (z - 136 s) sum x, the group sums of x taken in float32 once
 // an op, while x is staged), and adds a tile's units in order; a tile's warps are added in
-// warp order once the chunk that ends it is done, or at the op's end where the block's tiles
-// all fit Shared.q4red. The host runs int4 with NCW 12 and attention a position a warp at a
-// time (PU 1), a unit's mma in Q4_CHAINS chains. Timings (benchmarks/RESULTS.md, sessions
-// 22-23): faster than the graphs' int4 products on the 1.5B and 8B shapes, 3-4 % slower on
-// the 32B, whose consumers barely keep up with the stream.
+// warp order every Q4_FINISH_EVERY chunks (a barrier of the consumers each time), or at the
+// op's end where the block's tiles all fit Shared.q4red. The host runs int4 with NCW 12 and
+// attention a position a warp at a time (PU 1), a unit's mma in Q4_CHAINS chains, tiles added
+// every 8, 6, 3 or 1 chunks (the most that fits). Timings (benchmarks/RESULTS.md, sessions
+// 22-24): faster than the graphs' int4 products on the 1.5B and 8B shapes, 1-4 % faster on the
+// 32B, whose consumers barely keep up with the stream.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
