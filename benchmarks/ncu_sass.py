@@ -44,6 +44,11 @@ class Table:
     def source(self, row: list[str]) -> str:
         return row[self.col["Source"]].strip()
 
+    def line(self, i: int, width: int = 80) -> str:
+        row = self.rows[i]
+        return f"{i:6d} {self.value(row, SAMPLES):7d} {self.value(row, EXECUTED):10d} " \
+               f"{self.source(row)[:width]}"
+
     def stalls(self, lo: int = 0, hi: int | None = None) -> tuple[int, collections.Counter]:
         total, reasons = 0, collections.Counter()
         for row in self.rows[lo:hi]:
@@ -76,16 +81,13 @@ def main() -> None:
         pat = re.compile(args.grep)
         for i, row in enumerate(t.rows):
             if pat.search(t.source(row)):
-                print(f"{i:6d} {t.value(row, SAMPLES):7d} {t.value(row, EXECUTED):10d} "
-                      f"{t.source(row)[:80]}")
+                print(t.line(i))
     for spec in args.context:
         line, _, n = spec.partition(":")
         line, n = int(line), int(n or 8)
         print(f"-- around {line}")
         for i in range(max(0, line - n), min(len(t.rows), line + n + 1)):
-            row = t.rows[i]
-            print(f"{i:6d} {t.value(row, SAMPLES):7d} {t.value(row, EXECUTED):10d} "
-                  f"{t.source(row)[:90]}")
+            print(t.line(i, 90))
     if args.top:
         print("instructions with the most samples (line, samples, executed, SASS, reasons):")
         order = sorted(range(len(t.rows)), key=lambda i: -t.value(t.rows[i], SAMPLES))

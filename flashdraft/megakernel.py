@@ -266,7 +266,8 @@ class DecodeMegakernel:
         producer warps copy with cp.async, 16 bytes a lane (default, measured faster than one
         warp's bulk copies: benchmarks/RESULTS.md, sessions 18-19), else one bulk copy a chunk;
         producers: producer warps; defines: more of decode_mk.cu's compile-time settings
-        (measurement: TRACE, LLX, PU, ATT_MIN, ...); consumer_warps: default_warps; other
+        (measurement: TRACE, LLX, PU, ATT_MIN, ...; int4 takes Q4_FINISH_EVERY from
+        default_finish_every unless they set it); consumer_warps: default_warps; other
         than 8 for int4 only (more warps multiplying, fewer registers a thread: 12 give 128,
         so attention takes a position a warp at a time unless `defines` set PU)."""
         why = unsupported(model, cache, ring)

@@ -302,12 +302,13 @@ def run_shape_bench(shape: str, dtype: str = "bfloat16", quant: str | None = Non
     if draft and shape in DRAFT_SHAPES:
         dname = DRAFT_SHAPES[shape]
         dcfg = get_shape(dname)
-        dmodel = build_random_model(dcfg, torch_dtype, dev, seed=1)
+        # quantized as the target's, as the engine's draft quantization "auto" does
+        dmodel = build_random_model(dcfg, torch_dtype, dev, seed=1, quant=quant)
         dcache = KVCache.for_model(dcfg, 1, -(-(context + 64) // 256) * 256, torch_dtype, dev)
         dcache.k.normal_()
         dcache.v.normal_()
         drunner = StepRunner(dmodel, dev, enabled=cuda_graphs, compile=False)
-        out["drafter"] = {"shape": dname, "dtype": out["dtype"],
+        out["drafter"] = {"shape": dname, "dtype": out["dtype"], "quant": out["quant"],
                           "step_ms": _time_steps(drunner, dcache, 1, context, dcfg.vocab_size,
                                                  repeats) * 1e3}
         if decode_kernel != "graph":  # auto and megakernel run a draft model's steps through it
@@ -353,7 +354,8 @@ def format_shape_bench(r: dict) -> str:
                         if "verify16_over_step" in m else ""))
     if "drafter" in r:
         d = r["drafter"]
-        lines.append(f"  drafter step ({d['shape']}, {d['dtype']}): {d['step_ms']:.3f} ms"
+        quant = f", {d['quant']}" if d.get("quant", "none") != "none" else ""
+        lines.append(f"  drafter step ({d['shape']}, {d['dtype']}{quant}): {d['step_ms']:.3f} ms"
                      + (f" (graphs); {d['megakernel_step_ms']:.3f} ms through the megakernel"
                         if "megakernel_step_ms" in d else "")
                      + (f"; the megakernel refused it: {d['megakernel_refused']}"

@@ -256,6 +256,11 @@ def test_shape_bench_report_shows_the_megakernel():
     assert format_shape_bench(r).endswith("drafter step (qwen3-0.6b, bfloat16): 0.810 ms; the "
                                           "megakernel refused it: int8 weights\n  note: random "
                                           "weights")
+    # a quantized target's drafter is quantized as it (the engine's draft quantization "auto")
+    r["drafter"] = {"shape": "qwen3-0.6b", "dtype": "bfloat16", "quant": "int4", "step_ms": 0.5,
+                    "megakernel_step_ms": 0.4}
+    assert ("drafter step (qwen3-0.6b, bfloat16, int4): 0.500 ms (graphs); 0.400 ms through "
+            "the megakernel" in format_shape_bench(r))
 
 
 @pytest.mark.gpu
