@@ -183,14 +183,14 @@ def default_ring(cfg, q4: bool = False, warps: int | None = None) -> str:
     return "6x32768" if filled < 0.75 and weights >= 2e9 else "8x24576"
 
 
-def default_finish_every(cfg, ring: str, warps: int | None = None) -> int:
+def default_finish_every(cfg, ring: str, warps: int | None = None, split: bool = False) -> int:
     """int4: chunks between two additions of the tiles they ended (decode_mk.cu's
     Q4_FINISH_EVERY; each addition is a barrier of the block's consumer warps), the most of 8,
     6, 3 and 1 whose tile sums fit beside `ring` in a Hopper block. Session 24, the 32B at
     4x39168: 7.33-7.43 ms a step at 1, 7.14 at 3, 7.02-7.11 at 6, 6.94-6.98 at 8."""
     return next(m for m in (8, 6, 3, 1)
-                if m == 1 or shared_bytes(cfg, ring, q4=True, warps=warps, finish_every=m)
-                <= HOPPER_SHARED)
+                if m == 1 or shared_bytes(cfg, ring, q4=True, warps=warps, finish_every=m,
+                                          split=split) <= HOPPER_SHARED)
 
 
 def _rows_per_chunk(k: int, slot: int) -> int:
@@ -285,7 +285,8 @@ class DecodeMegakernel:
             defines = Q4_MANY_WARPS_DEFINES | (defines or {})
         self.ring = ring or default_ring(cfg, self.q4, consumer_warps)
         if self.q4:
-            every = default_finish_every(cfg, self.ring, consumer_warps)
+            every = default_finish_every(cfg, self.ring, consumer_warps,
+                                         bool((defines or {}).get("Q4_SPLIT")))
             defines = {"Q4_FINISH_EVERY": every} | (defines or {})
         slots, slot = _ring(self.ring)
         probes = set(filter(None, probe.split(",")))

@@ -304,26 +304,28 @@ __device__ __forceinline__ void rows_of(int n, int j, int b, int G, int& r0, int
 // holds whole. A and B come first, so that their sums are exchanged early in the op while the
 // weights stream on (exchanged at the op's end, they cost 4-5 us an op: 56abf99).
 struct Q4Share {
-    int u0, u1, t0, t1;
+    int vb, u0, u1, t0, t1;  // vb: the block's place in the op's rotated order
     int a_end, b_start;  // runs A [u0, a_end), B [b_start, u1), C [a_end, b_start)
     int cha, chb, chunks;  // chunks of A, of A and B, of all three (a run's chunks its own)
 };
-
-__device__ __forceinline__ void units_of(int n, int j, int b, int G, int& u0, int& u1) {
-    const int base = n / G, rem = n % G;
-    const int vb = (b + j * 53) % G;  // rotated by op as rows_of rotates rows
-    u0 = vb * base + min(vb, rem);
-    u1 = u0 + base + (vb < rem ? 1 : 0);
-}
 
 __device__ __forceinline__ int unit_owner(int u, int n, int G) {  // the (rotated) block of unit u
     const int base = n / G, rem = n % G, big = rem * (base + 1);
     return u < big ? u / (base + 1) : rem + (u - big) / base;
 }
 
+// The (rotated) blocks vf .. vl whose shares hold units of tile T (ng units a tile).
+__device__ __forceinline__ void tile_owners(int T, int ng, int n, int G, int& vf, int& vl) {
+    vf = unit_owner(T * ng, n, G);
+    vl = unit_owner(min(T * ng + ng, n) - 1, n, G);
+}
+
 __device__ __forceinline__ Q4Share q4_share(int n, int ng, int j, int b, int G) {
     Q4Share s;
-    units_of(n, j, b, G, s.u0, s.u1);
+    const int base = n / G, rem = n % G;
+    s.vb = (b + j * 53) % G;  // rotated by op as rows_of rotates rows
+    s.u0 = s.vb * base + min(s.vb, rem);
+    s.u1 = s.u0 + base + (s.vb < rem ? 1 : 0);
     s.t0 = s.u0 / ng;
     s.t1 = s.u1 > s.u0 ? (s.u1 + ng - 1) / ng : s.t0;
     s.a_end = s.u0 % ng ? min((s.t0 + 1) * ng, s.u1) : s.u0;
@@ -963,8 +965,8 @@ __device__ __forceinline__ void q4_finish(const Args& a, Shared& s, int t0, int 
 // tile's first block and cleared by the last) adds every block's sums in block order and
 // finishes it. One barrier, one thread's release, one barrier: no thread fences.
 template <int KIND, int NG>
-__device__ void q4_exchange(const Args& a, Shared& s, const Q4Share& sh, int n, int vb,
-                            float& best_v, int& best_i) {
+__device__ void q4_exchange(const Args& a, Shared& s, const Q4Share& sh, int n, float& best_v,
+                            int& best_i) {
     constexpr int PER = KIND == OP_GU ? 8 : 16;
     const int G = gridDim.x, t0 = sh.t0;
     const int tla = sh.cha > 0 ? 0 : -1, tlb = sh.chb > sh.cha ? sh.t1 - t0 - 1 : -1;
@@ -973,7 +975,7 @@ __device__ void q4_exchange(const Args& a, Shared& s, const Q4Share& sh, int n, 
         if (tl < 0) continue;
         float y, up;
         q4_tile_sum<KIND>(s, which ? RT - 1 : 0, f, y, up);  // run B's tile: the last slot
-        float* part = a.part + (2 * vb + which) * 16;
+        float* part = a.part + (2 * sh.vb + which) * 16;
         part[f] = y;
         if (KIND == OP_GU) part[f + 8] = up;
     }
@@ -982,8 +984,8 @@ __device__ void q4_exchange(const Args& a, Shared& s, const Q4Share& sh, int n, 
         const int tl = threadIdx.x ? tlb : tla;
         int last = 0;
         if (tl >= 0) {
-            const int T = t0 + tl;
-            const int vf = unit_owner(T * NG, n, G), vl = unit_owner(min(T * NG + NG, n) - 1, n, G);
+            int vf, vl;
+            tile_owners(t0 + tl, NG, n, G, vf, vl);
             u32* cnt = a.counters + NOPS + NKV + vf;
             last = atom_add_acq_rel(cnt) == (u32)(vl - vf);
             if (last) *cnt = 0u;  // its next use follows the op's grid-wide wait
@@ -996,9 +998,10 @@ __device__ void q4_exchange(const Args& a, Shared& s, const Q4Share& sh, int n, 
         const int which = idx / PER, f = idx % PER;
         if (!s.q4last[which]) continue;
         const int tl = which ? tlb : tla, T = t0 + tl;
+        int vf, vl;
+        tile_owners(T, NG, n, G, vf, vl);
         float y = 0.f, up = 0.f;
-        for (int v = unit_owner(T * NG, n, G); v <= unit_owner(min(T * NG + NG, n) - 1, n, G);
-             v++) {
+        for (int v = vf; v <= vl; v++) {
             const int v0 = v * base + min(v, rem);  // v's first unit: T is its A where it
             const int w = v0 % NG && v0 / NG == T ? 0 : 1;  // starts inside T, else its B
             y += ld_cgf(a.part + (2 * v + w) * 16 + f);
@@ -1115,6 +1118,7 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
     const int t_end = t1 - t0 - (sh.chb > sh.cha ? 1 : 0);  // C's tiles: [done, t_end)
 #else
     const int units = (t1 - t0) * NG, chunks = (units + CU - 1) / CU;
+    const int t_end = t1 - t0;
 #endif
     if (chunks == 0) TR(j, 2);  // a block without tiles of this op (the timeline's "first chunk")
     float acc0 = 0.f, acc1 = 0.f;  // features g and g + 8 of the warp's tile
@@ -1145,14 +1149,13 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
             const float s0 = lo_f32(sc.x), s1 = lo_f32(sc.y), sxg = s.sx[gr];
             acc0 = fmaf(fmaf(-136.f, s0, hi_f32(sc.x)), sxg, fmaf(s0, d[0], acc0));
             acc1 = fmaf(fmaf(-136.f, s1, hi_f32(sc.y)), sxg, fmaf(s1, d[2], acc1));
+            // the warp's last unit of the tile (Q4_SPLIT: or of a run; run B's tile waits in
+            // the last slot, beside run A's in slot 0)
 #if Q4_SPLIT
-            if (u + NCW >= (tl + 1) * NG || u + NCW >= run_end) {  // the warp's last unit of
-#else                                                               // the tile (or of a run)
-            if (u + NCW >= (tl + 1) * NG) {  // the warp's last unit of the tile
-#endif
-#if Q4_SPLIT  // run B's tile in the last slot: run A's, in slot 0, waits beside it
+            if (u + NCW >= (tl + 1) * NG || u + NCW >= run_end) {
                 const int slot = i >= sh.cha && i < sh.chb ? RT - 1 : tl % RT;
 #else
+            if (u + NCW >= (tl + 1) * NG) {
                 const int slot = tl % RT;
 #endif
                 if (t == 0) {
@@ -1169,7 +1172,7 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
 #if Q4_SPLIT
         if (i + 1 == sh.chb) {  // runs A and B done: the shared tiles exchanged
             consumer_sync();
-            q4_exchange<KIND, NG>(a, s, sh, n / 16 * NG, (b + j * 53) % G, best_v, best_i);
+            q4_exchange<KIND, NG>(a, s, sh, n / 16 * NG, best_v, best_i);
         }
         const int ended = i < sh.chb ? done : (u0 + nu) / NG;
 #else
@@ -1181,9 +1184,6 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
             done = ended;
         }
     }
-#if !Q4_SPLIT
-    const int t_end = t1 - t0;
-#endif
     if (done < t_end) {
         consumer_sync();
         q4_finish<KIND>(a, s, t0, done, t_end, best_v, best_i);
