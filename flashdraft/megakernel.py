@@ -124,8 +124,7 @@ def _why_not_int4(model: Transformer, sms: int) -> str | None:
            for lin in (block.attn.wo, block.mlp.w_gate_up, block.mlp.w_down, model.lm_head)):
         return "int4: only the q/k/v product may have a bias"
     qkv = cfg.num_heads * cfg.head_dim + 2 * cfg.num_kv_heads * cfg.head_dim
-    # whole tiles, and one more where a block's share starts inside a tile (Q4_SPLIT)
-    rows = 16 * (max(-(-(n // 16) // sms) for n in (qkv, cfg.hidden_size)) + 1)
+    rows = 16 * max(-(-(n // 16) // sms) for n in (qkv, cfg.hidden_size))  # whole tiles
     if rows > SIDE_MAX:
         return f"int4: {rows} rows of a bias or residual a block (at most {SIDE_MAX})"
     return None
@@ -183,14 +182,14 @@ def default_ring(cfg, q4: bool = False, warps: int | None = None) -> str:
     return "6x32768" if filled < 0.75 and weights >= 2e9 else "8x24576"
 
 
-def default_finish_every(cfg, ring: str, warps: int | None = None, split: bool = False) -> int:
+def default_finish_every(cfg, ring: str, warps: int | None = None) -> int:
     """int4: chunks between two additions of the tiles they ended (decode_mk.cu's
     Q4_FINISH_EVERY; each addition is a barrier of the block's consumer warps), the most of 8,
     6, 3 and 1 whose tile sums fit beside `ring` in a Hopper block. Session 24, the 32B at
     4x39168: 7.33-7.43 ms a step at 1, 7.14 at 3, 7.02-7.11 at 6, 6.94-6.98 at 8."""
     return next(m for m in (8, 6, 3, 1)
-                if m == 1 or shared_bytes(cfg, ring, q4=True, warps=warps, finish_every=m,
-                                          split=split) <= HOPPER_SHARED)
+                if m == 1 or shared_bytes(cfg, ring, q4=True, warps=warps, finish_every=m)
+                <= HOPPER_SHARED)
 
 
 def _rows_per_chunk(k: int, slot: int) -> int:
@@ -204,7 +203,7 @@ def _device_index(device: torch.device) -> int:
 
 
 def shared_bytes(cfg, ring: str, llx: bool = False, q4: bool = False,
-                 warps: int | None = None, finish_every: int = 1, split: bool = False) -> int:
+                 warps: int | None = None, finish_every: int = 1) -> int:
     """Dynamic shared memory a block of the kernel takes: the ring, then decode_mk.cu's Shared
     (mbarriers, sums; with LLX, x as polled and the rows going out; with Q4, the tiles' warp
     sums, x's group sums and the side rows), whose attention state shares its space with Q4's
@@ -220,7 +219,7 @@ def shared_bytes(cfg, ring: str, llx: bool = False, q4: bool = False,
         units = slot // Q4_UNIT
         tiles = 2 * (finish_every * units // (min(h, qd, inter) // 128)) + 4  # decode_mk.cu's RT
         struct += (4 * tiles * warps * 16 + 4 * max(h, qd, inter) // 128
-                   + 2 * SIDE_MAX + 16 + (8 if split else 0))  # Q4_SPLIT: q4last
+                   + 2 * SIDE_MAX + 16)
         attention = max(attention, 2 * max(h, qd, inter))
     return slots * slot + struct + attention + 128
 
@@ -285,8 +284,7 @@ class DecodeMegakernel:
             defines = Q4_MANY_WARPS_DEFINES | (defines or {})
         self.ring = ring or default_ring(cfg, self.q4, consumer_warps)
         if self.q4:
-            every = default_finish_every(cfg, self.ring, consumer_warps,
-                                         bool((defines or {}).get("Q4_SPLIT")))
+            every = default_finish_every(cfg, self.ring, consumer_warps)
             defines = {"Q4_FINISH_EVERY": every} | (defines or {})
         slots, slot = _ring(self.ring)
         probes = set(filter(None, probe.split(",")))
@@ -318,9 +316,7 @@ class DecodeMegakernel:
                                 dtype=torch.float32, device=dev)
         self.logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=dev)
         self.best = torch.zeros(2 * self.sms, dtype=torch.float32, device=dev)
-        # the ops', the kv heads' and (Q4_SPLIT) a shared tile's a block
-        self.counters = torch.zeros(_nops(cfg) + cfg.num_kv_heads + self.sms, dtype=torch.int32,
-                                    device=dev)
+        self.counters = torch.zeros(_nops(cfg) + cfg.num_kv_heads, dtype=torch.int32, device=dev)
         self.error = torch.zeros(1, dtype=torch.int32, device=dev)
         # TRACE (measurement): the global timer at each op's wait, start and end, a block
         self.trace = (torch.zeros(self.sms * _nops(cfg) * (TRACE_CONSUMER + TRACE_PRODUCER),
@@ -357,8 +353,7 @@ class DecodeMegakernel:
                              f"takes rows in chunks of 8 warps), or 1 to 16 for int4")
         self.consumer_warps = consumer_warps
         self.shared = shared_bytes(cfg, self.ring, llx, self.q4, consumer_warps,
-                                   self.defines.get("Q4_FINISH_EVERY", 1),
-                                   bool(self.defines.get("Q4_SPLIT")))
+                                   self.defines.get("Q4_FINISH_EVERY", 1))
         limit = mma._shared_limit(self.fn_device)
         if self.shared > limit:  # LLX's bytes (unsupported() checks the rest)
             raise ValueError(f"the megakernel needs {self.shared} bytes of shared memory a block, "

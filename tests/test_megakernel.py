@@ -143,21 +143,6 @@ def test_int4_megakernel_matches_the_model(shape, prompt, warps, monkeypatch):
     assert built[0].defines.get("PU") == (1 if warps == 12 else None)  # attention in 128 regs
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", list(Q4_SHAPES))
-@pytest.mark.parametrize("prompt", [5, 700])
-def test_int4_megakernel_with_units_split_over_blocks_matches_the_model(shape, prompt,
-                                                                        monkeypatch):
-    # Q4_SPLIT: these shapes have fewer tiles than the GPU has blocks, so nearly every tile's
-    # groups span blocks and are added by the exchange
-    from flashdraft.megakernel import DecodeMegakernel
-    torch.manual_seed(0)
-    model = _int4_model(Q4_SHAPES[shape], monkeypatch)
-    compared = _follow_the_model(model, prompt, lambda cache: DecodeMegakernel(
-        model, cache, defines={"Q4_SPLIT": 1}))
-    assert compared >= 12
-
-
 def test_more_consumer_warps_take_more_shared_memory_and_still_fit_the_32b():
     from flashdraft.megakernel import HOPPER_SHARED, shared_bytes
     from flashdraft.shapes import get_shape

@@ -291,69 +291,6 @@ __device__ __forceinline__ void rows_of(int n, int j, int b, int G, int& r0, int
     if (pairs) { r0 *= 2; r1 *= 2; }
 }
 
-#ifndef Q4_SPLIT
-#define Q4_SPLIT 0  // Q4, 1: an op's (tile, group) units split evenly over the blocks, a tile's
-                    // groups then spanning blocks, their sums exchanged (q4_exchange); 0: whole
-                    // tiles a block (2 or 3 of the 32B's 320 rows of tiles for O and DOWN)
-#endif
-
-#if Q4 && Q4_SPLIT
-// A block's units of an op and the order it takes them, for the producer and the consumers
-// alike: an even share [u0, u1) of the op's n units (tiles [t0, t1)), in three runs: A, the
-// part of its first tile that other blocks share; B, the part of its last tile; C, the tiles it
-// holds whole. A and B come first, so that their sums are exchanged early in the op while the
-// weights stream on (exchanged at the op's end, they cost 4-5 us an op: 56abf99).
-struct Q4Share {
-    int vb, u0, u1, t0, t1;  // vb: the block's place in the op's rotated order
-    int a_end, b_start;  // runs A [u0, a_end), B [b_start, u1), C [a_end, b_start)
-    int cha, chb, chunks;  // chunks of A, of A and B, of all three (a run's chunks its own)
-};
-
-__device__ __forceinline__ int unit_owner(int u, int n, int G) {  // the (rotated) block of unit u
-    const int base = n / G, rem = n % G, big = rem * (base + 1);
-    return u < big ? u / (base + 1) : rem + (u - big) / base;
-}
-
-// The (rotated) blocks vf .. vl whose shares hold units of tile T (ng units a tile).
-__device__ __forceinline__ void tile_owners(int T, int ng, int n, int G, int& vf, int& vl) {
-    vf = unit_owner(T * ng, n, G);
-    vl = unit_owner(min(T * ng + ng, n) - 1, n, G);
-}
-
-__device__ __forceinline__ Q4Share q4_share(int n, int ng, int j, int b, int G) {
-    Q4Share s;
-    const int base = n / G, rem = n % G;
-    s.vb = (b + j * 53) % G;  // rotated by op as rows_of rotates rows
-    s.u0 = s.vb * base + min(s.vb, rem);
-    s.u1 = s.u0 + base + (s.vb < rem ? 1 : 0);
-    s.t0 = s.u0 / ng;
-    s.t1 = s.u1 > s.u0 ? (s.u1 + ng - 1) / ng : s.t0;
-    s.a_end = s.u0 % ng ? min((s.t0 + 1) * ng, s.u1) : s.u0;
-    s.b_start = s.u1 % ng && s.u1 > s.a_end ? max(s.u1 / ng * ng, s.a_end) : s.u1;
-    s.cha = (s.a_end - s.u0 + CU - 1) / CU;
-    s.chb = s.cha + (s.u1 - s.b_start + CU - 1) / CU;
-    s.chunks = s.chb + (s.b_start - s.a_end + CU - 1) / CU;
-    return s;
-}
-
-// Chunk i of a block's share: its first unit (of the op's), its units nu, the end of its run.
-__device__ __forceinline__ int q4_chunk(const Q4Share& s, int i, int& nu, int& run_end) {
-    int start;
-    if (i < s.cha) {
-        start = s.u0 + i * CU;
-        run_end = s.a_end;
-    } else if (i < s.chb) {
-        start = s.b_start + (i - s.cha) * CU;
-        run_end = s.u1;
-    } else {
-        start = s.a_end + (i - s.chb) * CU;
-        run_end = s.b_start;
-    }
-    nu = min(CU, run_end - start);
-    return start;
-}
-#endif
-
 // Rows a chunk of a matrix with k columns: the largest power of two up to 16 that fits a slot.
 __host__ __device__ constexpr int rows_per_chunk(int k) {
     return 2 * k * 16 <= SLOT ? 16 : 2 * k * 8 <= SLOT ? 8 : 2 * k * 4 <= SLOT ? 4
@@ -403,17 +340,9 @@ __device__ __forceinline__ bool next_chunk(const Args& a, Cursor& c, int b, int 
         const unsigned char *w, *sz;
         op_matrix(a, c.layer, op, n, k, j, w, sz);
         int total, r = 1, r0, r1;
-#if Q4 && Q4_SPLIT
-        Q4Share sh;
-#endif
         if (Q4) {  // CU units a chunk of the block's tiles
-#if Q4 && Q4_SPLIT
-            sh = q4_share(n / 16 * (k / 128), k / 128, j, b, G);
-            total = sh.chunks;
-#else
             rows_of(n / 16, j, b, G, r0, r1);
             total = ((r1 - r0) * (k / 128) + CU - 1) / CU;
-#endif
         } else {  // r whole rows a chunk; GU: a chunk of gate rows, then the same of up rows
             r = rows_per_chunk(k);
             rows_of(n, j, b, G, r0, r1);
@@ -422,15 +351,9 @@ __device__ __forceinline__ bool next_chunk(const Args& a, Cursor& c, int b, int 
         }
         if (c.i < total) {
             if (Q4) {
-#if Q4 && Q4_SPLIT
-                int nu_, end_;
-                const size_t at = (size_t)q4_chunk(sh, c.i, nu_, end_);
-                const u32 nu = (u32)nu_;
-#else
                 const int units = (r1 - r0) * (k / 128), u = c.i * CU;
                 const size_t at = (size_t)r0 * (k / 128) + u;
                 const u32 nu = (u32)min(CU, units - u);
-#endif
                 out.src = w + at * 1024;
                 out.bytes = nu * 1024;
                 out.src2 = sz + at * 64;
@@ -477,9 +400,6 @@ struct Shared {
     int best_i[NCW];
 #if Q4
     float q4red[RT][NCW][16];     // a tile's sums a warp, until the tile's warps are added
-#if Q4_SPLIT
-    int q4last[2];                // the block was the last to add to its shared tiles A, B
-#endif
     float sx[KMAX / 128];         // the op's group sums of x (float32, taken while staging x)
     __align__(16) u16 side[SIDE_MAX];  // the block's rows of the bias or the residual
 #endif
@@ -910,107 +830,38 @@ __device__ __forceinline__ void q4_unit(const u16* xq, int gr, const unsigned ch
     }
 }
 
-// A tile's output f from the warps' sums in s.q4red[slot]: added in warp order and zeroed
-// behind (a warp without a unit of the tile, fewer groups than warps, leaves its zero); GU:
-// the gate in y, the up in up.
-template <int KIND>
-__device__ __forceinline__ void q4_tile_sum(Shared& s, int slot, int f, float& y, float& up) {
-    float* red = &s.q4red[slot][0][0];
-    y = up = 0.f;
-#pragma unroll
-    for (int w = 0; w < NCW; w++) {
-        y += red[16 * w + f];
-        red[16 * w + f] = 0.f;
-        if (KIND == OP_GU) { up += red[16 * w + f + 8]; red[16 * w + f + 8] = 0.f; }
-    }
-}
-
-// A tile's output f (GU: of the gate and the up) from its sums: the op's epilogue (QKV: + bias;
-// O, DOWN: + residual into x; GU: SiLU(gate) up; HEAD: the logit, and the thread's best so far).
-template <int KIND>
-__device__ __forceinline__ void q4_out(const Args& a, const Shared& s, int t0, int tl, int f,
-                                       float y, float up, float& best_v, int& best_i) {
-    const int row = (t0 + tl) * 16 + f;  // the output feature (GU: stored order)
-    if (KIND == OP_QKV) {
-        a.qkv[row] = to_bf16(QKV_BIAS ? y + bf(s.side[tl * 16 + f]) : y);
-    } else if (KIND == OP_O || KIND == OP_DOWN) {
-        a.x[row] = to_bf16(bf(s.side[tl * 16 + f]) + round_bf16(y));
-    } else if (KIND == OP_GU) {
-        a.hbuf[(t0 + tl) * 8 + f] = to_bf16(y / (1.f + __expf(-y)) * up);
-    } else {
-        const float v = round_bf16(y);
-        a.logits[row] = v;
-        if (v > best_v || (v == best_v && row < best_i)) { best_v = v; best_i = row; }
-    }
-}
-
-// The ends of tiles [t_lo, t_hi) of the block's (its first: t0).
+// The ends of tiles [t_lo, t_hi) of the block's (its first: t0): each tile's warps added in
+// order, then the op's epilogue (QKV: + bias; O, DOWN: + residual into x; GU: SiLU(gate) up;
+// HEAD: the logit, and the thread's best so far).
 template <int KIND>
 __device__ __forceinline__ void q4_finish(const Args& a, Shared& s, int t0, int t_lo, int t_hi,
                                           float& best_v, int& best_i) {
     constexpr int PER = KIND == OP_GU ? 8 : 16;  // outputs a tile
     for (int idx = threadIdx.x; idx < (t_hi - t_lo) * PER; idx += CT) {
         const int tl = t_lo + idx / PER, f = idx % PER;
-        float y, up;
-        q4_tile_sum<KIND>(s, tl % RT, f, y, up);
-        q4_out<KIND>(a, s, t0, tl, f, y, up, best_v, best_i);
+        float* red = &s.q4red[tl % RT][0][0];
+        float y = 0.f, up = 0.f;
+#pragma unroll
+        for (int w = 0; w < NCW; w++) {  // zeroed behind: a warp without a unit of a tile
+            y += red[16 * w + f];         // (fewer groups than warps) leaves its zero
+            red[16 * w + f] = 0.f;
+            if (KIND == OP_GU) { up += red[16 * w + f + 8]; red[16 * w + f + 8] = 0.f; }
+        }
+        const int row = (t0 + tl) * 16 + f;  // the output feature (GU: stored order)
+        if (KIND == OP_QKV) {
+            a.qkv[row] = to_bf16(QKV_BIAS ? y + bf(s.side[tl * 16 + f]) : y);
+        } else if (KIND == OP_O || KIND == OP_DOWN) {
+            a.x[row] = to_bf16(bf(s.side[tl * 16 + f]) + round_bf16(y));
+        } else if (KIND == OP_GU) {
+            a.hbuf[(t0 + tl) * 8 + f] = to_bf16(y / (1.f + __expf(-y)) * up);
+        } else {
+            const float v = round_bf16(y);
+            a.logits[row] = v;
+            if (v > best_v || (v == best_v && row < best_i)) { best_v = v; best_i = row; }
+        }
     }
     __syncwarp();
 }
-
-#if Q4_SPLIT
-// Q4_SPLIT, once runs A and B are done: the block's sums of its shared tiles (A: its first, B:
-// its last) go to a.part (attention's partials, idle during a product) at [vb][A or B], and the
-// last block to arrive at a tile (a counter a tile, after the others' NOPS + NKV, kept by the
-// tile's first block and cleared by the last) adds every block's sums in block order and
-// finishes it. One barrier, one thread's release, one barrier: no thread fences.
-template <int KIND, int NG>
-__device__ void q4_exchange(const Args& a, Shared& s, const Q4Share& sh, int n, float& best_v,
-                            int& best_i) {
-    constexpr int PER = KIND == OP_GU ? 8 : 16;
-    const int G = gridDim.x, t0 = sh.t0;
-    const int tla = sh.cha > 0 ? 0 : -1, tlb = sh.chb > sh.cha ? sh.t1 - t0 - 1 : -1;
-    for (int idx = threadIdx.x; idx < 2 * PER; idx += CT) {
-        const int which = idx / PER, f = idx % PER, tl = which ? tlb : tla;
-        if (tl < 0) continue;
-        float y, up;
-        q4_tile_sum<KIND>(s, which ? RT - 1 : 0, f, y, up);  // run B's tile: the last slot
-        float* part = a.part + (2 * sh.vb + which) * 16;
-        part[f] = y;
-        if (KIND == OP_GU) part[f + 8] = up;
-    }
-    consumer_sync();
-    if (threadIdx.x < 2) {
-        const int tl = threadIdx.x ? tlb : tla;
-        int last = 0;
-        if (tl >= 0) {
-            int vf, vl;
-            tile_owners(t0 + tl, NG, n, G, vf, vl);
-            u32* cnt = a.counters + NOPS + NKV + vf;
-            last = atom_add_acq_rel(cnt) == (u32)(vl - vf);
-            if (last) *cnt = 0u;  // its next use follows the op's grid-wide wait
-        }
-        s.q4last[threadIdx.x] = last;
-    }
-    consumer_sync();
-    const int base = n / G, rem = n % G;
-    for (int idx = threadIdx.x; idx < 2 * PER; idx += CT) {
-        const int which = idx / PER, f = idx % PER;
-        if (!s.q4last[which]) continue;
-        const int tl = which ? tlb : tla, T = t0 + tl;
-        int vf, vl;
-        tile_owners(T, NG, n, G, vf, vl);
-        float y = 0.f, up = 0.f;
-        for (int v = vf; v <= vl; v++) {
-            const int v0 = v * base + min(v, rem);  // v's first unit: T is its A where it
-            const int w = v0 % NG && v0 / NG == T ? 0 : 1;  // starts inside T, else its B
-            y += ld_cgf(a.part + (2 * v + w) * 16 + f);
-            if (KIND == OP_GU) up += ld_cgf(a.part + (2 * v + w) * 16 + f + 8);
-        }
-        q4_out<KIND>(a, s, t0, tl, f, y, up, best_v, best_i);
-    }
-}
-#endif
 
 // Q4: the op's x into s.u.xq (NORM: bf16(x r g), as the model's norm kernel rounds it), the
 // block's side rows (bias, residual) of tiles [t0, t1) into s.side, and each group's sum of x
@@ -1105,37 +956,16 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
     int n, k, j;
     const unsigned char *wq, *wsz;
     op_matrix(a, layer, KIND == OP_HEAD ? 4 : KIND == OP_QKV ? 0 : KIND - 1, n, k, j, wq, wsz);
-#if Q4_SPLIT  // units u from the start of the block's first tile t0, in runs A, B, C
-    const Q4Share sh = q4_share(n / 16 * NG, NG, j, b, G);
-    const int t0 = sh.t0, t1 = sh.t1;
-#else
     int t0, t1;
     rows_of(n / 16, j, b, G, t0, t1);
-#endif
     q4_stage<K, KIND>(a, s, layer, t0, t1);
-#if Q4_SPLIT
-    const int chunks = sh.chunks;
-    const int t_end = t1 - t0 - (sh.chb > sh.cha ? 1 : 0);  // C's tiles: [done, t_end)
-#else
     const int units = (t1 - t0) * NG, chunks = (units + CU - 1) / CU;
-    const int t_end = t1 - t0;
-#endif
     if (chunks == 0) TR(j, 2);  // a block without tiles of this op (the timeline's "first chunk")
     float acc0 = 0.f, acc1 = 0.f;  // features g and g + 8 of the warp's tile
     float best_v = -3.0e38f;
-#if Q4_SPLIT
-    int best_i = 0x7fffffff, done = sh.cha > 0 ? 1 : 0;
-#else
     int best_i = 0x7fffffff, done = 0;
-#endif
     for (int i = 0; i < chunks; i++, c++) {
-#if Q4_SPLIT
-        int nu, run_end;
-        const int u0 = q4_chunk(sh, i, nu, run_end) - t0 * NG;
-        run_end -= t0 * NG;
-#else
         const int u0 = i * CU, nu = min(CU, units - u0);
-#endif
         mbar_wait(&s.full[c % NS], (c / NS) & 1);
         if (i == 0) TR(j, 2);
         const unsigned char* slot = slot_ptr(ring, c);
@@ -1149,18 +979,10 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
             const float s0 = lo_f32(sc.x), s1 = lo_f32(sc.y), sxg = s.sx[gr];
             acc0 = fmaf(fmaf(-136.f, s0, hi_f32(sc.x)), sxg, fmaf(s0, d[0], acc0));
             acc1 = fmaf(fmaf(-136.f, s1, hi_f32(sc.y)), sxg, fmaf(s1, d[2], acc1));
-            // the warp's last unit of the tile (Q4_SPLIT: or of a run; run B's tile waits in
-            // the last slot, beside run A's in slot 0)
-#if Q4_SPLIT
-            if (u + NCW >= (tl + 1) * NG || u + NCW >= run_end) {
-                const int slot = i >= sh.cha && i < sh.chb ? RT - 1 : tl % RT;
-#else
-            if (u + NCW >= (tl + 1) * NG) {
-                const int slot = tl % RT;
-#endif
+            if (u + NCW >= (tl + 1) * NG) {  // the warp's last unit of the tile
                 if (t == 0) {
-                    s.q4red[slot][warp][g] = acc0;
-                    s.q4red[slot][warp][g + 8] = acc1;
+                    s.q4red[tl % RT][warp][g] = acc0;
+                    s.q4red[tl % RT][warp][g + 8] = acc1;
                 }
                 acc0 = acc1 = 0.f;
             }
@@ -1169,24 +991,16 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
         if (lane == 0) mbar_arrive(&s.empty[c % NS]);
         // tiles whose every unit is done after this chunk: added every Q4_FINISH_EVERY
         // chunks, unless the block's tiles all fit Shared.q4red (then once at the end)
-#if Q4_SPLIT
-        if (i + 1 == sh.chb) {  // runs A and B done: the shared tiles exchanged
-            consumer_sync();
-            q4_exchange<KIND, NG>(a, s, sh, n / 16 * NG, best_v, best_i);
-        }
-        const int ended = i < sh.chb ? done : (u0 + nu) / NG;
-#else
         const int ended = (u0 + nu) / NG;
-#endif
         if (t1 - t0 > RT && ended > done && (i + 1) % Q4_FINISH_EVERY == 0) {
             consumer_sync();
             q4_finish<KIND>(a, s, t0, done, ended, best_v, best_i);
             done = ended;
         }
     }
-    if (done < t_end) {
+    if (done < t1 - t0) {
         consumer_sync();
-        q4_finish<KIND>(a, s, t0, done, t_end, best_v, best_i);
+        q4_finish<KIND>(a, s, t0, done, t1 - t0, best_v, best_i);
     }
     if (KIND == OP_HEAD) {  // the block's best logit (ties: the lower id)
 #pragma unroll
