@@ -417,7 +417,8 @@ class DecodeMegakernel:
         """TRACE: where the last step's time went, in microseconds, averaged over layers (and
         blocks where it says so). For each op kind: `wait` (a block's wait for the op before,
         mean), `latency` (the last block's end of the op before to the first block's end of
-        the wait), `to_first` (end of the wait to the first weight chunk in shared memory),
+        the wait), `to_first` (end of the wait to the first weight chunk in shared memory;
+        int4: `stage_load` and `stage`, from the wait's end until x is loaded and staged),
         `run` (first chunk to the op's end), `spread` (the op's last end minus its first end
         over blocks), `producer_lead` (the producer's first copy of the op before the block's
         wait ended: positive when the ring was ahead). Plus the step's span."""
@@ -445,6 +446,10 @@ class DecodeMegakernel:
                  "end_to_end": (c[:, :, 3].max(0).values - prev_end).mean().item() / 1e3}
             if op != 1:
                 r["to_first"] = (c[:, :, 2] - c[:, :, 1]).mean().item() / 1e3
+                for part, k in (("stage", 4), ("stage_load", 5)):  # int4: x staged, loaded
+                    m = recorded[:, js, k]
+                    if m.any():
+                        r[part] = ((c[:, :, k] - c[:, :, 1])[m]).mean().item() / 1e3
                 r["run"] = (c[:, :, 3] - c[:, :, 2]).mean().item() / 1e3
                 p = prod[:, js]
                 r["producer_lead"] = (c[:, :, 1] - p[:, :, 0]).mean().item() / 1e3

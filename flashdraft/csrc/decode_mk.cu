@@ -125,6 +125,12 @@ struct __align__(16) u32x4 { u32 x, y, z, w; };
 #ifndef NOWAIT
 #define NOWAIT 0  // measurement only, wrong output: no op waits for the one before
 #endif
+#ifndef STAGE_LD
+#define STAGE_LD 0  // Q4: 1: an op's x (and bias or residual rows) staged through registers
+#endif                // (ld.global.cg, st.shared) instead of cp.async
+#ifndef EARLY
+#define EARLY 0  // Q4: 1: an op asks for what does not depend on the op before before its wait
+#endif
 #ifndef Q4
 #define Q4 0  // 1: int4 weights in flashdraft.mma's layout (see above); 0: bfloat16, norms folded
 #endif
@@ -234,7 +240,8 @@ __device__ __forceinline__ u64 gtime() {
 }
 // TRACE: consumer time k of op j (0 wait began, 1 wait ended, 2 first chunk in / partials
 // written, 3 op ended; attention: 4 its loads in, 5 its counter back, 6 the splits' max and
-// sum in, 7 merged); producer time k of op j (0 first chunk issued, 1 last chunk issued)
+// sum in, 7 merged; Q4 products: 4 x staged, 5 x loaded); producer time k of op j (0 first
+// chunk issued, 1 last chunk issued)
 #define TR(j, k) do { if (TRACE && threadIdx.x == 0) \
     a.trace[((size_t)blockIdx.x * NOPS + (j)) * 8 + (k)] = gtime(); } while (0)
 #define TRP(j, k) do { if (TRACE) a.trace[(size_t)gridDim.x * NOPS * 8 + \
@@ -520,7 +527,7 @@ __device__ __forceinline__ void block_best(const Args& a, Shared& s, int b, floa
 // lane's registers), with the op's epilogue. c: the consumers' chunk count (the slot sequence).
 template <int K, int KIND>
 __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int layer,
-                          int b, int G, u32 step) {
+                          int b, int G, u32 step, int wait_j) {
     constexpr int R = rows_per_chunk(K);
     constexpr int WPR = R >= NCW ? 1 : NCW / R;   // warps a row
     constexpr int RPW = R >= NCW ? R / NCW : 1;   // rows a warp a chunk
@@ -534,6 +541,7 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int seg = warp % WPR, wrow = warp / WPR;
     const int v_end = min(NVEC, (seg + 1) * VS);
+    if (wait_j >= 0) wait_op(a, wait_j, G);
     const long long tok = *a.token;
 
     const u16* src;
@@ -866,22 +874,23 @@ __device__ __forceinline__ void q4_finish(const Args& a, Shared& s, int t0, int 
 // Q4: the op's x into s.u.xq (NORM: bf16(x r g), as the model's norm kernel rounds it), the
 // block's side rows (bias, residual) of tiles [t0, t1) into s.side, and each group's sum of x
 // into s.sx; one round trip to the L2 for all of it.
+// wait_j: the op to wait for first (-1: none); EARLY: what does not depend on it (the token,
+// the norm's weights, the bias, O's residual: x of the layer before) is asked for before.
 template <int K, int KIND>
-__device__ __forceinline__ void q4_stage(const Args& a, Shared& s, int layer, int t0, int t1) {
+__device__ __forceinline__ void q4_stage(const Args& a, Shared& s, int layer, int t0, int t1,
+                                         int wait_j, int G) {
     constexpr bool NORM = KIND == OP_QKV || KIND == OP_GU || KIND == OP_HEAD;
     constexpr int NP = (K / 8 + CT - 1) / CT;  // 16-byte pieces of x a thread
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const long long tok = *a.token;
+    if (!EARLY && wait_j >= 0) wait_op(a, wait_j, G);
+    const long long tok = EARLY && layer > 0 ? 0 : *a.token;  // read at layer 0 only
     const u16* src = KIND == OP_O ? a.att : KIND == OP_DOWN ? a.hbuf
                    : (layer == 0 && KIND == OP_QKV) ? a.embed + (size_t)tok * H : a.x;
-    for (int i = threadIdx.x; i < K / 8; i += CT) cp_async16(s.u.xq + 8 * i, src + 8 * i);
     const u64* tb = a.table + TBL * layer;
     const u16* side = KIND == OP_QKV ? (QKV_BIAS ? (const u16*)tb[1] : nullptr)
                     : KIND == OP_O ? (layer == 0 ? a.embed + (size_t)tok * H : a.x)
                     : KIND == OP_DOWN ? a.x : nullptr;
-    if (side)
-        for (int i = threadIdx.x; i < (t1 - t0) * 2; i += CT)
-            cp_async16(s.side + 8 * i, side + t0 * 16 + 8 * i);
+    constexpr bool SIDE_EARLY = EARLY && KIND != OP_DOWN;  // DOWN's residual: from O
     u32x4 gw[NP];  // the norm's weights of this thread's pieces
     if (NORM) {
         const u16* nw = KIND == OP_HEAD ? a.fnorm : (const u16*)tb[KIND == OP_QKV ? 9 : 10];
@@ -891,8 +900,41 @@ __device__ __forceinline__ void q4_stage(const Args& a, Shared& s, int layer, in
             if (i < K / 8) gw[p] = *(const u32x4*)(nw + 8 * i);
         }
     }
+#if STAGE_LD
+    u32x4 sv = {0u, 0u, 0u, 0u};
+    if (SIDE_EARLY && side && threadIdx.x < (t1 - t0) * 2)
+        sv = ld_cg4(side + t0 * 16 + 8 * threadIdx.x);
+    if (EARLY && wait_j >= 0) wait_op(a, wait_j, G);
+    u32x4 xv[NP];  // every piece's load in flight before any is stored
+#pragma unroll
+    for (int p = 0; p < NP; p++) {
+        const int i = threadIdx.x + p * CT;
+        if (i < K / 8) xv[p] = ld_cg4(src + 8 * i);
+    }
+    if (!SIDE_EARLY && side && threadIdx.x < (t1 - t0) * 2)
+        sv = ld_cg4(side + t0 * 16 + 8 * threadIdx.x);
+#else
+    if (SIDE_EARLY && side)
+        for (int i = threadIdx.x; i < (t1 - t0) * 2; i += CT)
+            cp_async16(s.side + 8 * i, side + t0 * 16 + 8 * i);
+    if (EARLY && wait_j >= 0) wait_op(a, wait_j, G);
+    for (int i = threadIdx.x; i < K / 8; i += CT) cp_async16(s.u.xq + 8 * i, src + 8 * i);
+    if (!SIDE_EARLY && side)
+        for (int i = threadIdx.x; i < (t1 - t0) * 2; i += CT)
+            cp_async16(s.side + 8 * i, side + t0 * 16 + 8 * i);
+#endif
+#if STAGE_LD
+#pragma unroll
+    for (int p = 0; p < NP; p++) {
+        const int i = threadIdx.x + p * CT;
+        if (i < K / 8) *(u32x4*)(s.u.xq + 8 * i) = xv[p];
+    }
+    if (side && threadIdx.x < (t1 - t0) * 2) *(u32x4*)(s.side + 8 * threadIdx.x) = sv;
+#else
     asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
     consumer_sync();
+    TR(KIND == OP_HEAD ? NOPS - 1 : 5 * layer + KIND, 5);
     float r = 1.f;
     if (NORM) {  // r = 1 / rms(x): the warps' sums of squares added in order
         float ss = 0.f;
@@ -944,13 +986,14 @@ __device__ __forceinline__ void q4_stage(const Args& a, Shared& s, int layer, in
         if ((lane & 15) == 0 && i < K / 8) s.sx[i / 16] = sum;  // K / 8: whole groups of 16
     }
     consumer_sync();
+    TR(KIND == OP_HEAD ? NOPS - 1 : 5 * layer + KIND, 4);
 }
 
 // One op's int4 products for this block: x staged (normed where a norm comes first), the
 // group sums of x, then the block's tiles chunk by chunk from the ring (see Q4 above).
 template <int K, int KIND>
 __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int layer, int b,
-                      int G, u32 /* step: LLX's */) {
+                      int G, u32 /* step: LLX's */, int wait_j) {
     constexpr int NG = K / 128;  // groups a tile
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3, g = lane >> 2;
     int n, k, j;
@@ -958,7 +1001,7 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
     op_matrix(a, layer, KIND == OP_HEAD ? 4 : KIND == OP_QKV ? 0 : KIND - 1, n, k, j, wq, wsz);
     int t0, t1;
     rows_of(n / 16, j, b, G, t0, t1);
-    q4_stage<K, KIND>(a, s, layer, t0, t1);
+    q4_stage<K, KIND>(a, s, layer, t0, t1, wait_j, G);
     const int units = (t1 - t0) * NG, chunks = (units + CU - 1) / CU;
     if (chunks == 0) TR(j, 2);  // a block without tiles of this op (the timeline's "first chunk")
     float acc0 = 0.f, acc1 = 0.f;  // features g and g + 8 of the warp's tile
@@ -1402,28 +1445,21 @@ decode_step(Args a) {
     const u32 step = LLX ? ld_cg(a.step_count) : 0u;
     for (int layer = 0; layer < NL; layer++) {
         const int j = 5 * layer;
-        if (layer > 0 && !LLX) wait_op(a, j - 1, G);
-        OP<H, OP_QKV>(a, s, ring, c, layer, b, G, step);
+        // each op waits for the one before (the last argument; -1: none) inside
+        OP<H, OP_QKV>(a, s, ring, c, layer, b, G, step, layer > 0 && !LLX ? j - 1 : -1);
         signal_op(a, j);
         attention_op(a, s, layer, b, G);  // waits for QKV inside, its first loads issued
         signal_op(a, j + 1);
-        wait_op(a, j + 1, G);
-        OP<QD, OP_O>(a, s, ring, c, layer, b, G, step);
-        if (LLX) {
-            TR(j + 2, 3);
-        } else {
-            signal_op(a, j + 2);
-            wait_op(a, j + 2, G);
-        }
-        OP<H, OP_GU>(a, s, ring, c, layer, b, G, step);
+        OP<QD, OP_O>(a, s, ring, c, layer, b, G, step, j + 1);
+        if (LLX) TR(j + 2, 3);
+        else signal_op(a, j + 2);
+        OP<H, OP_GU>(a, s, ring, c, layer, b, G, step, LLX ? -1 : j + 2);
         signal_op(a, j + 3);
-        wait_op(a, j + 3, G);
-        OP<INTER, OP_DOWN>(a, s, ring, c, layer, b, G, step);
+        OP<INTER, OP_DOWN>(a, s, ring, c, layer, b, G, step, j + 3);
         if (LLX) TR(j + 4, 3);
         else signal_op(a, j + 4);
     }
-    if (!LLX) wait_op(a, 5 * NL - 1, G);
-    OP<H, OP_HEAD>(a, s, ring, c, NL, b, G, step);
+    OP<H, OP_HEAD>(a, s, ring, c, NL, b, G, step, LLX ? -1 : 5 * NL - 1);
     consumer_sync();
     TR(NOPS - 1, 3);
     if (threadIdx.x == 0) {  // the last block picks the token and clears the counters
