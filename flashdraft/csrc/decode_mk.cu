@@ -125,12 +125,6 @@ struct __align__(16) u32x4 { u32 x, y, z, w; };
 #ifndef NOWAIT
 #define NOWAIT 0  // measurement only, wrong output: no op waits for the one before
 #endif
-#ifndef STAGE_LD
-#define STAGE_LD 0  // Q4: 1: an op's x (and bias or residual rows) staged through registers
-#endif                // (ld.global.cg, st.shared) instead of cp.async
-#ifndef EARLY
-#define EARLY 0  // Q4: 1: an op asks for what does not depend on the op before before its wait
-#endif
 #ifndef Q4
 #define Q4 0  // 1: int4 weights in flashdraft.mma's layout (see above); 0: bfloat16, norms folded
 #endif
@@ -874,23 +868,23 @@ __device__ __forceinline__ void q4_finish(const Args& a, Shared& s, int t0, int 
 // Q4: the op's x into s.u.xq (NORM: bf16(x r g), as the model's norm kernel rounds it), the
 // block's side rows (bias, residual) of tiles [t0, t1) into s.side, and each group's sum of x
 // into s.sx; one round trip to the L2 for all of it.
-// wait_j: the op to wait for first (-1: none); EARLY: what does not depend on it (the token,
-// the norm's weights, the bias, O's residual: x of the layer before) is asked for before.
+// wait_j: the op to wait for first (-1: none). What does not depend on it (the token, the
+// norm's weights, the bias, O's residual: x of the layer before) is asked for before the wait:
+// the norms' and the bias's loads wait for the table's pointers, a round trip ahead of them
+// (the 1.5B int4 step 0.816-0.822 → 0.782 ms, session 25).
 template <int K, int KIND>
 __device__ __forceinline__ void q4_stage(const Args& a, Shared& s, int layer, int t0, int t1,
                                          int wait_j, int G) {
     constexpr bool NORM = KIND == OP_QKV || KIND == OP_GU || KIND == OP_HEAD;
     constexpr int NP = (K / 8 + CT - 1) / CT;  // 16-byte pieces of x a thread
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (!EARLY && wait_j >= 0) wait_op(a, wait_j, G);
-    const long long tok = EARLY && layer > 0 ? 0 : *a.token;  // read at layer 0 only
+    const long long tok = layer > 0 ? 0 : *a.token;  // read where the embedding is x
     const u16* src = KIND == OP_O ? a.att : KIND == OP_DOWN ? a.hbuf
                    : (layer == 0 && KIND == OP_QKV) ? a.embed + (size_t)tok * H : a.x;
     const u64* tb = a.table + TBL * layer;
     const u16* side = KIND == OP_QKV ? (QKV_BIAS ? (const u16*)tb[1] : nullptr)
                     : KIND == OP_O ? (layer == 0 ? a.embed + (size_t)tok * H : a.x)
                     : KIND == OP_DOWN ? a.x : nullptr;
-    constexpr bool SIDE_EARLY = EARLY && KIND != OP_DOWN;  // DOWN's residual: from O
     u32x4 gw[NP];  // the norm's weights of this thread's pieces
     if (NORM) {
         const u16* nw = KIND == OP_HEAD ? a.fnorm : (const u16*)tb[KIND == OP_QKV ? 9 : 10];
@@ -900,39 +894,15 @@ __device__ __forceinline__ void q4_stage(const Args& a, Shared& s, int layer, in
             if (i < K / 8) gw[p] = *(const u32x4*)(nw + 8 * i);
         }
     }
-#if STAGE_LD
-    u32x4 sv = {0u, 0u, 0u, 0u};
-    if (SIDE_EARLY && side && threadIdx.x < (t1 - t0) * 2)
-        sv = ld_cg4(side + t0 * 16 + 8 * threadIdx.x);
-    if (EARLY && wait_j >= 0) wait_op(a, wait_j, G);
-    u32x4 xv[NP];  // every piece's load in flight before any is stored
-#pragma unroll
-    for (int p = 0; p < NP; p++) {
-        const int i = threadIdx.x + p * CT;
-        if (i < K / 8) xv[p] = ld_cg4(src + 8 * i);
-    }
-    if (!SIDE_EARLY && side && threadIdx.x < (t1 - t0) * 2)
-        sv = ld_cg4(side + t0 * 16 + 8 * threadIdx.x);
-#else
-    if (SIDE_EARLY && side)
+    if (side && KIND != OP_DOWN)  // DOWN's residual comes from O
         for (int i = threadIdx.x; i < (t1 - t0) * 2; i += CT)
             cp_async16(s.side + 8 * i, side + t0 * 16 + 8 * i);
-    if (EARLY && wait_j >= 0) wait_op(a, wait_j, G);
+    if (wait_j >= 0) wait_op(a, wait_j, G);
     for (int i = threadIdx.x; i < K / 8; i += CT) cp_async16(s.u.xq + 8 * i, src + 8 * i);
-    if (!SIDE_EARLY && side)
+    if (side && KIND == OP_DOWN)
         for (int i = threadIdx.x; i < (t1 - t0) * 2; i += CT)
             cp_async16(s.side + 8 * i, side + t0 * 16 + 8 * i);
-#endif
-#if STAGE_LD
-#pragma unroll
-    for (int p = 0; p < NP; p++) {
-        const int i = threadIdx.x + p * CT;
-        if (i < K / 8) *(u32x4*)(s.u.xq + 8 * i) = xv[p];
-    }
-    if (side && threadIdx.x < (t1 - t0) * 2) *(u32x4*)(s.side + 8 * threadIdx.x) = sv;
-#else
     asm volatile("cp.async.wait_all;" ::: "memory");
-#endif
     consumer_sync();
     TR(KIND == OP_HEAD ? NOPS - 1 : 5 * layer + KIND, 5);
     float r = 1.f;
