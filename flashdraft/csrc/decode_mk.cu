@@ -535,8 +535,7 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int seg = warp % WPR, wrow = warp / WPR;
     const int v_end = min(NVEC, (seg + 1) * VS);
-    if (wait_j >= 0) wait_op(a, wait_j, G);
-    const long long tok = *a.token;
+    const long long tok = layer > 0 ? 0 : *a.token;  // read where the embedding is x
 
     const u16* src;
     if (KIND == OP_QKV || KIND == OP_GU || KIND == OP_HEAD)
@@ -551,6 +550,23 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
     else { n = VOCAB; j = 5 * NL; }
     int r0, r1;
     rows_of(n, j, b, G, r0, r1);
+    // The epilogue's other input a row (QKV: the bias; O and DOWN: the residual), loaded for
+    // all of the block's rows at once, lane i holding rows i and i + 32 (side loads in a chunk's
+    // epilogue would wait a round trip to the L2 a chunk). QKV's and O's (x of the layer before)
+    // are asked for before the op's wait.
+    constexpr bool SIDE = KIND == OP_QKV ? QKV_BIAS : (KIND == OP_O || (KIND == OP_DOWN && WPR == 1));
+    constexpr bool SIDE_EARLY = KIND == OP_QKV || KIND == OP_O;
+    const u16* side_src = KIND == OP_QKV ? (const u16*)a.table[TBL * layer + 1]
+                        : (KIND == OP_O && layer == 0) ? a.embed + (size_t)tok * H : a.x;
+    const bool side_all = r1 - r0 <= 64;
+    // LLX: the residual (x from DOWN of the layer before, for O; from O, for DOWN) by its flag
+    const bool ll_side = LLX && (KIND == OP_O ? layer > 0 : KIND == OP_DOWN);
+    u16 side0w = 0, side1w = 0;
+    if (SIDE && SIDE_EARLY && side_all && !ll_side) {
+        if (r0 + lane < r1) side0w = ld_cg16(side_src + r0 + lane);
+        if (r0 + lane + 32 < r1) side1w = ld_cg16(side_src + r0 + lane + 32);
+    }
+    if (wait_j >= 0) wait_op(a, wait_j, G);
     // LLX: x read by QKV (past layer 0), GU and HEAD comes from polling x itself (the op's wait)
     constexpr bool POLL = LLX && (KIND == OP_QKV || KIND == OP_GU || KIND == OP_HEAD);
     const bool polled = POLL && !(KIND == OP_QKV && layer == 0);
@@ -572,18 +588,9 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
 #endif
         if (idx < v_end) xw[v] = ld_cg4(src + 8 * idx);
     }
-    // The epilogue's other input a row (QKV: the bias; O and DOWN: the residual), loaded for
-    // all of the block's rows at once, lane i holding rows i and i + 32 (side loads in a chunk's
-    // epilogue would wait a round trip to the L2 a chunk).
-    constexpr bool SIDE = KIND == OP_QKV ? QKV_BIAS : (KIND == OP_O || (KIND == OP_DOWN && WPR == 1));
-    const u16* side_src = KIND == OP_QKV ? (const u16*)a.table[TBL * layer + 1]
-                        : (KIND == OP_O && layer == 0) ? a.embed + (size_t)tok * H : a.x;
-    const bool side_all = r1 - r0 <= 64;
-    u16 side0w = 0, side1w = 0;
     u16 resid_w = 0;  // DOWN over several warps a row: thread r's row r0 + r's residual
-    // LLX: the residual (x from DOWN of the layer before, for O; from O, for DOWN) by its flag
     const u32 resid_flag = x_flag(step, KIND == OP_O ? 2 * layer - 1 : 2 * layer);
-    if (LLX && (KIND == OP_O ? layer > 0 : KIND == OP_DOWN)) {
+    if (ll_side) {
         if (SIDE) {
             ll_rows(a, r0 + lane < r1 ? r0 + lane : -1, r0 + lane + 32 < r1 ? r0 + lane + 32 : -1,
                     resid_flag, j, side0w, side1w);
@@ -593,7 +600,7 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
             ll_rows(a, t < r1 - r0 ? r0 + t : -1, -1, resid_flag, j, resid_w, none);
         }
     } else {
-        if (SIDE && side_all) {
+        if (SIDE && !SIDE_EARLY && side_all) {
             if (r0 + lane < r1) side0w = ld_cg16(side_src + r0 + lane);
             if (r0 + lane + 32 < r1) side1w = ld_cg16(side_src + r0 + lane + 32);
         }
@@ -1317,12 +1324,16 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
             }
             consumer_sync();
             TR(5 * layer + 1, 6);
-            for (int i = threadIdx.x; i < npc; i += CT) {  // the splits added in order
+            // a warp a piece of 4 outputs: lane l takes the splits l, l + 32, ..., and their max
+            // and sums are added over the lanes in a fixed tree (every lane ends with the same)
+            for (int i = warp; i < npc; i += NCW) {
                 const int pc = pc0 + i, hh = 4 * pc / HD;
                 float mm = -1.0e30f;
-                for (int t = 0; t < nsplit; t++) mm = fmaxf(mm, ml[2 * (t * GS + hh)]);
+                for (int t = lane; t < nsplit; t += 32) mm = fmaxf(mm, ml[2 * (t * GS + hh)]);
+#pragma unroll
+                for (int o = 16; o; o >>= 1) mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, o));
                 float ll = 0.f, o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
-                for (int t = 0; t < nsplit; t++) {
+                for (int t = lane; t < nsplit; t += 32) {
                     const float f = exp2f(ml[2 * (t * GS + hh)] - mm);
                     const u32x4 v = po[t * npc + i];
                     ll = fmaf(ml[2 * (t * GS + hh) + 1], f, ll);
@@ -1331,10 +1342,20 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
                     o2 = fmaf(__uint_as_float(v.z), f, o2);
                     o3 = fmaf(__uint_as_float(v.w), f, o3);
                 }
-                const float r = 1.f / ll;
-                const u32 lo = (u32)to_bf16(o0 * r) | ((u32)to_bf16(o1 * r) << 16);
-                const u32 hi = (u32)to_bf16(o2 * r) | ((u32)to_bf16(o3 * r) << 16);
-                *(uint2*)(a.att + g * GS * HD + 4 * pc) = make_uint2(lo, hi);
+#pragma unroll
+                for (int o = 16; o; o >>= 1) {
+                    ll += __shfl_xor_sync(0xffffffffu, ll, o);
+                    o0 += __shfl_xor_sync(0xffffffffu, o0, o);
+                    o1 += __shfl_xor_sync(0xffffffffu, o1, o);
+                    o2 += __shfl_xor_sync(0xffffffffu, o2, o);
+                    o3 += __shfl_xor_sync(0xffffffffu, o3, o);
+                }
+                if (lane == 0) {
+                    const float r = 1.f / ll;
+                    const u32 lo = (u32)to_bf16(o0 * r) | ((u32)to_bf16(o1 * r) << 16);
+                    const u32 hi = (u32)to_bf16(o2 * r) | ((u32)to_bf16(o3 * r) << 16);
+                    *(uint2*)(a.att + g * GS * HD + 4 * pc) = make_uint2(lo, hi);
+                }
             }
             if (TRACE) { consumer_sync(); TR(5 * layer + 1, 7); }
         }
