@@ -1324,16 +1324,20 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
             }
             consumer_sync();
             TR(5 * layer + 1, 6);
-            // a warp a piece of 4 outputs: lane l takes the splits l, l + 32, ..., and their max
-            // and sums are added over the lanes in a fixed tree (every lane ends with the same)
-            for (int i = warp; i < npc; i += NCW) {
-                const int pc = pc0 + i, hh = 4 * pc / HD;
+            // lp lanes a piece of 4 outputs (as many as leave every piece a lane group at
+            // once): lane l of a group takes the splits l, l + lp, ..., and their max and sums
+            // are added over the group in a fixed tree (every lane ends with the same)
+            int lp = 32;
+            while (lp > 1 && npc * lp > CT) lp >>= 1;
+            for (int i0 = warp * (32 / lp); i0 < npc; i0 += NCW * (32 / lp)) {
+                const int i = i0 + lane / lp, sub = lane % lp;  // groups past npc add zeros
+                const int pc = pc0 + min(i, npc - 1), hh = 4 * pc / HD;
+                const int nt = i < npc ? nsplit : 0;
                 float mm = -1.0e30f;
-                for (int t = lane; t < nsplit; t += 32) mm = fmaxf(mm, ml[2 * (t * GS + hh)]);
-#pragma unroll
-                for (int o = 16; o; o >>= 1) mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, o));
+                for (int t = sub; t < nt; t += lp) mm = fmaxf(mm, ml[2 * (t * GS + hh)]);
+                for (int o = lp / 2; o; o >>= 1) mm = fmaxf(mm, __shfl_xor_sync(~0u, mm, o));
                 float ll = 0.f, o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
-                for (int t = lane; t < nsplit; t += 32) {
+                for (int t = sub; t < nt; t += lp) {
                     const float f = exp2f(ml[2 * (t * GS + hh)] - mm);
                     const u32x4 v = po[t * npc + i];
                     ll = fmaf(ml[2 * (t * GS + hh) + 1], f, ll);
@@ -1342,15 +1346,14 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
                     o2 = fmaf(__uint_as_float(v.z), f, o2);
                     o3 = fmaf(__uint_as_float(v.w), f, o3);
                 }
-#pragma unroll
-                for (int o = 16; o; o >>= 1) {
-                    ll += __shfl_xor_sync(0xffffffffu, ll, o);
-                    o0 += __shfl_xor_sync(0xffffffffu, o0, o);
-                    o1 += __shfl_xor_sync(0xffffffffu, o1, o);
-                    o2 += __shfl_xor_sync(0xffffffffu, o2, o);
-                    o3 += __shfl_xor_sync(0xffffffffu, o3, o);
+                for (int o = lp / 2; o; o >>= 1) {
+                    ll += __shfl_xor_sync(~0u, ll, o);
+                    o0 += __shfl_xor_sync(~0u, o0, o);
+                    o1 += __shfl_xor_sync(~0u, o1, o);
+                    o2 += __shfl_xor_sync(~0u, o2, o);
+                    o3 += __shfl_xor_sync(~0u, o3, o);
                 }
-                if (lane == 0) {
+                if (i < npc && sub == 0) {
                     const float r = 1.f / ll;
                     const u32 lo = (u32)to_bf16(o0 * r) | ((u32)to_bf16(o1 * r) << 16);
                     const u32 hi = (u32)to_bf16(o2 * r) | ((u32)to_bf16(o3 * r) << 16);
