@@ -243,15 +243,16 @@ for phase in "$@"; do
     # The real target's plain decoding through the megakernel (with transformers in the same
     # run), then through the CUDA graphs; n-gram speculation (graphs) in both; where their plain
     # tokens first differ. First 8 HumanEval prompts as raw text, 128 new tokens, greedy.
-    for pk in megakernel graph; do
+    # PK_KINDS: which decode kernels (default both).
+    for pk in ${PK_KINDS:-megakernel graph}; do
       fd bench --model example:qwen2.5-coder-1.5b --draft ngram --num-speculative-tokens \
         "${PK_KS:-5,16}" --prompts humaneval --raw-prompts --num-prompts 8 --max-tokens 128 \
         --decode-kernel $pk $([ $pk = megakernel ] && echo "${PK_PEER:---peer transformers}") \
         --output "$OUT/plain-$pk" --note "$(note); plain kernel $pk" --no-progress 2>&1 \
         | tee "$OUT/plain-$pk.log" | tail -14
     done
-    python3 benchmarks/same_tokens.py "$OUT/plain-graph/results.json" \
-      "$OUT/plain-megakernel/results.json" | tee "$OUT/same-tokens.txt"
+    [ -f "$OUT/plain-graph/results.json" ] && python3 benchmarks/same_tokens.py \
+      "$OUT/plain-graph/results.json" "$OUT/plain-megakernel/results.json" | tee "$OUT/same-tokens.txt"
     ;;
   ties)
     # Where the real target's plain decoding through the megakernel parts from the graphs',
