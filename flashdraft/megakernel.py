@@ -84,13 +84,13 @@ def unsupported(model: Transformer, cache: KVCache | None = None,
     if cfg.head_dim not in (64, 128):
         return f"head_dim {cfg.head_dim} (the kernel takes 64 or 128)"
     q4 = is_int4(model)
-    ring = ring or default_ring(cfg, q4)
+    limit = mma._shared_limit(_device_index(device))
+    ring = ring or default_ring(cfg, q4, limit=limit)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     why = _why_not_int4(model, sms) if q4 else _why_not_bf16(model, _ring(ring)[1])
     if why:
         return why
     need = shared_bytes(cfg, ring, q4=q4)
-    limit = mma._shared_limit(_device_index(device))
     if need > limit:  # e.g. GPUs of ~100 KB a block
         return (f"it needs {need} bytes of shared memory a block, the GPU allows {limit} "
                 f"(FLASHDRAFT_MK_RING: a smaller ring)")
@@ -150,7 +150,8 @@ def default_warps(q4: bool) -> int:
     return Q4_CONSUMER_WARPS if q4 else CONSUMER_WARPS
 
 
-def default_ring(cfg, q4: bool = False, warps: int | None = None) -> str:
+def default_ring(cfg, q4: bool = False, warps: int | None = None,
+                 limit: int = HOPPER_SHARED) -> str:
     """FLASHDRAFT_MK_RING, else the ring measured best for the shape.
 
     bfloat16 (session 21): 8 slots of 24 KB; 6 of 32 KB where a 24 KB slot takes only two
@@ -159,8 +160,8 @@ def default_ring(cfg, q4: bool = False, warps: int | None = None) -> str:
     latency-bound Qwen3-0.6B, whose rows fill a 24 KB slot alike, stays faster with 24 KB
     slots: 0.696 against 0.712 ms).
 
-    int4 (q4): as many slots of (tile, group) units, up to 8, as fit a Hopper block beside the
-    rest, a slot's units a multiple of the consumer warps (`warps`, default_warps), so that
+    int4 (q4): as many slots of (tile, group) units, up to 8, as fit `limit` bytes of shared
+    memory (the GPU's: mma._shared_limit; default a Hopper block's) beside the rest, a slot's units a multiple of the consumer warps (`warps`, default_warps), so that
     none idles while the slot is held (session 22, 8 warps: 24 units 8.11 ms a Qwen3-32B step,
     22 units 8.61). 3 units a warp where the step reads 2 GB of int4 weights or more (session
     23, 12 warps: 36 units 7.31-7.39 ms against 24 units 7.70-7.79 on the 32B; 1.985 against
@@ -176,20 +177,21 @@ def default_ring(cfg, q4: bool = False, warps: int | None = None) -> str:
         # int4 bytes: 4 bits and 4 bytes of scale and zero a group of 128 (17 / 64 of bf16's)
         slot = (3 * warps if weights * 17 / 64 >= 2e9 else 24) * Q4_UNIT
         fits = [n for n in range(2, 9)
-                if shared_bytes(cfg, f"{n}x{slot}", q4=True, warps=warps) <= HOPPER_SHARED]
+                if shared_bytes(cfg, f"{n}x{slot}", q4=True, warps=warps) <= limit]
         return f"{max(fits) if fits else 2}x{slot}"
     filled = _rows_per_chunk(h, 24576) * 2 * h / 24576
     return "6x32768" if filled < 0.75 and weights >= 2e9 else "8x24576"
 
 
-def default_finish_every(cfg, ring: str, warps: int | None = None) -> int:
+def default_finish_every(cfg, ring: str, warps: int | None = None,
+                         limit: int = HOPPER_SHARED) -> int:
     """int4: chunks between two additions of the tiles they ended (decode_mk.cu's
     Q4_FINISH_EVERY; each addition is a barrier of the block's consumer warps), the most of 8,
-    6, 3 and 1 whose tile sums fit beside `ring` in a Hopper block. Session 24, the 32B at
+    6, 3 and 1 whose tile sums fit beside `ring` in `limit` bytes (as default_ring). Session 24, the 32B at
     4x39168: 7.33-7.43 ms a step at 1, 7.14 at 3, 7.02-7.11 at 6, 6.94-6.98 at 8."""
     return next(m for m in (8, 6, 3, 1)
                 if m == 1 or shared_bytes(cfg, ring, q4=True, warps=warps, finish_every=m)
-                <= HOPPER_SHARED)
+                <= limit)
 
 
 def _rows_per_chunk(k: int, slot: int) -> int:
@@ -282,9 +284,10 @@ class DecodeMegakernel:
         consumer_warps = consumer_warps or default_warps(self.q4)
         if self.q4 and consumer_warps > CONSUMER_WARPS:
             defines = Q4_MANY_WARPS_DEFINES | (defines or {})
-        self.ring = ring or default_ring(cfg, self.q4, consumer_warps)
+        limit = mma._shared_limit(_device_index(dev))
+        self.ring = ring or default_ring(cfg, self.q4, consumer_warps, limit)
         if self.q4:
-            every = default_finish_every(cfg, self.ring, consumer_warps)
+            every = default_finish_every(cfg, self.ring, consumer_warps, limit)
             defines = {"Q4_FINISH_EVERY": every} | (defines or {})
         slots, slot = _ring(self.ring)
         probes = set(filter(None, probe.split(",")))
@@ -354,7 +357,6 @@ class DecodeMegakernel:
         self.consumer_warps = consumer_warps
         self.shared = shared_bytes(cfg, self.ring, llx, self.q4, consumer_warps,
                                    self.defines.get("Q4_FINISH_EVERY", 1))
-        limit = mma._shared_limit(self.fn_device)
         if self.shared > limit:  # LLX's bytes (unsupported() checks the rest)
             raise ValueError(f"the megakernel needs {self.shared} bytes of shared memory a block, "
                              f"the GPU allows {limit}: use a smaller FLASHDRAFT_MK_RING")

@@ -200,6 +200,19 @@ def test_int4_tiles_are_added_as_rarely_as_shared_memory_allows():
                 > megakernel.HOPPER_SHARED, (cfg, m)
 
 
+def test_int4_ring_and_tile_room_fit_a_gpu_with_less_shared_memory():
+    from flashdraft import megakernel
+    from flashdraft.shapes import get_shape
+    limit = 160 * 1024  # a block's shared memory on a GPU smaller than Hopper's 227 KB
+    for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-8b", "qwen3-32b"):
+        cfg = get_shape(name)
+        hopper = megakernel.default_ring(cfg, q4=True)
+        ring = megakernel.default_ring(cfg, q4=True, limit=limit)
+        m = megakernel.default_finish_every(cfg, ring, limit=limit)
+        assert megakernel.shared_bytes(cfg, ring, q4=True, finish_every=m) <= limit, name
+        assert int(ring.split("x")[0]) < int(hopper.split("x")[0]), (name, ring, hopper)
+
+
 def test_shared_memory_fits_hopper_for_the_shapes_we_run_and_not_the_32b():
     from flashdraft.megakernel import HOPPER_SHARED as hopper, shared_bytes
     from flashdraft.shapes import get_shape

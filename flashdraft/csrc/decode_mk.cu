@@ -246,6 +246,11 @@ __device__ __forceinline__ void red_release(u32* p) {
 __device__ __forceinline__ void consumer_sync() {
     asm volatile("bar.sync 1, %0;" :: "n"(CT) : "memory");
 }
+// The greedy token's rule, everywhere a best logit is kept: (v, id) replaces the best if its
+// logit is larger, or equal with a lower id.
+__device__ __forceinline__ void take_best(float& best_v, int& best_i, float v, int id) {
+    if (v > best_v || (v == best_v && id < best_i)) { best_v = v; best_i = id; }
+}
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -506,10 +511,7 @@ __device__ __forceinline__ void block_best(const Args& a, Shared& s, int b, floa
     if (threadIdx.x == 0) {
         float bv = s.best_v[0];
         int bi = s.best_i[0];
-        for (int w = 1; w < NCW; w++)
-            if (s.best_v[w] > bv || (s.best_v[w] == bv && s.best_i[w] < bi)) {
-                bv = s.best_v[w]; bi = s.best_i[w];
-            }
+        for (int w = 1; w < NCW; w++) take_best(bv, bi, s.best_v[w], s.best_i[w]);
         a.best[2 * b] = bv;
         a.best[2 * b + 1] = __int_as_float(bi);
     }
@@ -728,7 +730,7 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
                 } else {  // HEAD
                     const float y = round_bf16(acc);
                     if (lane == 0) a.logits[row_id] = y;
-                    if (y > best_v || (y == best_v && row_id < best_i)) { best_v = y; best_i = row_id; }
+                    take_best(best_v, best_i, y, row_id);
                 }
             }
         }
@@ -866,7 +868,7 @@ __device__ __forceinline__ void q4_finish(const Args& a, Shared& s, int t0, int 
         } else {
             const float v = round_bf16(y);
             a.logits[row] = v;
-            if (v > best_v || (v == best_v && row < best_i)) { best_v = v; best_i = row; }
+            take_best(best_v, best_i, v, row);
         }
     }
     __syncwarp();
@@ -1027,7 +1029,7 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
         for (int o = 16; o; o >>= 1) {
             const float v = __shfl_xor_sync(0xffffffffu, best_v, o);
             const int id = __shfl_xor_sync(0xffffffffu, best_i, o);
-            if (v > best_v || (v == best_v && id < best_i)) { best_v = v; best_i = id; }
+            take_best(best_v, best_i, v, id);
         }
         block_best(a, s, b, best_v, best_i);
     }
@@ -1464,7 +1466,7 @@ decode_step(Args a) {
             for (int t = 1; t < G; t++) {
                 const float v = ld_cgf(a.best + 2 * t);
                 const int i = __float_as_int(ld_cgf(a.best + 2 * t + 1));
-                if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
+                take_best(bv, bi, v, i);
             }
             if (bi < 0 || bi >= VOCAB) bi = 0;  // NaN logits everywhere: no token past the table
             *a.out_token = bi;
