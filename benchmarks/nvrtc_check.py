@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parents[1] / "flashdraft" / "csrc" / "int4_mma.cu"
+COMMON = SOURCE.with_name("common.cuh")  # what NVRTC compiles first (mma.cuda_source)
 
 # name: (NB, TN, WK, GMAX, MIN_BLOCKS, GATED, STREAM), as mma.linear picks them
 VARIANTS = {
@@ -63,7 +64,7 @@ def main() -> None:
     ap.add_argument("-D", dest="defines", action="append", default=[],
                     help="more macros for every variant, e.g. -D FOLD=0")
     args = ap.parse_args()
-    lib, source = _library(args.lib), SOURCE.read_text()
+    lib, source = _library(args.lib), COMMON.read_text() + SOURCE.read_text()
     for name, (nb, tn, wk, gmax, min_blocks, gated, stream) in VARIANTS.items():
         options = ["-arch=sm_90", "-Xptxas=-v", f"-DNB={nb}", f"-DTN={tn}", f"-DWK={wk}",
                    f"-DGMAX={gmax}", f"-DMIN_BLOCKS={min_blocks}", f"-DGATED={gated}",

@@ -250,7 +250,7 @@ def _kernel(defines: tuple[tuple[str, int], ...], device: int):
     options = [f"-D{k}={v}" for k, v in defines]
     try:
         with torch.cuda.device(device):
-            return torch.cuda._compile_kernel(SOURCE.read_text(), "decode_step",
+            return torch.cuda._compile_kernel(mma.cuda_source(SOURCE), "decode_step",
                                               nvcc_options=options)
     except Exception as err:
         raise RuntimeError(f"compiling {SOURCE.name} with NVRTC failed: {err}") from err

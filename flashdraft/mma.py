@@ -62,7 +62,14 @@ GATED = os.environ.get("FLASHDRAFT_MMA_GATED", "1") == "1"
 # Measurement only (benchmarks/profile_step.py --mma-probe), wrong output: 1 the weights loaded
 # but not multiplied (the .cu file's PROBE).
 PROBE = 0
-SOURCE = Path(__file__).with_name("csrc") / "int4_mma.cu"
+CSRC = Path(__file__).with_name("csrc")
+SOURCE = CSRC / "int4_mma.cu"
+
+
+def cuda_source(path: Path) -> str:
+    """A kernel's source as NVRTC compiles it: csrc/common.cuh (the helpers both kernels
+    share), then the kernel's file. NVRTC takes one string and no headers."""
+    return (CSRC / "common.cuh").read_text() + path.read_text()
 # Splits of K chosen so that a product has at least this many blocks (two per SM on an H200).
 TARGET_BLOCKS = int(os.environ.get("FLASHDRAFT_MMA_TARGET_BLOCKS", "264"))
 
@@ -88,7 +95,7 @@ def _kernel(name: str, device: int, row_blocks: int = 1, tn: int = TN, wk: int =
             gmax: int = GMAX, gated: bool = False, min_blocks: int = 1, stream: bool = False,
             probe: int = 0):
     """The compiled kernel, loaded into `device`'s context (a module belongs to one)."""
-    source = SOURCE.read_text()
+    source = cuda_source(SOURCE)
     options = [f"-DNB={row_blocks}", f"-DTN={tn}", f"-DWK={wk}", f"-DGMAX={gmax}",
                f"-DFOLD={FOLD}", f"-DMIN_BLOCKS={min_blocks}", f"-DGATED={int(gated)}",
                f"-DSTREAM={int(stream)}", f"-DPROBE={probe}"]

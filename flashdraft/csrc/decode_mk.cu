@@ -1,6 +1,6 @@
 // One decode step (one token) of a dense bfloat16 decoder in one persistent kernel: the
 // "megakernel" of flashdraft.megakernel. Compiled at run time by NVRTC for one model shape (the
-// -D constants below); no headers.
+// -D constants below), after csrc/common.cuh (flashdraft.mma.cuda_source); no headers.
 //
 // Why: a decode step of a small model is ~150 kernels whose fixed costs (ramp before the first
 // weight bytes arrive, the tail of the last wave, the dependency round trip) add up to as much
@@ -54,10 +54,6 @@
 // 22-24): faster than the graphs' int4 products on the 1.5B and 8B shapes, 1-4 % faster on the
 // 32B, whose consumers barely keep up with the stream.
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned long long u64;
-struct __align__(16) u32x4 { u32 x, y, z, w; };
 
 #ifndef H
 #define H 1536  // hidden size
@@ -186,14 +182,7 @@ struct Args {
 
 // -- small helpers --------------------------------------------------------------------------------
 
-__device__ __forceinline__ float lo_f32(u32 v) { return __uint_as_float(v << 16); }
-__device__ __forceinline__ float hi_f32(u32 v) { return __uint_as_float(v & 0xffff0000u); }
 __device__ __forceinline__ float bf(u16 v) { return __uint_as_float(((u32)v) << 16); }
-__device__ __forceinline__ u16 to_bf16(float v) {
-    u16 r;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
-    return r;
-}
 __device__ __forceinline__ float round_bf16(float v) { return bf(to_bf16(v)); }
 
 __device__ __forceinline__ u32x4 ld_cg4(const void* p) {  // other blocks' outputs: past L1
@@ -778,20 +767,6 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
 #define Q4_CHAINS 2  // accumulators a unit's 8 mma are spread over (1, 2 or 4), added at its end:
                      // 2 measured 1-3 % faster a step than 1 or 4 (session 23)
 #endif
-
-// Nibbles 0 and 4 of q as the bfloat16 pair 128 + nibble: (q & 0x000f000f) | 0x43004300.
-__device__ __forceinline__ u32 biased(u32 q) {
-    u32 v;
-    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(v) : "r"(q), "r"(0x000f000fu), "r"(0x43004300u));
-    return v;
-}
-
-__device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_addr(dst)), "l"(src)

@@ -1,7 +1,8 @@
 // Weight-only int4 product for up to 32 rows, y = x @ W^T + bias (or, GATED, SiLU(gate) * up
 // of it, the MLP's first product and its activation in one kernel), on the tensor cores
 // (mma.sync m16n8k16, bfloat16 in, float32 accumulate). Compiled at run time by NVRTC
-// (flashdraft/mma.py); no headers, so it builds wherever torch's CUDA build does.
+// (flashdraft/mma.py) after csrc/common.cuh; no headers, so it builds wherever torch's CUDA
+// build does.
 //
 // Why not Triton: Triton chooses the register layout of a dot operand itself, so packed int4
 // tiles go through shared memory and are re-packed two bytes at a time (3.7-3.9 instructions
@@ -44,9 +45,6 @@
 // batch invariance, which speculative decoding needs to return exactly the tokens of plain
 // decoding.
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-struct __align__(16) u32x4 { u32 x, y, z, w; };
 struct __align__(8) u32x2 { u32 x, y; };
 
 #ifndef NB
@@ -101,9 +99,7 @@ __device__ __forceinline__ float load_cg(const float* p) {  // past L1: other bl
 
 // Nibbles 0 and 4 of q as (q - 8) * s + z, a bfloat16 pair (low half from nibble 0).
 __device__ __forceinline__ u32 dequant(u32 q, u32 s2, u32 z2) {
-    u32 v, d;
-    // (q & 0x000f000f) | 0x43004300: the bfloat16 pair 128 + nibble
-    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(v) : "r"(q), "r"(0x000f000fu), "r"(0x43004300u));
+    u32 v = biased(q), d;
     // 1 * v - 136 = q - 8, exact
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(v), "r"(0x3f803f80u), "r"(0xc308c308u));
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(v) : "r"(d), "r"(s2), "r"(z2));
@@ -111,27 +107,7 @@ __device__ __forceinline__ u32 dequant(u32 q, u32 s2, u32 z2) {
 }
 
 // Nibbles 0 and 4 of q as the bfloat16 pair 128 + nibble: (q & 0x000f000f) | 0x43004300.
-__device__ __forceinline__ u32 biased(u32 q) {
-    u32 v;
-    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(v) : "r"(q), "r"(0x000f000fu), "r"(0x43004300u));
-    return v;
-}
 
-__device__ __forceinline__ float lo_f32(u32 v) { return __uint_as_float(v << 16); }
-__device__ __forceinline__ float hi_f32(u32 v) { return __uint_as_float(v & 0xffff0000u); }
-
-__device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ u16 to_bf16(float v) {
-    u16 r;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
-    return r;
-}
 
 // The sums of the float32 slices p[0], p[slice], ... and of q's, each in order, all of a batch
 // of eight slices in flight (P = 2: both; P = 1: p's only).
@@ -300,10 +276,10 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
                         const u32x4 c = jj < 2 ? xa[b] : xb[b];
                         const u32 b0 = (jj & 1) ? c.z : c.x, b1 = (jj & 1) ? c.w : c.y;
 #if FOLD
-                        mma(d[b], a0, a1, a2, a3, b0, b1);
-                        mma(sx[b], ONES, ONES, ONES, ONES, b0, b1);
+                        mma16816(d[b], a0, a1, a2, a3, b0, b1);
+                        mma16816(sx[b], ONES, ONES, ONES, ONES, b0, b1);
 #else
-                        mma(acc[b], a0, a1, a2, a3, b0, b1);
+                        mma16816(acc[b], a0, a1, a2, a3, b0, b1);
 #endif
                     }
                 }
