@@ -91,11 +91,6 @@ __device__ __forceinline__ u32x2 load_pair(const u32x2* p) {
     return v;
 }
 
-__device__ __forceinline__ float load_cg(const float* p) {  // past L1: other blocks' slices
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
-}
 
 // Nibbles 0 and 4 of q as (q - 8) * s + z, a bfloat16 pair (low half from nibble 0).
 __device__ __forceinline__ u32 dequant(u32 q, u32 s2, u32 z2) {
@@ -121,7 +116,7 @@ __device__ __forceinline__ void sum_slices(const float* p, const float* q, int s
         for (int j = 0; j < 8; ++j)
 #pragma unroll
             for (int i = 0; i < P; ++i)
-                v[i][j] = sp + j < splits ? load_cg((i ? q : p) + (sp + j) * slice) : 0.f;
+                v[i][j] = sp + j < splits ? ld_cgf((i ? q : p) + (sp + j) * slice) : 0.f;
 #pragma unroll
         for (int i = 0; i < P; ++i)
 #pragma unroll
