@@ -252,7 +252,8 @@ for phase in "$@"; do
         | tee "$OUT/plain-$pk.log" | tail -14
     done
     [ -f "$OUT/plain-graph/results.json" ] && python3 benchmarks/same_tokens.py \
-      "$OUT/plain-graph/results.json" "$OUT/plain-megakernel/results.json" | tee "$OUT/same-tokens.txt"
+      "$OUT/plain-graph/results.json" "$OUT/plain-megakernel/results.json" \
+      | tee "$OUT/same-tokens.txt"
     ;;
   ties)
     # Where the real target's plain decoding through the megakernel parts from the graphs',

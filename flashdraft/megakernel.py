@@ -161,8 +161,9 @@ def default_ring(cfg, q4: bool = False, warps: int | None = None,
     slots: 0.696 against 0.712 ms).
 
     int4 (q4): as many slots of (tile, group) units, up to 8, as fit `limit` bytes of shared
-    memory (the GPU's: mma._shared_limit; default a Hopper block's) beside the rest, a slot's units a multiple of the consumer warps (`warps`, default_warps), so that
-    none idles while the slot is held (session 22, 8 warps: 24 units 8.11 ms a Qwen3-32B step,
+    memory (the GPU's: mma._shared_limit; default a Hopper block's) beside the rest, a slot's
+    units a multiple of the consumer warps (`warps`, default_warps), so that none idles while
+    the slot is held (session 22, 8 warps: 24 units 8.11 ms a Qwen3-32B step,
     22 units 8.61). 3 units a warp where the step reads 2 GB of int4 weights or more (session
     23, 12 warps: 36 units 7.31-7.39 ms against 24 units 7.70-7.79 on the 32B; 1.985 against
     2.007 ms on the 8B), else 24 units (2 a warp: the 1.5B and smaller keep more slots)."""
@@ -187,8 +188,9 @@ def default_finish_every(cfg, ring: str, warps: int | None = None,
                          limit: int = HOPPER_SHARED) -> int:
     """int4: chunks between two additions of the tiles they ended (decode_mk.cu's
     Q4_FINISH_EVERY; each addition is a barrier of the block's consumer warps), the most of 8,
-    6, 3 and 1 whose tile sums fit beside `ring` in `limit` bytes (as default_ring). Session 24, the 32B at
-    4x39168: 7.33-7.43 ms a step at 1, 7.14 at 3, 7.02-7.11 at 6, 6.94-6.98 at 8."""
+    6, 3 and 1 whose tile sums fit beside `ring` in `limit` bytes (as default_ring). Session
+    24, the 32B at 4x39168: 7.33-7.43 ms a step at 1, 7.14 at 3, 7.02-7.11 at 6, 6.94-6.98 at
+    8."""
     return next(m for m in (8, 6, 3, 1)
                 if m == 1 or shared_bytes(cfg, ring, q4=True, warps=warps, finish_every=m)
                 <= limit)

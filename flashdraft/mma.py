@@ -70,6 +70,8 @@ def cuda_source(path: Path) -> str:
     """A kernel's source as NVRTC compiles it: csrc/common.cuh (the helpers both kernels
     share), then the kernel's file. NVRTC takes one string and no headers."""
     return (CSRC / "common.cuh").read_text() + path.read_text()
+
+
 # Splits of K chosen so that a product has at least this many blocks (two per SM on an H200).
 TARGET_BLOCKS = int(os.environ.get("FLASHDRAFT_MMA_TARGET_BLOCKS", "264"))
 

@@ -540,7 +540,8 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
     // all of the block's rows at once, lane i holding rows i and i + 32 (side loads in a chunk's
     // epilogue would wait a round trip to the L2 a chunk). QKV's and O's (x of the layer before)
     // are asked for before the op's wait.
-    constexpr bool SIDE = KIND == OP_QKV ? QKV_BIAS : (KIND == OP_O || (KIND == OP_DOWN && WPR == 1));
+    constexpr bool SIDE = KIND == OP_QKV ? QKV_BIAS
+                        : (KIND == OP_O || (KIND == OP_DOWN && WPR == 1));
     constexpr bool SIDE_EARLY = KIND == OP_QKV || KIND == OP_O;
     const u16* side_src = KIND == OP_QKV ? (const u16*)a.table[TBL * layer + 1]
                         : (KIND == OP_O && layer == 0) ? a.embed + (size_t)tok * H : a.x;
@@ -1307,7 +1308,7 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
                 const int nt = i < npc ? nsplit : 0;
                 float mm = -1.0e30f;
                 for (int t = sub; t < nt; t += lp) mm = fmaxf(mm, ml[2 * (t * GS + hh)]);
-                for (int o = lp / 2; o; o >>= 1) mm = fmaxf(mm, __shfl_xor_sync(~0u, mm, o));
+                for (int o = lp / 2; o; o >>= 1) mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, o));
                 float ll = 0.f, o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
                 for (int t = sub; t < nt; t += lp) {
                     const float f = exp2f(ml[2 * (t * GS + hh)] - mm);
@@ -1319,11 +1320,11 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
                     o3 = fmaf(__uint_as_float(v.w), f, o3);
                 }
                 for (int o = lp / 2; o; o >>= 1) {
-                    ll += __shfl_xor_sync(~0u, ll, o);
-                    o0 += __shfl_xor_sync(~0u, o0, o);
-                    o1 += __shfl_xor_sync(~0u, o1, o);
-                    o2 += __shfl_xor_sync(~0u, o2, o);
-                    o3 += __shfl_xor_sync(~0u, o3, o);
+                    ll += __shfl_xor_sync(0xffffffffu, ll, o);
+                    o0 += __shfl_xor_sync(0xffffffffu, o0, o);
+                    o1 += __shfl_xor_sync(0xffffffffu, o1, o);
+                    o2 += __shfl_xor_sync(0xffffffffu, o2, o);
+                    o3 += __shfl_xor_sync(0xffffffffu, o3, o);
                 }
                 if (i < npc && sub == 0) {
                     const float r = 1.f / ll;
