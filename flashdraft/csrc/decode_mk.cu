@@ -1047,6 +1047,9 @@ __device__ __forceinline__ void unpack_head(const u32* w, float* v) {
 #ifndef PU
 #define PU 2  // cached positions a warp loads (and scores) at once
 #endif
+#ifndef ATT_AHEAD
+#define ATT_AHEAD 0  // 1: a warp's next batch of keys and values asked for before this one's
+#endif             // math (units longer than NCW * PU positions: the 32B's), not after it
 #ifndef NOATT
 #define NOATT 0  // measurement only, wrong output: attention skipped
 #endif
@@ -1158,7 +1161,13 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
         }
         if (TRACE) { consumer_sync(); TR(5 * layer + 1, 4); }
         for (int jb = j0 + warp; jb < j1; jb += NCW * PU) {
+#if ATT_AHEAD
+            u32 kb_next[PU][EPL / 2], vb_next[PU][EPL / 2];
+            if (jb + NCW * PU < j1)
+                load_kv_batch(kcache, vcache, jb + NCW * PU, j1, p, lane, kb_next, vb_next);
+#else
             if (jb > j0 + warp) load_kv_batch(kcache, vcache, jb, j1, p, lane, kb, vb);
+#endif
             // the batch's PU positions at once: scores, their sums over the lanes interleaved,
             // then one update of the running max, sum and accumulators a head
             float sc[PU][GS];
@@ -1223,6 +1232,12 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
                 }
                 m[hh] = mn;
             }
+#if ATT_AHEAD
+#pragma unroll
+            for (int t = 0; t < PU; t++)
+#pragma unroll
+                for (int e = 0; e < EPL / 2; e++) { kb[t][e] = kb_next[t][e]; vb[t][e] = vb_next[t][e]; }
+#endif
         }
 #pragma unroll
         for (int hh = 0; hh < GS; hh++) {
