@@ -858,6 +858,7 @@ __device__ __forceinline__ void q4_stage(const Args& a, Shared& s, int layer, in
     constexpr bool NORM = KIND == OP_QKV || KIND == OP_GU || KIND == OP_HEAD;
     constexpr int NP = (K / 8 + CT - 1) / CT;  // 16-byte pieces of x a thread
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int j = KIND == OP_HEAD ? NOPS - 1 : 5 * layer + KIND;  // the op (TRACE's index)
     const long long tok = layer > 0 ? 0 : *a.token;  // read where the embedding is x
     const u16* src = KIND == OP_O ? a.att : KIND == OP_DOWN ? a.hbuf
                    : (layer == 0 && KIND == OP_QKV) ? a.embed + (size_t)tok * H : a.x;
@@ -884,7 +885,7 @@ __device__ __forceinline__ void q4_stage(const Args& a, Shared& s, int layer, in
             cp_async16(s.side + 8 * i, side + t0 * 16 + 8 * i);
     asm volatile("cp.async.wait_all;" ::: "memory");
     consumer_sync();
-    TR(KIND == OP_HEAD ? NOPS - 1 : 5 * layer + KIND, 5);
+    TR(j, 5);
     float r = 1.f;
     if (NORM) {  // r = 1 / rms(x): the warps' sums of squares added in order
         float ss = 0.f;
@@ -936,7 +937,7 @@ __device__ __forceinline__ void q4_stage(const Args& a, Shared& s, int layer, in
         if ((lane & 15) == 0 && i < K / 8) s.sx[i / 16] = sum;  // K / 8: whole groups of 16
     }
     consumer_sync();
-    TR(KIND == OP_HEAD ? NOPS - 1 : 5 * layer + KIND, 4);
+    TR(j, 4);
 }
 
 // One op's int4 products for this block: x staged (normed where a norm comes first), the
@@ -1236,7 +1237,10 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
 #pragma unroll
             for (int t = 0; t < PU; t++)
 #pragma unroll
-                for (int e = 0; e < EPL / 2; e++) { kb[t][e] = kb_next[t][e]; vb[t][e] = vb_next[t][e]; }
+                for (int e = 0; e < EPL / 2; e++) {
+                    kb[t][e] = kb_next[t][e];
+                    vb[t][e] = vb_next[t][e];
+                }
 #endif
         }
 #pragma unroll
