@@ -549,10 +549,11 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
     // LLX: the residual (x from DOWN of the layer before, for O; from O, for DOWN) by its flag
     const bool ll_side = LLX && (KIND == OP_O ? layer > 0 : KIND == OP_DOWN);
     u16 side0w = 0, side1w = 0;
-    if (SIDE && SIDE_EARLY && side_all && !ll_side) {
+    auto load_side = [&]() {
         if (r0 + lane < r1) side0w = ld_cg16(side_src + r0 + lane);
         if (r0 + lane + 32 < r1) side1w = ld_cg16(side_src + r0 + lane + 32);
-    }
+    };
+    if (SIDE && SIDE_EARLY && side_all && !ll_side) load_side();
     if (wait_j >= 0) wait_op(a, wait_j, G);
     // LLX: x read by QKV (past layer 0), GU and HEAD comes from polling x itself (the op's wait)
     constexpr bool POLL = LLX && (KIND == OP_QKV || KIND == OP_GU || KIND == OP_HEAD);
@@ -587,10 +588,7 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
             ll_rows(a, t < r1 - r0 ? r0 + t : -1, -1, resid_flag, j, resid_w, none);
         }
     } else {
-        if (SIDE && !SIDE_EARLY && side_all) {
-            if (r0 + lane < r1) side0w = ld_cg16(side_src + r0 + lane);
-            if (r0 + lane + 32 < r1) side1w = ld_cg16(side_src + r0 + lane + 32);
-        }
+        if (SIDE && !SIDE_EARLY && side_all) load_side();
         if (KIND == OP_DOWN && WPR > 1 && threadIdx.x < r1 - r0)
             resid_w = ld_cg16(a.x + r0 + threadIdx.x);
     }
@@ -848,17 +846,16 @@ __device__ __forceinline__ void q4_finish(const Args& a, Shared& s, int t0, int 
 // Q4: the op's x into s.u.xq (NORM: bf16(x r g), as the model's norm kernel rounds it), the
 // block's side rows (bias, residual) of tiles [t0, t1) into s.side, and each group's sum of x
 // into s.sx; one round trip to the L2 for all of it.
-// wait_j: the op to wait for first (-1: none). What does not depend on it (the token, the
-// norm's weights, the bias, O's residual: x of the layer before) is asked for before the wait:
-// the norms' and the bias's loads wait for the table's pointers, a round trip ahead of them
-// (the 1.5B int4 step 0.816-0.822 → 0.782 ms, session 25).
+// j: the op (TRACE's index); wait_j: the op to wait for first (-1: none). What does not
+// depend on it (the token, the norm's weights, the bias, O's residual: x of the layer before)
+// is asked for before the wait: the norms' and the bias's loads wait for the table's pointers,
+// a round trip ahead of them (the 1.5B int4 step 0.816-0.822 → 0.782 ms, session 25).
 template <int K, int KIND>
-__device__ __forceinline__ void q4_stage(const Args& a, Shared& s, int layer, int t0, int t1,
-                                         int wait_j, int G) {
+__device__ __forceinline__ void q4_stage(const Args& a, Shared& s, int layer, int j, int t0,
+                                         int t1, int wait_j, int G) {
     constexpr bool NORM = KIND == OP_QKV || KIND == OP_GU || KIND == OP_HEAD;
     constexpr int NP = (K / 8 + CT - 1) / CT;  // 16-byte pieces of x a thread
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int j = KIND == OP_HEAD ? NOPS - 1 : 5 * layer + KIND;  // the op (TRACE's index)
     const long long tok = layer > 0 ? 0 : *a.token;  // read where the embedding is x
     const u16* src = KIND == OP_O ? a.att : KIND == OP_DOWN ? a.hbuf
                    : (layer == 0 && KIND == OP_QKV) ? a.embed + (size_t)tok * H : a.x;
@@ -875,14 +872,14 @@ __device__ __forceinline__ void q4_stage(const Args& a, Shared& s, int layer, in
             if (i < K / 8) gw[p] = *(const u32x4*)(nw + 8 * i);
         }
     }
-    if (side && KIND != OP_DOWN)  // DOWN's residual comes from O
+    auto copy_side = [&]() {
         for (int i = threadIdx.x; i < (t1 - t0) * 2; i += CT)
             cp_async16(s.side + 8 * i, side + t0 * 16 + 8 * i);
+    };
+    if (side && KIND != OP_DOWN) copy_side();  // DOWN's residual comes from O
     if (wait_j >= 0) wait_op(a, wait_j, G);
     for (int i = threadIdx.x; i < K / 8; i += CT) cp_async16(s.u.xq + 8 * i, src + 8 * i);
-    if (side && KIND == OP_DOWN)
-        for (int i = threadIdx.x; i < (t1 - t0) * 2; i += CT)
-            cp_async16(s.side + 8 * i, side + t0 * 16 + 8 * i);
+    if (side && KIND == OP_DOWN) copy_side();
     asm volatile("cp.async.wait_all;" ::: "memory");
     consumer_sync();
     TR(j, 5);
@@ -952,7 +949,7 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
     op_matrix(a, layer, KIND == OP_HEAD ? 4 : KIND == OP_QKV ? 0 : KIND - 1, n, k, j, wq, wsz);
     int t0, t1;
     rows_of(n / 16, j, b, G, t0, t1);
-    q4_stage<K, KIND>(a, s, layer, t0, t1, wait_j, G);
+    q4_stage<K, KIND>(a, s, layer, j, t0, t1, wait_j, G);
     const int units = (t1 - t0) * NG, chunks = (units + CU - 1) / CU;
     if (chunks == 0) TR(j, 2);  // a block without tiles of this op (the timeline's "first chunk")
     float acc0 = 0.f, acc1 = 0.f;  // features g and g + 8 of the warp's tile
@@ -1327,7 +1324,8 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
                 const int nt = i < npc ? nsplit : 0;
                 float mm = -1.0e30f;
                 for (int t = sub; t < nt; t += lp) mm = fmaxf(mm, ml[2 * (t * GS + hh)]);
-                for (int o = lp / 2; o; o >>= 1) mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, o));
+                for (int o = lp / 2; o; o >>= 1)
+                    mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, o));
                 float ll = 0.f, o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
                 for (int t = sub; t < nt; t += lp) {
                     const float f = exp2f(ml[2 * (t * GS + hh)] - mm);
