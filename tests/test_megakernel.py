@@ -57,15 +57,15 @@ def test_megakernel_matches_the_model(shape, prompt, ring):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", ["hd128-split-down", "qwen3-split-rows"])
 def test_megakernel_asking_keys_a_batch_ahead_matches_the_model(shape):
-    # ATT_AHEAD (off by default, to be measured): units of 64 positions (ATT_MIN) give a warp
-    # four batches of keys and values, each asked for while the one before is scored
+    # units of 64 positions (ATT_MIN) give a warp several batches of keys and values, each
+    # asked for while the one before is scored
     from flashdraft.megakernel import DecodeMegakernel
     torch.manual_seed(0)
     model = build_random_model(SHAPES[shape], torch.bfloat16, "cuda", seed=3)
     with torch.no_grad():
         model.lm_head.weight.mul_(20)
     compared = _follow_the_model(model, 700, lambda cache: DecodeMegakernel(
-        model, cache, defines={"ATT_AHEAD": 1, "ATT_MIN": 64}))
+        model, cache, defines={"ATT_MIN": 64}))
     assert compared >= (12 if SHAPES[shape].hidden_size < 4096 else 8)
 
 

@@ -206,6 +206,45 @@ __device__ __forceinline__ u32 ld_acquire(const u32* p) {
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
+#ifndef POLL_DEPTH
+#define POLL_DEPTH 1  // polls of a counter in flight at once, POLL_GAP cycles apart
+#endif
+#ifndef POLL_GAP
+#define POLL_GAP 256
+#endif
+#ifndef POLL_RELAXED
+#define POLL_RELAXED 0  // measurement only: polls without acquire (L1 not invalidated)
+#endif
+__device__ __forceinline__ u32 ld_poll(const u32* p) {
+    if (!POLL_RELAXED) return ld_acquire(p);
+    u32 v;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void spin_cycles(long long n) {
+    const long long t = clock64();
+    while (clock64() - t < n) {}
+}
+// Polls *p until it reaches target (false: SPIN_LIMIT polls went by). With POLL_DEPTH > 1,
+// several loads are in flight at once, so that the value is seen a fraction of a round trip
+// after it lands in the L2, not up to a whole one.
+__device__ __forceinline__ bool poll_until(const u32* p, u32 target) {
+    u32 v[POLL_DEPTH];
+#pragma unroll
+    for (int i = 0; i < POLL_DEPTH; i++) {
+        v[i] = ld_poll(p);
+        if (i + 1 < POLL_DEPTH) spin_cycles(POLL_GAP);
+    }
+    for (u32 spins = 0; spins < SPIN_LIMIT; spins += POLL_DEPTH) {
+#pragma unroll
+        for (int i = 0; i < POLL_DEPTH; i++) {
+            if (v[i] >= target) return true;
+            v[i] = ld_poll(p);
+            if (POLL_DEPTH > 1) spin_cycles(POLL_GAP);
+        }
+    }
+    return false;
+}
 __device__ __forceinline__ u32 atom_add_acq_rel(u32* p) {
     u32 v;
     asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(v) : "l"(p) : "memory");
@@ -408,10 +447,7 @@ __device__ __forceinline__ unsigned char* slot_ptr(unsigned char* ring, u32 c) {
 __device__ __forceinline__ void wait_op(const Args& a, int j, int G) {
     TR(j + 1, 0);
     if (!NOWAIT && threadIdx.x == 0) {
-        u32 spins = 0;
-        while (ld_acquire(&a.counters[j]) < (u32)G) {
-            if (++spins == SPIN_LIMIT) { atomicExch(a.error, 1u + j); break; }
-        }
+        if (!poll_until(&a.counters[j], (u32)G)) atomicExch(a.error, 1u + j);
         if (FENCES) __threadfence();
     }
     consumer_sync();
@@ -1045,9 +1081,6 @@ __device__ __forceinline__ void unpack_head(const u32* w, float* v) {
 #ifndef PU
 #define PU 2  // cached positions a warp loads (and scores) at once
 #endif
-#ifndef ATT_AHEAD
-#define ATT_AHEAD 0  // 1: a warp's next batch of keys and values asked for before this one's
-#endif             // math (units longer than NCW * PU positions: the 32B's), not after it
 #ifndef NOATT
 #define NOATT 0  // measurement only, wrong output: attention skipped
 #endif
@@ -1082,8 +1115,9 @@ __device__ __forceinline__ void load_kv_batch(const u16* kcache, const u16* vcac
 // each unit's (m, l, acc) goes to a.part, and once every unit of head g has arrived (a counter
 // a kv head), each unit merges its slice of the head group's outputs from every split.
 // Round trips to memory on the way: the first keys/values (before the wait for QKV); the
-// unit's q, k, v; more keys/values (units longer than NCW * PU positions); the partials'
-// release and the wait for the other units; the merge's loads, all at once.
+// unit's q, k, v; more keys/values (units longer than NCW * PU positions, each batch asked
+// for while the one before is scored); the partials' release and the wait for the other
+// units; the merge's loads, all at once.
 __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) {
     if (NOATT) { wait_op(a, 5 * layer, G); return; }
     bool waited = false;
@@ -1108,13 +1142,8 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
             load_words(a.qknorm + (size_t)(2 * layer) * HD + lane * EPL, qnw);
             load_words(a.qknorm + (size_t)(2 * layer + 1) * HD + lane * EPL, knw);
         }
-        if (!waited) { wait_op(a, 5 * layer, G); waited = true; }
-        u32 qw[GS][EPL / 2], kw[EPL / 2], vw[EPL / 2];
-#pragma unroll
-        for (int hh = 0; hh < GS; hh++) load_words(a.qkv + (g * GS + hh) * HD + lane * EPL, qw[hh]);
-        load_words(a.qkv + QD + g * HD + lane * EPL, kw);
-        load_words(a.qkv + QD + KVD + g * HD + lane * EPL, vw);
         // rope angles of this lane's elements, rounded to bfloat16 as the model's cos/sin are
+        // (before the wait: they depend on the position only)
         float cs[EPL], sn[EPL];
 #pragma unroll
         for (int e = 0; e < EPL; e++) {
@@ -1123,6 +1152,12 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
             cs[e] = round_bf16(cosf(ang));
             sn[e] = round_bf16(sinf(ang));
         }
+        if (!waited) { wait_op(a, 5 * layer, G); waited = true; }
+        u32 qw[GS][EPL / 2], kw[EPL / 2], vw[EPL / 2];
+#pragma unroll
+        for (int hh = 0; hh < GS; hh++) load_words(a.qkv + (g * GS + hh) * HD + lane * EPL, qw[hh]);
+        load_words(a.qkv + QD + g * HD + lane * EPL, kw);
+        load_words(a.qkv + QD + KVD + g * HD + lane * EPL, vw);
         // the new key (rope) and value, rounded to the cache's bfloat16
         float kn[EPL], vn[EPL];
         unpack_head(kw, kn);
@@ -1159,13 +1194,12 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
         }
         if (TRACE) { consumer_sync(); TR(5 * layer + 1, 4); }
         for (int jb = j0 + warp; jb < j1; jb += NCW * PU) {
-#if ATT_AHEAD
+            // the next batch asked for before this one is scored (units longer than NCW * PU
+            // positions: the 32B's three batches a warp; 1.5B int4 0.776-0.781 → 0.764-0.766
+            // ms, session 26)
             u32 kb_next[PU][EPL / 2], vb_next[PU][EPL / 2];
             if (jb + NCW * PU < j1)
                 load_kv_batch(kcache, vcache, jb + NCW * PU, j1, p, lane, kb_next, vb_next);
-#else
-            if (jb > j0 + warp) load_kv_batch(kcache, vcache, jb, j1, p, lane, kb, vb);
-#endif
             // the batch's PU positions at once: scores, their sums over the lanes interleaved,
             // then one update of the running max, sum and accumulators a head
             float sc[PU][GS];
@@ -1230,7 +1264,6 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
                 }
                 m[hh] = mn;
             }
-#if ATT_AHEAD
 #pragma unroll
             for (int t = 0; t < PU; t++)
 #pragma unroll
@@ -1238,7 +1271,6 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
                     kb[t][e] = kb_next[t][e];
                     vb[t][e] = vb_next[t][e];
                 }
-#endif
         }
 #pragma unroll
         for (int hh = 0; hh < GS; hh++) {
@@ -1284,10 +1316,7 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
                 if (FENCES) __threadfence();
                 red_release(&a.counters[NOPS + g]);
                 const u32 target = (u32)nsplit * (u32)(layer + 1);  // zeroed at the step's end
-                u32 spins = 0;
-                while (ld_acquire(&a.counters[NOPS + g]) < target) {
-                    if (++spins == SPIN_LIMIT) { atomicExch(a.error, 2u + 5 * layer); break; }
-                }
+                if (!poll_until(&a.counters[NOPS + g], target)) atomicExch(a.error, 2u + 5 * layer);
                 if (FENCES) __threadfence();
             }
             consumer_sync();
