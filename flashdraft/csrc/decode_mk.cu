@@ -132,6 +132,10 @@
 #define CT (NCW * 32)  // consumer threads
 #define NOPS (5 * NL + 1)
 #define RED_ROWS 64
+#ifndef SIGNAL_COPIES
+#define SIGNAL_COPIES 1  // copies of every counter, CSTRIDE apart: block b polls copy b % it
+#endif
+#define CSTRIDE ((NOPS + NKV + 31) / 32 * 32)  // a copy's counters (whole 128-byte lines)
 #define SPIN_LIMIT (1u << 22)  // polls before a wait gives up (~seconds; a step waits microseconds)
 
 #define XO_ROWS 66  // rows of x a block writes (flashdraft.megakernel checks it)
@@ -169,7 +173,7 @@ struct Args {
     float* part;           // attention partials [NKV][G][GS][HD + 2]
     float* logits;         // [VOCAB]
     float* best;           // [G][2]: value, id (as float bits)
-    u32* counters;         // [NOPS + NKV], zero between steps
+    u32* counters;         // [SIGNAL_COPIES][CSTRIDE]: NOPS + NKV used, zero between steps
     long long* out_token;
     u32* error;            // set when a wait gave up
     u64* trace;            // TRACE: [G][NOPS][8] consumer times, then [G][NOPS][2] producer's
@@ -206,44 +210,28 @@ __device__ __forceinline__ u32 ld_acquire(const u32* p) {
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
-#ifndef POLL_DEPTH
-#define POLL_DEPTH 1  // polls of a counter in flight at once, POLL_GAP cycles apart
-#endif
-#ifndef POLL_GAP
-#define POLL_GAP 256
-#endif
-#ifndef POLL_RELAXED
-#define POLL_RELAXED 0  // measurement only: polls without acquire (L1 not invalidated)
-#endif
-__device__ __forceinline__ u32 ld_poll(const u32* p) {
-    if (!POLL_RELAXED) return ld_acquire(p);
-    u32 v;
-    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ void spin_cycles(long long n) {
-    const long long t = clock64();
-    while (clock64() - t < n) {}
-}
-// Polls *p until it reaches target (false: SPIN_LIMIT polls went by). With POLL_DEPTH > 1,
-// several loads are in flight at once, so that the value is seen a fraction of a round trip
-// after it lands in the L2, not up to a whole one.
+// Polls *p until it reaches target (false: SPIN_LIMIT polls went by), one load at a time: every
+// block polls the same word, and 2 or 4 loads in flight a block made each wait 0.3-0.7 µs
+// longer (the 1.5B bf16 1.089 → 1.151 / 1.243 ms, session 26).
 __device__ __forceinline__ bool poll_until(const u32* p, u32 target) {
-    u32 v[POLL_DEPTH];
-#pragma unroll
-    for (int i = 0; i < POLL_DEPTH; i++) {
-        v[i] = ld_poll(p);
-        if (i + 1 < POLL_DEPTH) spin_cycles(POLL_GAP);
-    }
-    for (u32 spins = 0; spins < SPIN_LIMIT; spins += POLL_DEPTH) {
-#pragma unroll
-        for (int i = 0; i < POLL_DEPTH; i++) {
-            if (v[i] >= target) return true;
-            v[i] = ld_poll(p);
-            if (POLL_DEPTH > 1) spin_cycles(POLL_GAP);
-        }
-    }
+    for (u32 spins = 0; spins < SPIN_LIMIT; spins++)
+        if (ld_acquire(p) >= target) return true;
     return false;
+}
+__device__ __forceinline__ void red_release(u32* p) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(p) : "memory");
+}
+// One count added to a counter (every copy), released: the block's earlier writes come first.
+__device__ __forceinline__ void signal_counter(u32* c) {
+    if (SIGNAL_COPIES == 1) { red_release(c); return; }
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+#pragma unroll
+    for (int k = 0; k < SIGNAL_COPIES; k++)
+        asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" :: "l"(c + k * CSTRIDE) : "memory");
+}
+// This block's copy of a counter polled until it reaches target (false: it never did).
+__device__ __forceinline__ bool wait_counter(const u32* c, u32 target) {
+    return poll_until(c + (blockIdx.x % SIGNAL_COPIES) * CSTRIDE, target);
 }
 __device__ __forceinline__ u32 atom_add_acq_rel(u32* p) {
     u32 v;
@@ -263,9 +251,6 @@ __device__ __forceinline__ u64 gtime() {
     a.trace[((size_t)blockIdx.x * NOPS + (j)) * 8 + (k)] = gtime(); } while (0)
 #define TRP(j, k) do { if (TRACE) a.trace[(size_t)gridDim.x * NOPS * 8 + \
     ((size_t)blockIdx.x * NOPS + (j)) * 2 + (k)] = gtime(); } while (0)
-__device__ __forceinline__ void red_release(u32* p) {
-    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(p) : "memory");
-}
 __device__ __forceinline__ void consumer_sync() {
     asm volatile("bar.sync 1, %0;" :: "n"(CT) : "memory");
 }
@@ -447,7 +432,7 @@ __device__ __forceinline__ unsigned char* slot_ptr(unsigned char* ring, u32 c) {
 __device__ __forceinline__ void wait_op(const Args& a, int j, int G) {
     TR(j + 1, 0);
     if (!NOWAIT && threadIdx.x == 0) {
-        if (!poll_until(&a.counters[j], (u32)G)) atomicExch(a.error, 1u + j);
+        if (!wait_counter(&a.counters[j], (u32)G)) atomicExch(a.error, 1u + j);
         if (FENCES) __threadfence();
     }
     consumer_sync();
@@ -459,7 +444,7 @@ __device__ __forceinline__ void signal_op(const Args& a, int j) {
     TR(j, 3);
     if (threadIdx.x == 0) {
         if (FENCES) __threadfence();
-        red_release(&a.counters[j]);
+        signal_counter(&a.counters[j]);
     }
 }
 
@@ -1314,9 +1299,10 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
         if (nsplit > 1) {  // every unit of kv head g merges a slice of its outputs
             if (threadIdx.x == 0) {  // release this unit's partials; acquire every unit's
                 if (FENCES) __threadfence();
-                red_release(&a.counters[NOPS + g]);
+                signal_counter(&a.counters[NOPS + g]);
                 const u32 target = (u32)nsplit * (u32)(layer + 1);  // zeroed at the step's end
-                if (!poll_until(&a.counters[NOPS + g], target)) atomicExch(a.error, 2u + 5 * layer);
+                if (!wait_counter(&a.counters[NOPS + g], target))
+                    atomicExch(a.error, 2u + 5 * layer);
                 if (FENCES) __threadfence();
             }
             consumer_sync();
@@ -1492,7 +1478,7 @@ decode_step(Args a) {
                 *a.pos = min(*a.pos + 1, (long long)a.max_len - 1);  // never past the cache
             }
             if (LLX) *a.step_count = step + 1u;  // every block read it at its start
-            for (int t = 0; t < NOPS + NKV; t++) a.counters[t] = 0u;
+            for (int t = 0; t < SIGNAL_COPIES * CSTRIDE; t++) a.counters[t] = 0u;
         }
     }
 }
