@@ -321,10 +321,7 @@ class DecodeMegakernel:
                                 dtype=torch.float32, device=dev)
         self.logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=dev)
         self.best = torch.zeros(2 * self.sms, dtype=torch.float32, device=dev)
-        # every counter SIGNAL_COPIES times (defines), each copy whole 128-byte lines
-        copies = int((defines or {}).get("SIGNAL_COPIES", 1))
-        stride = (_nops(cfg) + cfg.num_kv_heads + 31) // 32 * 32
-        self.counters = torch.zeros(copies * stride, dtype=torch.int32, device=dev)
+        self.counters = torch.zeros(_nops(cfg) + cfg.num_kv_heads, dtype=torch.int32, device=dev)
         self.error = torch.zeros(1, dtype=torch.int32, device=dev)
         # TRACE (measurement): the global timer at each op's wait, start and end, a block
         self.trace = (torch.zeros(self.sms * _nops(cfg) * (TRACE_CONSUMER + TRACE_PRODUCER),

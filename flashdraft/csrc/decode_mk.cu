@@ -132,10 +132,6 @@
 #define CT (NCW * 32)  // consumer threads
 #define NOPS (5 * NL + 1)
 #define RED_ROWS 64
-#ifndef SIGNAL_COPIES
-#define SIGNAL_COPIES 1  // copies of every counter, CSTRIDE apart: block b polls copy b % it
-#endif
-#define CSTRIDE ((NOPS + NKV + 31) / 32 * 32)  // a copy's counters (whole 128-byte lines)
 #define SPIN_LIMIT (1u << 22)  // polls before a wait gives up (~seconds; a step waits microseconds)
 
 #define XO_ROWS 66  // rows of x a block writes (flashdraft.megakernel checks it)
@@ -173,7 +169,7 @@ struct Args {
     float* part;           // attention partials [NKV][G][GS][HD + 2]
     float* logits;         // [VOCAB]
     float* best;           // [G][2]: value, id (as float bits)
-    u32* counters;         // [SIGNAL_COPIES][CSTRIDE]: NOPS + NKV used, zero between steps
+    u32* counters;         // [NOPS + NKV], zero between steps
     long long* out_token;
     u32* error;            // set when a wait gave up
     u64* trace;            // TRACE: [G][NOPS][8] consumer times, then [G][NOPS][2] producer's
@@ -220,18 +216,6 @@ __device__ __forceinline__ bool poll_until(const u32* p, u32 target) {
 }
 __device__ __forceinline__ void red_release(u32* p) {
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(p) : "memory");
-}
-// One count added to a counter (every copy), released: the block's earlier writes come first.
-__device__ __forceinline__ void signal_counter(u32* c) {
-    if (SIGNAL_COPIES == 1) { red_release(c); return; }
-    asm volatile("fence.acq_rel.gpu;" ::: "memory");
-#pragma unroll
-    for (int k = 0; k < SIGNAL_COPIES; k++)
-        asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" :: "l"(c + k * CSTRIDE) : "memory");
-}
-// This block's copy of a counter polled until it reaches target (false: it never did).
-__device__ __forceinline__ bool wait_counter(const u32* c, u32 target) {
-    return poll_until(c + (blockIdx.x % SIGNAL_COPIES) * CSTRIDE, target);
 }
 __device__ __forceinline__ u32 atom_add_acq_rel(u32* p) {
     u32 v;
@@ -432,7 +416,7 @@ __device__ __forceinline__ unsigned char* slot_ptr(unsigned char* ring, u32 c) {
 __device__ __forceinline__ void wait_op(const Args& a, int j, int G) {
     TR(j + 1, 0);
     if (!NOWAIT && threadIdx.x == 0) {
-        if (!wait_counter(&a.counters[j], (u32)G)) atomicExch(a.error, 1u + j);
+        if (!poll_until(&a.counters[j], (u32)G)) atomicExch(a.error, 1u + j);
         if (FENCES) __threadfence();
     }
     consumer_sync();
@@ -444,7 +428,7 @@ __device__ __forceinline__ void signal_op(const Args& a, int j) {
     TR(j, 3);
     if (threadIdx.x == 0) {
         if (FENCES) __threadfence();
-        signal_counter(&a.counters[j]);
+        red_release(&a.counters[j]);
     }
 }
 
@@ -1299,9 +1283,9 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
         if (nsplit > 1) {  // every unit of kv head g merges a slice of its outputs
             if (threadIdx.x == 0) {  // release this unit's partials; acquire every unit's
                 if (FENCES) __threadfence();
-                signal_counter(&a.counters[NOPS + g]);
+                red_release(&a.counters[NOPS + g]);
                 const u32 target = (u32)nsplit * (u32)(layer + 1);  // zeroed at the step's end
-                if (!wait_counter(&a.counters[NOPS + g], target))
+                if (!poll_until(&a.counters[NOPS + g], target))
                     atomicExch(a.error, 2u + 5 * layer);
                 if (FENCES) __threadfence();
             }
@@ -1478,7 +1462,7 @@ decode_step(Args a) {
                 *a.pos = min(*a.pos + 1, (long long)a.max_len - 1);  // never past the cache
             }
             if (LLX) *a.step_count = step + 1u;  // every block read it at its start
-            for (int t = 0; t < SIGNAL_COPIES * CSTRIDE; t++) a.counters[t] = 0u;
+            for (int t = 0; t < NOPS + NKV; t++) a.counters[t] = 0u;
         }
     }
 }
