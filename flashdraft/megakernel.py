@@ -216,7 +216,7 @@ def shared_bytes(cfg, ring: str, llx: bool = False, q4: bool = False,
     warps = warps or default_warps(q4)
     group = cfg.num_heads // cfg.num_kv_heads
     h, qd, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size
-    struct = (16 * slots + 4 * 64 * warps + 4 * 3 * warps + 8 * warps + 4 * cfg.head_dim + 20
+    struct = (16 * slots + 4 * 64 * warps + 4 * 3 * warps + 8 * warps + 16
               + ((2 * cfg.hidden_size + 2 * XO_ROWS + 16) if llx else 0))
     attention = 4 * warps * group * (3 + cfg.head_dim) + 8 * group
     if q4:

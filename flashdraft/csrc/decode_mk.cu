@@ -396,8 +396,6 @@ struct Shared {
 #endif
     float best_v[NCW];
     int best_i[NCW];
-    float rope_cs[HD / 2], rope_sn[HD / 2];  // this step's rope angles (cos, sin) a dimension
-    int pos;                                 // and its position
 #if Q4
     float q4red[RT][NCW][16];     // a tile's sums a warp, until the tile's warps are added
     float sx[KMAX / 128];         // the op's group sums of x (float32, taken while staging x)
@@ -1094,7 +1092,7 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
     bool waited = false;
     AttState& st = s.u.at;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int p = s.pos;
+    const int p = (int)*a.pos;
     int nsplit, ch;
     attention_split(p, G, nsplit, ch);
     const float qscale = rsqrtf((float)HD) * 1.4426950408889634f;  // softmax in base 2
@@ -1113,12 +1111,15 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
             load_words(a.qknorm + (size_t)(2 * layer) * HD + lane * EPL, qnw);
             load_words(a.qknorm + (size_t)(2 * layer + 1) * HD + lane * EPL, knw);
         }
-        // rope angles of this lane's elements (Shared, once a step)
+        // rope angles of this lane's elements, rounded to bfloat16 as the model's cos/sin are
+        // (before the wait: they depend on the position only)
         float cs[EPL], sn[EPL];
 #pragma unroll
         for (int e = 0; e < EPL; e++) {
-            cs[e] = s.rope_cs[(lane * EPL + e) % (HD / 2)];
-            sn[e] = s.rope_sn[(lane * EPL + e) % (HD / 2)];
+            const int d = (lane * EPL + e) % (HD / 2);
+            const float ang = (float)p * a.inv_freq[d];
+            cs[e] = round_bf16(cosf(ang));
+            sn[e] = round_bf16(sinf(ang));
         }
         if (!waited) { wait_op(a, 5 * layer, G); waited = true; }
         u32 qw[GS][EPL / 2], kw[EPL / 2], vw[EPL / 2];
@@ -1425,24 +1426,11 @@ decode_step(Args a) {
 #endif
     u32 c = 0;
     const u32 step = LLX ? ld_cg(a.step_count) : 0u;
-    // the step's position and rope's frequencies, asked for at the start, used after layer 0's
-    // QKV: read in every layer's attention, they cost two round trips a layer there
-    const int p = (int)*a.pos;
-    const float freq = threadIdx.x < HD / 2 ? a.inv_freq[threadIdx.x] : 0.f;
     for (int layer = 0; layer < NL; layer++) {
         const int j = 5 * layer;
         // each op waits for the one before (the last argument; -1: none) inside
         OP<H, OP_QKV>(a, s, ring, c, layer, b, G, step, layer > 0 && !LLX ? j - 1 : -1);
         signal_op(a, j);
-        if (layer == 0) {  // rope's angles, rounded to bfloat16 as the model's cos/sin are
-            if (threadIdx.x == 0) s.pos = p;
-            if (threadIdx.x < HD / 2) {
-                const float ang = (float)p * freq;
-                s.rope_cs[threadIdx.x] = round_bf16(cosf(ang));
-                s.rope_sn[threadIdx.x] = round_bf16(sinf(ang));
-            }
-            consumer_sync();
-        }
         attention_op(a, s, layer, b, G);  // waits for QKV inside, its first loads issued
         signal_op(a, j + 1);
         OP<QD, OP_O>(a, s, ring, c, layer, b, G, step, j + 1);
