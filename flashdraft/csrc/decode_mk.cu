@@ -214,9 +214,6 @@ __device__ __forceinline__ bool poll_until(const u32* p, u32 target) {
         if (ld_acquire(p) >= target) return true;
     return false;
 }
-__device__ __forceinline__ void red_release(u32* p) {
-    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(p) : "memory");
-}
 __device__ __forceinline__ u32 atom_add_acq_rel(u32* p) {
     u32 v;
     asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(v) : "l"(p) : "memory");
@@ -235,6 +232,9 @@ __device__ __forceinline__ u64 gtime() {
     a.trace[((size_t)blockIdx.x * NOPS + (j)) * 8 + (k)] = gtime(); } while (0)
 #define TRP(j, k) do { if (TRACE) a.trace[(size_t)gridDim.x * NOPS * 8 + \
     ((size_t)blockIdx.x * NOPS + (j)) * 2 + (k)] = gtime(); } while (0)
+__device__ __forceinline__ void red_release(u32* p) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(p) : "memory");
+}
 __device__ __forceinline__ void consumer_sync() {
     asm volatile("bar.sync 1, %0;" :: "n"(CT) : "memory");
 }
