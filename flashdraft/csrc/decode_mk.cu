@@ -508,6 +508,21 @@ __device__ __forceinline__ void block_best(const Args& a, Shared& s, int b, floa
 
 // -- consumers: a matrix op -------------------------------------------------------------------------
 
+// An op's input x (QKV at layer 0: the token's embedding row) and its epilogue's other input
+// a row (QKV: the bias, nullptr without; O: x of the layer before, at layer 0 the embedding
+// row; DOWN: x from O; GU and HEAD: none). tok: the token, read at layer 0 only.
+template <int KIND>
+__device__ __forceinline__ const u16* op_input(const Args& a, int layer, long long tok) {
+    return KIND == OP_O ? a.att : KIND == OP_DOWN ? a.hbuf
+         : (layer == 0 && KIND == OP_QKV) ? a.embed + (size_t)tok * H : a.x;
+}
+template <int KIND>
+__device__ __forceinline__ const u16* op_side(const Args& a, int layer, long long tok) {
+    return KIND == OP_QKV ? (QKV_BIAS ? (const u16*)a.table[TBL * layer + 1] : nullptr)
+         : KIND == OP_O ? (layer == 0 ? a.embed + (size_t)tok * H : a.x)
+         : KIND == OP_DOWN ? a.x : nullptr;
+}
+
 // One op's products for this block: its rows of W (streamed into the ring) against x (in each
 // lane's registers), with the op's epilogue. c: the consumers' chunk count (the slot sequence).
 template <int K, int KIND>
@@ -528,11 +543,7 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
     const int v_end = min(NVEC, (seg + 1) * VS);
     const long long tok = layer > 0 ? 0 : *a.token;  // read where the embedding is x
 
-    const u16* src;
-    if (KIND == OP_QKV || KIND == OP_GU || KIND == OP_HEAD)
-        src = (layer == 0 && KIND == OP_QKV) ? a.embed + (size_t)tok * H : a.x;
-    else
-        src = KIND == OP_O ? a.att : a.hbuf;
+    const u16* src = op_input<KIND>(a, layer, tok);
     int n, j;
     if (KIND == OP_QKV) { n = NQKV; j = 5 * layer; }
     else if (KIND == OP_O) { n = H; j = 5 * layer + 2; }
@@ -548,8 +559,7 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
     constexpr bool SIDE = KIND == OP_QKV ? QKV_BIAS
                         : (KIND == OP_O || (KIND == OP_DOWN && WPR == 1));
     constexpr bool SIDE_EARLY = KIND == OP_QKV || KIND == OP_O;
-    const u16* side_src = KIND == OP_QKV ? (const u16*)a.table[TBL * layer + 1]
-                        : (KIND == OP_O && layer == 0) ? a.embed + (size_t)tok * H : a.x;
+    const u16* side_src = op_side<KIND>(a, layer, tok);
     const bool side_all = r1 - r0 <= 64;
     // LLX: the residual (x from DOWN of the layer before, for O; from O, for DOWN) by its flag
     const bool ll_side = LLX && (KIND == OP_O ? layer > 0 : KIND == OP_DOWN);
@@ -862,12 +872,9 @@ __device__ __forceinline__ void q4_stage(const Args& a, Shared& s, int layer, in
     constexpr int NP = (K / 8 + CT - 1) / CT;  // 16-byte pieces of x a thread
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const long long tok = layer > 0 ? 0 : *a.token;  // read where the embedding is x
-    const u16* src = KIND == OP_O ? a.att : KIND == OP_DOWN ? a.hbuf
-                   : (layer == 0 && KIND == OP_QKV) ? a.embed + (size_t)tok * H : a.x;
+    const u16* src = op_input<KIND>(a, layer, tok);
     const u64* tb = a.table + TBL * layer;
-    const u16* side = KIND == OP_QKV ? (QKV_BIAS ? (const u16*)tb[1] : nullptr)
-                    : KIND == OP_O ? (layer == 0 ? a.embed + (size_t)tok * H : a.x)
-                    : KIND == OP_DOWN ? a.x : nullptr;
+    const u16* side = op_side<KIND>(a, layer, tok);
     u32x4 gw[NP];  // the norm's weights of this thread's pieces
     if (NORM) {
         const u16* nw = KIND == OP_HEAD ? a.fnorm : (const u16*)tb[KIND == OP_QKV ? 9 : 10];
