@@ -232,9 +232,11 @@ def _ring(ring: str) -> tuple[int, int]:
     try:
         slots, slot = (int(v) for v in ring.lower().split("x"))
     except ValueError:
-        raise ValueError(f"ring {ring!r} (FLASHDRAFT_MK_RING): write SLOTSxBYTES, e.g. 8x24576") from None
+        raise ValueError(f"ring {ring!r} (FLASHDRAFT_MK_RING): write SLOTSxBYTES, "
+                         f"e.g. 8x24576") from None
     if slots < 2 or slot % 16 or slot < 1024:
-        raise ValueError(f"ring {ring!r} (FLASHDRAFT_MK_RING): 2 or more slots of a multiple of 16 bytes")
+        raise ValueError(f"ring {ring!r} (FLASHDRAFT_MK_RING): 2 or more slots of a multiple "
+                         f"of 16 bytes")
     return slots, slot
 
 
@@ -339,8 +341,10 @@ class DecodeMegakernel:
         if llx and min(_rows_per_chunk(h, slot), _rows_per_chunk(qd, slot)) < CONSUMER_WARPS:
             raise ValueError(f"LLX: hidden size {h} / q width {qd}: LLX takes a warp a row, "
                              f"8 rows of them in a {slot}-byte slot")
-        if llx and 2 * -(-(h // 2) // self.sms) > 64:  # whole row pairs a block, as many as side loads take
-            raise ValueError(f"LLX: hidden size {h} over {self.sms} multiprocessors: at most 64 rows a block")
+        # whole row pairs a block, as many as side loads take
+        if llx and 2 * -(-(h // 2) // self.sms) > 64:
+            raise ValueError(f"LLX: hidden size {h} over {self.sms} multiprocessors: at most 64 "
+                             f"rows a block")
         defines = (("H", h), ("INTER", inter), ("NQ", cfg.num_heads), ("NKV", cfg.num_kv_heads),
                    ("HD", cfg.head_dim), ("NL", cfg.num_layers), ("VOCAB", cfg.vocab_size),
                    ("QKV_BIAS", int(cfg.qkv_bias)), ("QK_NORM", int(cfg.qk_norm)),
@@ -405,7 +409,8 @@ class DecodeMegakernel:
         self.pos_in.fill_(position)
         self.args.chain = 1
 
-    def step(self, token: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, token: torch.Tensor,
+             position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [vocab] float32 and the greedy token [1] int64 of `token` ([1] int64) at
         `position` ([1] int64), its key and value written into the cache. The tensors returned
         are this object's buffers, overwritten by the next step."""
@@ -446,7 +451,8 @@ class DecodeMegakernel:
             prev_end = cons[:, [j - 1 for j in js], 3].max(0).values
             r = {"wait": (c[:, :, 1] - c[:, :, 0]).mean().item() / 1e3,
                  "latency": (c[:, :, 1].min(0).values - prev_end).mean().item() / 1e3,
-                 "spread": (c[:, :, 3].max(0).values - c[:, :, 3].min(0).values).mean().item() / 1e3,
+                 "spread": (c[:, :, 3].max(0).values
+                            - c[:, :, 3].min(0).values).mean().item() / 1e3,
                  "end_to_end": (c[:, :, 3].max(0).values - prev_end).mean().item() / 1e3}
             if op != 1:
                 r["to_first"] = (c[:, :, 2] - c[:, :, 1]).mean().item() / 1e3
@@ -468,7 +474,8 @@ class DecodeMegakernel:
                 for part, k0, k1 in (("unit_loads", 1, 4), ("unit_math", 4, 2),
                                      ("counter", 2, 5), ("merge_ml", 5, 6), ("merge_acc", 6, 7)):
                     m = rec[:, :, k0] & rec[:, :, k1]
-                    r[part] = ((c[:, :, k1] - c[:, :, k0])[m]).mean().item() / 1e3 if m.any() else None
+                    r[part] = (((c[:, :, k1] - c[:, :, k0])[m]).mean().item() / 1e3
+                               if m.any() else None)
                 m = rec[:, :, 2]  # the slowest unit of a layer: its partials written after ...
                 last = torch.where(m, c[:, :, 2], torch.full_like(c[:, :, 2], -1e18)).max(0).values
                 r["last_unit_after"] = (last - prev_end).mean().item() / 1e3
@@ -481,5 +488,5 @@ class DecodeMegakernel:
         if code:
             self.error.zero_()
             self.counters.zero_()
-            raise RuntimeError(f"the decode megakernel's wait for op {code - 1} gave up: its blocks "
-                               f"were not all resident (another kernel sharing the GPU?)")
+            raise RuntimeError(f"the decode megakernel's wait for op {code - 1} gave up: its "
+                               f"blocks were not all resident (another kernel sharing the GPU?)")

@@ -101,7 +101,7 @@
 #define NPROD 1  // producer warps: producer i copies the chunks c with c % NPROD == i
 #endif
 #ifndef NOCOMPUTE
-#define NOCOMPUTE 0  // measurement only, wrong output: consumers take each chunk and multiply nothing
+#define NOCOMPUTE 0  // measurement only, wrong output: consumers take each chunk, multiply nothing
 #endif
 #ifndef ACCS
 #define ACCS 1  // independent FMA chains a lane a row (shorter latency a chunk)
@@ -411,7 +411,7 @@ __device__ __forceinline__ unsigned char* slot_ptr(unsigned char* ring, u32 c) {
     return ring + (size_t)(c % NS) * SLOT;
 }
 
-// -- consumers: waits and signals between ops ------------------------------------------------------
+// -- consumers: waits and signals between ops -----------------------------------------------------
 
 __device__ __forceinline__ void wait_op(const Args& a, int j, int G) {
     TR(j + 1, 0);
@@ -432,11 +432,13 @@ __device__ __forceinline__ void signal_op(const Args& a, int j) {
     }
 }
 
-// -- LLX: x with its writer's flag ------------------------------------------------------------------
+// -- LLX: x with its writer's flag ----------------------------------------------------------------
 
 // x's writes in a step: O of layer l is write 2 l, DOWN of layer l write 2 l + 1. A flag names
 // the step and the write; the step counter only grows (zero in the buffer: never a flag).
-__device__ __forceinline__ u32 x_flag(u32 step, int w) { return step * (u32)(2 * NL) + (u32)w + 1u; }
+__device__ __forceinline__ u32 x_flag(u32 step, int w) {
+    return step * (u32)(2 * NL) + (u32)w + 1u;
+}
 
 // Every consumer thread: x's 16-byte pieces (2 words) until each carries `want`, into s.xs.
 __device__ __forceinline__ void poll_x(const Args& a, Shared& s, u32 want, int j) {
@@ -480,9 +482,11 @@ __device__ __forceinline__ void ll_rows(const Args& a, int ra, int rb, u32 want,
     u32 da = 0, db = 0, fa = ra >= 0 ? ~want : want, fb = rb >= 0 ? ~want : want;
     for (u32 spins = 0;; spins++) {
         if (fa != want)
-            asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(da), "=r"(fa) : "l"(xw + 2 * (ra >> 1)));
+            asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];"
+                         : "=r"(da), "=r"(fa) : "l"(xw + 2 * (ra >> 1)));
         if (fb != want)
-            asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(db), "=r"(fb) : "l"(xw + 2 * (rb >> 1)));
+            asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];"
+                         : "=r"(db), "=r"(fb) : "l"(xw + 2 * (rb >> 1)));
         if (fa == want && fb == want) break;
         if (spins == SPIN_LIMIT) { atomicExch(a.error, 1u + j); break; }
     }
@@ -506,7 +510,7 @@ __device__ __forceinline__ void block_best(const Args& a, Shared& s, int b, floa
     }
 }
 
-// -- consumers: a matrix op -------------------------------------------------------------------------
+// -- consumers: a matrix op -----------------------------------------------------------------------
 
 // An op's input x (QKV at layer 0: the token's embedding row) and its epilogue's other input
 // a row (QKV: the bias, nullptr without; O: x of the layer before, at layer 0 the embedding
@@ -641,7 +645,8 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     xr[8 * v + 2 * e] = round_bf16(xr[8 * v + 2 * e] * scale * lo_f32(gw[e]));
-                    xr[8 * v + 2 * e + 1] = round_bf16(xr[8 * v + 2 * e + 1] * scale * hi_f32(gw[e]));
+                    xr[8 * v + 2 * e + 1] =
+                        round_bf16(xr[8 * v + 2 * e + 1] * scale * hi_f32(gw[e]));
                 }
             }
         }
@@ -706,7 +711,8 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
                         const int lr = row_id - r0;
                         const float mine = __shfl_sync(0xffffffffu, side0, lr & 31);
                         const float mine1 = __shfl_sync(0xffffffffu, side1, lr & 31);
-                        other = side_all ? (lr < 32 ? mine : mine1) : bf(ld_cg16(side_src + row_id));
+                        other = side_all ? (lr < 32 ? mine : mine1)
+                                         : bf(ld_cg16(side_src + row_id));
                     }
                     if (KIND == OP_QKV) {
                         if (lane == 0) a.qkv[row_id] = to_bf16(acc * scale + other);
@@ -1017,7 +1023,7 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
 }
 #endif
 
-// -- consumers: attention ---------------------------------------------------------------------------
+// -- consumers: attention -------------------------------------------------------------------------
 
 // x[d] and its rope partner (d ± HD/2, lane ± 16 for HD 128, lane ± 16 for HD 64 too: EPL
 // elements a lane, the first half of the head in lanes 0-15).
@@ -1201,7 +1207,8 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
 #pragma unroll
                 for (int t = 0; t < PU; t++)
 #pragma unroll
-                    for (int hh = 0; hh < GS; hh++) sc[t][hh] += __shfl_xor_sync(0xffffffffu, sc[t][hh], o);
+                    for (int hh = 0; hh < GS; hh++)
+                        sc[t][hh] += __shfl_xor_sync(0xffffffffu, sc[t][hh], o);
             float vv[PU][EPL];
 #pragma unroll
             for (int t = 0; t < PU; t++) {
@@ -1310,7 +1317,8 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
             for (int t = threadIdx.x; t < max(nsplit * npc, nsplit * GS); t += CT) {
                 u32x4 v;
                 float2 w;
-                if (t < nsplit * npc) v = ld_cg4(all + (size_t)(t / npc) * GS * HD + 4 * (pc0 + t % npc));
+                if (t < nsplit * npc)
+                    v = ld_cg4(all + (size_t)(t / npc) * GS * HD + 4 * (pc0 + t % npc));
                 if (t < nsplit * GS)
                     asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];"
                                  : "=f"(w.x), "=f"(w.y) : "l"(all_ml + 2 * t));
@@ -1369,7 +1377,7 @@ static_assert(LDGSTS && !LLX, "Q4 copies with cp.async (LDGSTS=1), without LLX")
 #define OP matrix_op
 #endif
 
-// -- the kernel -------------------------------------------------------------------------------------
+// -- the kernel -----------------------------------------------------------------------------------
 
 // Registers: 9 warps put 3 on one of the 4 sub-partitions (16,384 registers each): 168 a thread.
 extern "C" __global__ void __launch_bounds__((NCW + NPROD) * 32, 1)
