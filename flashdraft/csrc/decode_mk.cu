@@ -118,6 +118,9 @@
 #ifndef TRACE
 #define TRACE 0  // 1: the global timer at each op's wait, start, first chunk and end (Args.trace)
 #endif
+#ifndef INFLIGHT
+#define INFLIGHT 0  // chunks a block's producers have in flight at most (0: every free slot's)
+#endif
 #ifndef NOWAIT
 #define NOWAIT 0  // measurement only, wrong output: no op waits for the one before
 #endif
@@ -298,6 +301,7 @@ static_assert(Q4 || (2 * INTER <= SLOT && 2 * H <= SLOT && 2 * QD <= SLOT),
               "a row must fit a slot");
 static_assert(H % 8 == 0 && INTER % 8 == 0 && QD % 8 == 0, "rows are read in 16-byte pieces");
 static_assert(HD == 64 || HD == 128, "head dim 64 or 128");
+static_assert(INFLIGHT <= NS / 2, "INFLIGHT: at most half the ring's slots");
 
 // -- the weight stream: the same sequence of chunks for the producer and the consumers ---------
 
@@ -1405,6 +1409,11 @@ decode_step(Args a) {
             for (u32 c = 0; next_chunk(a, cur, b, G, ch); c++) {
                 if (c % NPROD != me) continue;
                 if (c >= NS) mbar_wait(&s.empty[c % NS], ((c / NS) - 1) & 1);
+                // at most INFLIGHT chunks on their way: chunk c - INFLIGHT has landed (its slot
+                // cannot have been filled again meanwhile: that needs chunk c in, as
+                // INFLIGHT <= NS / 2)
+                if (INFLIGHT && c >= INFLIGHT)
+                    mbar_wait(&s.full[(c - INFLIGHT) % NS], ((c - INFLIGHT) / NS) & 1);
                 if (lane == 0 && ch.first) TRP(ch.j, 0);
                 const u32 dst = smem_addr(slot_ptr(ring, c));
                 for (u32 off = 16 * lane; off < ch.bytes; off += 512)
