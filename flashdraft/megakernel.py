@@ -51,6 +51,7 @@ Q4_CONSUMER_WARPS, Q4_MANY_WARPS_DEFINES = 12, {"PU": 1}
 # decode_mk.cu's layouts read here: TRACE's times an op (consumer, producer), XO_ROWS
 TRACE_CONSUMER, TRACE_PRODUCER = 8, 2
 XO_ROWS = 66
+ATT_SPLITS = 64  # decode_mk.cu's: units a kv head whose partials attention's merge space holds
 Q4_UNIT, SIDE_MAX = 1088, 256  # Q4: bytes a (tile, group) unit; bias/residual rows a block
 HOPPER_SHARED = 227 * 1024 - 1024  # mma._shared_limit on an H100 / H200
 
@@ -207,18 +208,17 @@ def _device_index(device: torch.device) -> int:
 
 
 def shared_bytes(cfg, ring: str, llx: bool = False, q4: bool = False,
-                 warps: int | None = None, finish_every: int = 1) -> int:
+                 warps: int | None = None, finish_every: int = 1, att_ks: int = 0) -> int:
     """Dynamic shared memory a block of the kernel takes: the ring, then decode_mk.cu's Shared
     (mbarriers, sums; with LLX, x as polled and the rows going out; with Q4, the tiles' warp
     sums, x's group sums and the side rows), whose attention state shares its space with Q4's
     staged x."""
     slots, slot = _ring(ring)
     warps = warps or default_warps(q4)
-    group = cfg.num_heads // cfg.num_kv_heads
     h, qd, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size
     struct = (16 * slots + 4 * 64 * warps + 4 * 3 * warps + 8 * warps + 16
               + ((2 * cfg.hidden_size + 2 * XO_ROWS + 16) if llx else 0))
-    attention = 4 * warps * group * (3 + cfg.head_dim) + 8 * group
+    attention = _attention_bytes(cfg, q4, warps, att_ks)
     if q4:
         units = slot // Q4_UNIT
         tiles = 2 * (finish_every * units // (min(h, qd, inter) // 128)) + 4  # decode_mk.cu's RT
@@ -226,6 +226,27 @@ def shared_bytes(cfg, ring: str, llx: bool = False, q4: bool = False,
                    + 2 * SIDE_MAX + 16)
         attention = max(attention, 2 * max(h, qd, inter))
     return slots * slot + struct + attention + 128
+
+
+def _attention_bytes(cfg, q4: bool, warps: int, att_ks: int = 0) -> int:
+    """decode_mk.cu's AttState: keys and values staged in 2 buffers of KS positions (att_ks:
+    ATT_KS, else the kernel's choice), or the merge's loads of up to ATT_SPLITS units'
+    partials, whichever is larger."""
+    group, hd = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    kmax = max(cfg.hidden_size, cfg.num_heads * hd, cfg.intermediate_size)
+    ks = 8
+    while ks < 32 and 16 * ks * hd <= (2 * kmax if q4 else 0):
+        ks *= 2
+    ks = att_ks or ks
+    wh = _warps_a_head(cfg, warps)
+    merge = wh * (4 * group * hd + 16 * ATT_SPLITS) + 8 * wh * group * ATT_SPLITS
+    return max(8 * ks * hd, merge)
+
+
+def _warps_a_head(cfg, warps: int) -> int:
+    """decode_mk.cu's WH: attention's warps a query head (each its own partial)."""
+    group = cfg.num_heads // cfg.num_kv_heads
+    return warps // group if group <= warps else 1
 
 
 def _ring(ring: str) -> tuple[int, int]:
@@ -319,8 +340,8 @@ class DecodeMegakernel:
         self.att = torch.zeros(qd, **bf16)
         self.hbuf = torch.zeros(inter, **bf16)
         group = cfg.num_heads // cfg.num_kv_heads
-        self.part = torch.zeros(cfg.num_kv_heads * self.sms * group * (cfg.head_dim + 2),
-                                dtype=torch.float32, device=dev)
+        self.part = torch.zeros(cfg.num_kv_heads * self.sms * _warps_a_head(cfg, consumer_warps)
+                                * group * (cfg.head_dim + 2), dtype=torch.float32, device=dev)
         self.logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=dev)
         self.best = torch.zeros(2 * self.sms, dtype=torch.float32, device=dev)
         self.counters = torch.zeros(_nops(cfg) + cfg.num_kv_heads, dtype=torch.int32, device=dev)
@@ -362,7 +383,8 @@ class DecodeMegakernel:
                              f"takes rows in chunks of 8 warps), or 1 to 16 for int4")
         self.consumer_warps = consumer_warps
         self.shared = shared_bytes(cfg, self.ring, llx, self.q4, consumer_warps,
-                                   self.defines.get("Q4_FINISH_EVERY", 1))
+                                   self.defines.get("Q4_FINISH_EVERY", 1),
+                                   self.defines.get("ATT_KS", 0))
         if self.shared > limit:  # LLX's bytes (unsupported() checks the rest)
             raise ValueError(f"the megakernel needs {self.shared} bytes of shared memory a block, "
                              f"the GPU allows {limit}: use a smaller FLASHDRAFT_MK_RING")

@@ -269,6 +269,10 @@ __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
                      : "=r"(done) : "r"(addr), "r"(parity) : "memory");
     }
 }
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_addr(dst)), "l"(src)
+                 : "memory");
+}
 __device__ __forceinline__ void mbar_arrive(u64* bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_addr(bar)) : "memory");
 }
@@ -383,10 +387,28 @@ __device__ __forceinline__ bool next_chunk(const Args& a, Cursor& c, int b, int 
 
 // -- shared memory --------------------------------------------------------------------------------
 
-struct AttState {  // attention: each warp's running state, its warps' weights, a head's max and sum
-    float st_m[NCW][GS], st_l[NCW][GS];
-    float st_acc[NCW][GS][HD];
-    float st_f[NCW][GS], st_hm[GS], st_hl[GS];
+// Attention's warps: a head of the group a warp, WH warps a head where the group has fewer heads
+// than the block has warps, HPW heads a warp where it has more.
+constexpr int WH = GS <= NCW ? NCW / GS : 1;
+constexpr int HPW = (GS + NCW - 1) / NCW;
+// Keys and values staged a round of KS positions at a time, in NB buffers: ATT_KS, else (Q4,
+// whose product x shares the space) the most up to 32 that fit beside it, else 8.
+#ifndef ATT_KS
+#define ATT_KS 0
+#endif
+__host__ __device__ constexpr int att_ks() {
+    int ks = 8;
+    while (ks < 32 && 2 * 8 * ks * HD <= (Q4 ? 2 * KMAX : 0)) ks *= 2;
+    return ATT_KS ? ATT_KS : ks;
+}
+constexpr int KS = att_ks(), NB = 2;
+#define ATT_SPLITS 64  // units a head the merge's space holds at least (132 blocks, 2 kv heads)
+constexpr int ATT_MERGE = WH * (4 * GS * HD + 16 * ATT_SPLITS) + 8 * WH * GS * ATT_SPLITS;
+constexpr int ATT_BYTES = 4 * NB * KS * HD > ATT_MERGE ? 4 * NB * KS * HD : ATT_MERGE;
+
+union __align__(16) AttState {  // attention: the staged keys and values, or the merge's loads
+    u16 kv[NB][2][KS][HD];
+    unsigned char bytes[ATT_BYTES];
 };
 
 struct Shared {
@@ -787,11 +809,6 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
                      // 2 measured 1-3 % faster a step than 1 or 4 (session 23)
 #endif
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_addr(dst)), "l"(src)
-                 : "memory");
-}
-
 // One (tile, group) unit against x (s.xq): the mma's C fragment in d, from the lane's A words
 // of the unit's two 16-byte halves at w and w + 512 bytes in shared memory (gr: the group).
 // Every B column is x, so every lane's d[0] and d[2] are features g and g + 8 of the tile
@@ -1072,38 +1089,54 @@ __device__ __forceinline__ void unpack_head(const u32* w, float* v) {
 #endif
 
 // The split of positions 0 .. p over kv heads: nsplit units a head, ch positions a unit. At most
-// MAX_SPLIT units a head: a unit's merge holds every split's pieces of its slice of the outputs
-// and every split's max and sum in the space of the attention state (AttState.st_acc).
-constexpr int MAX_SPLIT = (NCW * GS * HD * 4 - GS * HD * 4) / (16 + 8 * GS);
+// MAX_SPLIT units a head: a unit's merge holds its slice of the outputs from every unit's WH
+// partials, and their max and sum, in the space of the staged keys and values (AttState).
+constexpr int MAX_SPLIT = (ATT_BYTES / WH - 4 * GS * HD) / (16 + 8 * GS);
+static_assert(MAX_SPLIT >= ATT_SPLITS, "the merge's space holds ATT_SPLITS units a head");
 __device__ __forceinline__ void attention_split(int p, int G, int& nsplit, int& ch) {
     const int by_len = (p + ATT_MIN) / ATT_MIN;  // ceil((p + 1) / ATT_MIN)
     nsplit = max(1, min(min(G / NKV, MAX_SPLIT), by_len));
     ch = (p + nsplit) / nsplit;  // ceil((p + 1) / nsplit)
 }
 
-// PU cached keys and values of a warp (positions jb, jb + NCW, ...; not p, this step's own),
-// loads only.
-__device__ __forceinline__ void load_kv_batch(const u16* kcache, const u16* vcache, int jb, int j1,
-                                              int p, int lane, u32 (*kb)[EPL / 2],
-                                              u32 (*vb)[EPL / 2]) {
-#pragma unroll
-    for (int t = 0; t < PU; t++) {
-        const int jp = jb + NCW * t;
-        if (jp < j1 && jp != p) {
-            load_words(kcache + (size_t)jp * HD + lane * EPL, kb[t]);
-            load_words(vcache + (size_t)jp * HD + lane * EPL, vb[t]);
-        }
+// Round r of a unit's cached keys and values (positions j0 + r KS .., at most KS, below j1)
+// into staging buffer r % NB, 16 bytes a consumer thread at a time; one cp.async group a round,
+// empty past the unit, so that a thread's wait_group counts rounds.
+__device__ __forceinline__ void stage_kv(AttState& st, const u16* kcache, const u16* vcache,
+                                         int j0, int j1, int r) {
+    constexpr int PR = HD / 8;  // 16-byte pieces a row
+    const int s0 = j0 + r * KS, n = min(KS, j1 - s0);
+    for (int t = threadIdx.x; t < 2 * KS * PR; t += CT) {
+        const int kv = t / (KS * PR), jj = (t / PR) % KS, pc = t % PR;
+        if (jj < n)
+            cp_async16(&st.kv[r % NB][kv][jj][8 * pc],
+                       (kv ? vcache : kcache) + (size_t)(s0 + jj) * HD + 8 * pc);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// This lane's EPL bfloat16 of a staged key or value, as raw words.
+__device__ __forceinline__ void shared_words(const u16* p, u32* w) {
+    if (EPL == 4) {
+        const uint2 v = *(const uint2*)p;
+        w[0] = v.x;
+        w[1] = v.y;
+    } else {
+        w[0] = *(const u32*)p;
     }
 }
 
-// Units of (kv head g, split sp of positions): each warp takes positions j0 + warp, + NCW, ...
-// with an online softmax; the block's warps are merged in shared memory; with several splits,
-// each unit's (m, l, acc) goes to a.part, and once every unit of head g has arrived (a counter
-// a kv head), each unit merges its slice of the head group's outputs from every split.
-// Round trips to memory on the way: the first keys/values (before the wait for QKV); the
-// unit's q, k, v; more keys/values (units longer than NCW * PU positions, each batch asked
-// for while the one before is scored); the partials' release and the wait for the other
-// units; the merge's loads, all at once.
+// Units of (kv head g, split sp of positions) a block. A unit's cached keys and values are
+// staged in shared memory in rounds of KS positions (the first NB rounds before the wait for
+// QKV, each later one once the round NB before it is scored); a warp takes one head of the
+// group (HPW heads where the group has more heads than the block has warps; WH warps a head,
+// every WH-th position, where it has fewer) with an online softmax, so no warp waits for
+// another until its partials are out. With one partial a head it is the output; else each
+// (m, l, acc) goes to a.part, and once every unit of head g has arrived (a counter a kv head),
+// each unit merges its slice of the head group's outputs from every partial.
+// Round trips to memory on the way: the staged keys/values (before the wait); the unit's q, k,
+// v; later rounds (units longer than NB KS positions); the partials' release and the wait for
+// the other units; the merge's loads, all at once.
 __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) {
     if (NOATT) { wait_op(a, 5 * layer, G); return; }
     bool waited = false;
@@ -1112,17 +1145,18 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
     const int p = (int)*a.pos;
     int nsplit, ch;
     attention_split(p, G, nsplit, ch);
+    const int nparts = nsplit * WH;  // partials a head
     const float qscale = rsqrtf((float)HD) * 1.4426950408889634f;  // softmax in base 2
     const size_t head_stride = (size_t)a.max_len * HD;
     for (int u = b; u < NKV * nsplit; u += G) {
         const int g = u / nsplit, sp = u % nsplit;
-        const int j0 = sp * ch, j1 = min(p + 1, j0 + ch);
+        const int j0 = sp * ch, j1 = min(p + 1, j0 + ch), rounds = (j1 - j0 + KS - 1) / KS;
         u16* kcache = a.kv + ((size_t)(2 * layer) * NKV + g) * head_stride;
         u16* vcache = a.kv + ((size_t)(2 * layer + 1) * NKV + g) * head_stride;
-        // the first cached keys/values (earlier steps' writes: loaded before the wait for
-        // QKV), then q of the group's heads, the new key and value
-        u32 kb[PU][EPL / 2], vb[PU][EPL / 2];
-        load_kv_batch(kcache, vcache, j0 + warp, j1, p, lane, kb, vb);
+        // the first rounds of cached keys/values (earlier steps' writes: asked for before the
+        // wait for QKV), then q of the warp's heads, the new key and value
+#pragma unroll
+        for (int r = 0; r < NB; r++) stage_kv(st, kcache, vcache, j0, j1, r);
         u32 qnw[EPL / 2], knw[EPL / 2];  // QK_NORM: the head norms' weights
         if (QK_NORM) {
             load_words(a.qknorm + (size_t)(2 * layer) * HD + lane * EPL, qnw);
@@ -1139,9 +1173,13 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
             sn[e] = round_bf16(sinf(ang));
         }
         if (!waited) { wait_op(a, 5 * layer, G); waited = true; }
-        u32 qw[GS][EPL / 2], kw[EPL / 2], vw[EPL / 2];
+        // the warp's heads: wh = warp + NCW i, head wh % GS, every WH-th position from wh / GS
+        u32 qw[HPW][EPL / 2], kw[EPL / 2], vw[EPL / 2];
 #pragma unroll
-        for (int hh = 0; hh < GS; hh++) load_words(a.qkv + (g * GS + hh) * HD + lane * EPL, qw[hh]);
+        for (int i = 0; i < HPW; i++) {
+            const int wh = warp + NCW * i;
+            if (wh < GS * WH) load_words(a.qkv + (g * GS + wh % GS) * HD + lane * EPL, qw[i]);
+        }
         load_words(a.qkv + QD + g * HD + lane * EPL, kw);
         load_words(a.qkv + QD + KVD + g * HD + lane * EPL, vw);
         // the new key (rope) and value, rounded to the cache's bfloat16
@@ -1156,7 +1194,10 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
         }
         rope_lane(kn, cs, sn, lane);
 #pragma unroll
-        for (int e = 0; e < EPL; e++) kn[e] = round_bf16(kn[e]);
+        for (int e = 0; e < EPL; e++) {
+            kn[e] = round_bf16(kn[e]);
+            vn[e] = round_bf16(vn[e]);
+        }
         if (sp == 0 && warp == 0) {
 #pragma unroll
             for (int e = 0; e < EPL; e++) {
@@ -1164,141 +1205,119 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
                 vcache[(size_t)p * HD + lane * EPL + e] = to_bf16(vn[e]);
             }
         }
-        float q[GS][EPL], acc[GS][EPL], m[GS], l[GS];
+        float q[HPW][EPL], acc[HPW][EPL], m[HPW], l[HPW];
 #pragma unroll
-        for (int hh = 0; hh < GS; hh++) {
-            unpack_head(qw[hh], q[hh]);
-            if (QK_NORM) head_norm(q[hh], qn_w, a.eps);
-            rope_lane(q[hh], cs, sn, lane);
+        for (int i = 0; i < HPW; i++) {
+            unpack_head(qw[i], q[i]);
+            if (QK_NORM) head_norm(q[i], qn_w, a.eps);
+            rope_lane(q[i], cs, sn, lane);
 #pragma unroll
             for (int e = 0; e < EPL; e++) {
-                q[hh][e] = round_bf16(q[hh][e]) * qscale;
-                acc[hh][e] = 0.f;
+                q[i][e] = round_bf16(q[i][e]) * qscale;
+                acc[i][e] = 0.f;
             }
-            m[hh] = -1.0e30f;
-            l[hh] = 0.f;
+            m[i] = -1.0e30f;
+            l[i] = 0.f;
         }
         if (TRACE) { consumer_sync(); TR(5 * layer + 1, 4); }
-        for (int jb = j0 + warp; jb < j1; jb += NCW * PU) {
-            // the next batch asked for before this one is scored (units longer than NCW * PU
-            // positions: the 32B's three batches a warp; 1.5B int4 0.776-0.781 → 0.764-0.766
-            // ms, session 26)
-            u32 kb_next[PU][EPL / 2], vb_next[PU][EPL / 2];
-            if (jb + NCW * PU < j1)
-                load_kv_batch(kcache, vcache, jb + NCW * PU, j1, p, lane, kb_next, vb_next);
-            // the batch's PU positions at once: scores, their sums over the lanes interleaved,
-            // then one update of the running max, sum and accumulators a head
-            float sc[PU][GS];
+        for (int r = 0; r < rounds; r++) {
+            // round r in: the NB - 1 groups after it may still be on their way
+            asm volatile("cp.async.wait_group %0;" :: "n"(NB - 1) : "memory");
+            consumer_sync();
+            const int s0 = j0 + r * KS, n = min(KS, j1 - s0);
 #pragma unroll
-            for (int t = 0; t < PU; t++) {
-                const int jp = jb + NCW * t;
-                float kk[EPL];
-                if (jp == p) {
+            for (int i = 0; i < HPW; i++) {
+                const int wh = warp + NCW * i;
+                if (wh >= GS * WH) break;
+                // PU positions at once: scores, their sums over the lanes interleaved, then
+                // one update of the running max, sum and accumulators
+                for (int ib = wh / GS; ib < n; ib += WH * PU) {
+                    float sc[PU], vv[PU][EPL];
 #pragma unroll
-                    for (int e = 0; e < EPL; e++) kk[e] = kn[e];
-                } else {
-                    unpack_head(kb[t], kk);
-                }
+                    for (int t = 0; t < PU; t++) {
+                        const int jj = ib + WH * t;
+                        float kk[EPL];
+                        if (jj < n && s0 + jj != p) {
+                            u32 w[EPL / 2];
+                            shared_words(&st.kv[r % NB][0][jj][lane * EPL], w);
+                            unpack_head(w, kk);
+                        } else {
 #pragma unroll
-                for (int hh = 0; hh < GS; hh++) {
-                    sc[t][hh] = 0.f;
+                            for (int e = 0; e < EPL; e++) kk[e] = kn[e];
+                        }
+                        sc[t] = 0.f;
 #pragma unroll
-                    for (int e = 0; e < EPL; e++) sc[t][hh] = fmaf(q[hh][e], kk[e], sc[t][hh]);
+                        for (int e = 0; e < EPL; e++) sc[t] = fmaf(q[i][e], kk[e], sc[t]);
+                    }
+#pragma unroll
+                    for (int o = 16; o; o >>= 1)
+#pragma unroll
+                        for (int t = 0; t < PU; t++)
+                            sc[t] += __shfl_xor_sync(0xffffffffu, sc[t], o);
+#pragma unroll
+                    for (int t = 0; t < PU; t++) {
+                        const int jj = ib + WH * t;
+                        if (jj >= n) {  // past the round: weight 0
+                            sc[t] = -1.0e30f;
+#pragma unroll
+                            for (int e = 0; e < EPL; e++) vv[t][e] = 0.f;
+                        } else if (s0 + jj == p) {
+#pragma unroll
+                            for (int e = 0; e < EPL; e++) vv[t][e] = vn[e];
+                        } else {
+                            u32 w[EPL / 2];
+                            shared_words(&st.kv[r % NB][1][jj][lane * EPL], w);
+                            unpack_head(w, vv[t]);
+                        }
+                    }
+                    float mn = m[i];
+#pragma unroll
+                    for (int t = 0; t < PU; t++) mn = fmaxf(mn, sc[t]);
+                    const float corr = exp2f(m[i] - mn);
+                    float pr[PU];
+#pragma unroll
+                    for (int t = 0; t < PU; t++) pr[t] = exp2f(sc[t] - mn);
+                    float ls = l[i] * corr;
+#pragma unroll
+                    for (int t = 0; t < PU; t++) ls += pr[t];
+                    l[i] = ls;
+#pragma unroll
+                    for (int e = 0; e < EPL; e++) {
+                        float v = acc[i][e] * corr;
+#pragma unroll
+                        for (int t = 0; t < PU; t++) v = fmaf(pr[t], vv[t][e], v);
+                        acc[i][e] = v;
+                    }
+                    m[i] = mn;
                 }
             }
-#pragma unroll
-            for (int o = 16; o; o >>= 1)
-#pragma unroll
-                for (int t = 0; t < PU; t++)
-#pragma unroll
-                    for (int hh = 0; hh < GS; hh++)
-                        sc[t][hh] += __shfl_xor_sync(0xffffffffu, sc[t][hh], o);
-            float vv[PU][EPL];
-#pragma unroll
-            for (int t = 0; t < PU; t++) {
-                const int jp = jb + NCW * t;
-                if (jp >= j1) {  // past the unit: weight 0
-#pragma unroll
-                    for (int hh = 0; hh < GS; hh++) sc[t][hh] = -1.0e30f;
-#pragma unroll
-                    for (int e = 0; e < EPL; e++) vv[t][e] = 0.f;
-                } else if (jp == p) {
-#pragma unroll
-                    for (int e = 0; e < EPL; e++) vv[t][e] = round_bf16(vn[e]);
-                } else {
-                    unpack_head(vb[t], vv[t]);
-                }
-            }
-#pragma unroll
-            for (int hh = 0; hh < GS; hh++) {
-                float mn = m[hh];
-#pragma unroll
-                for (int t = 0; t < PU; t++) mn = fmaxf(mn, sc[t][hh]);
-                const float corr = exp2f(m[hh] - mn);
-                float pr[PU];
-#pragma unroll
-                for (int t = 0; t < PU; t++) pr[t] = exp2f(sc[t][hh] - mn);
-                float ls = l[hh] * corr;
-#pragma unroll
-                for (int t = 0; t < PU; t++) ls += pr[t];
-                l[hh] = ls;
-#pragma unroll
-                for (int e = 0; e < EPL; e++) {
-                    float v = acc[hh][e] * corr;
-#pragma unroll
-                    for (int t = 0; t < PU; t++) v = fmaf(pr[t], vv[t][e], v);
-                    acc[hh][e] = v;
-                }
-                m[hh] = mn;
-            }
-#pragma unroll
-            for (int t = 0; t < PU; t++)
-#pragma unroll
-                for (int e = 0; e < EPL / 2; e++) {
-                    kb[t][e] = kb_next[t][e];
-                    vb[t][e] = vb_next[t][e];
-                }
+            // round r + NB into this round's buffer once every warp has scored it (an empty
+            // group past the unit, so that the wait above stays NB - 1)
+            if (r + NB < rounds) consumer_sync();
+            stage_kv(st, kcache, vcache, j0, j1, r + NB);
         }
+        // partials: accumulators [NKV][G WH][GS][HD], then (max, sum) [NKV][G WH][GS][2]
 #pragma unroll
-        for (int hh = 0; hh < GS; hh++) {
-            if (lane == 0) { st.st_m[warp][hh] = m[hh]; st.st_l[warp][hh] = l[hh]; }
+        for (int i = 0; i < HPW; i++) {
+            const int wh = warp + NCW * i;
+            if (wh >= GS * WH) break;
+            const int hh = wh % GS, part = sp * WH + wh / GS;
+            if (nparts == 1) {
 #pragma unroll
-            for (int e = 0; e < EPL; e++) st.st_acc[warp][hh][lane * EPL + e] = acc[hh][e];
-        }
-        consumer_sync();
-        if (threadIdx.x < GS) {  // head hh: the warps' weights exp2(m_w - M), M and the sum
-            const int hh = threadIdx.x;
-            float mm = -1.0e30f, ll = 0.f;
-#pragma unroll
-            for (int w = 0; w < NCW; w++) mm = fmaxf(mm, st.st_m[w][hh]);
-#pragma unroll
-            for (int w = 0; w < NCW; w++) {
-                const float f = exp2f(st.st_m[w][hh] - mm);
-                st.st_f[w][hh] = f;
-                ll = fmaf(st.st_l[w][hh], f, ll);
-            }
-            st.st_hm[hh] = mm;
-            st.st_hl[hh] = ll;
-        }
-        consumer_sync();
-        // partials: accumulators [NKV][G][GS][HD], then (max, sum) [NKV][G][GS][2]
-        float* mine = a.part + (size_t)(g * G + sp) * GS * HD;
-        float* mine_ml = a.part + (size_t)NKV * G * GS * HD + (size_t)(g * G + sp) * GS * 2;
-        for (int idx = threadIdx.x; idx < GS * HD; idx += CT) {
-            const int hh = idx / HD, d = idx % HD;
-            float o = 0.f;
-#pragma unroll
-            for (int w = 0; w < NCW; w++) o = fmaf(st.st_acc[w][hh][d], st.st_f[w][hh], o);
-            if (nsplit == 1) {
-                a.att[(g * GS + hh) * HD + d] = to_bf16(o / st.st_hl[hh]);
+                for (int e = 0; e < EPL; e++)
+                    a.att[(g * GS + hh) * HD + lane * EPL + e] = to_bf16(acc[i][e] / l[i]);
             } else {
-                mine[hh * HD + d] = o;
-                if (d == 0) { mine_ml[2 * hh] = st.st_hm[hh]; mine_ml[2 * hh + 1] = st.st_hl[hh]; }
+                float* mine = a.part + ((size_t)(g * G * WH + part) * GS + hh) * HD;
+                float* mine_ml = a.part + (size_t)NKV * G * WH * GS * HD
+                                 + ((size_t)(g * G * WH + part) * GS + hh) * 2;
+#pragma unroll
+                for (int e = 0; e < EPL; e++) mine[lane * EPL + e] = acc[i][e];
+                if (lane == 0) { mine_ml[0] = m[i]; mine_ml[1] = l[i]; }
             }
         }
         consumer_sync();
         TR(5 * layer + 1, 2);
-        if (nsplit > 1) {  // every unit of kv head g merges a slice of its outputs
+        if (nparts > 1) {  // every unit of kv head g merges a slice of its outputs
             if (threadIdx.x == 0) {  // release this unit's partials; acquire every unit's
                 if (FENCES) __threadfence();
                 red_release(&a.counters[NOPS + g]);
@@ -1310,36 +1329,37 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
             consumer_sync();
             TR(5 * layer + 1, 5);
             // this unit's outputs: 4-float pieces [pc0, pc0 + npc) of the group's GS * HD; one
-            // round trip loads every split's piece and (max, sum), a thread a load
+            // round trip loads every partial's piece and (max, sum), a thread a load
             constexpr int NPC = GS * HD / 4;
             const int ppu = (NPC + nsplit - 1) / nsplit;
             const int pc0 = min(NPC, sp * ppu), npc = min(NPC, pc0 + ppu) - pc0;
-            const float* all = a.part + (size_t)g * G * GS * HD;
-            const float* all_ml = a.part + (size_t)NKV * G * GS * HD + (size_t)g * G * GS * 2;
-            u32x4* po = (u32x4*)&st.st_acc[0][0][0];  // [nsplit][npc]
-            float* ml = (float*)(po + nsplit * npc);  // [nsplit][GS][2]
-            for (int t = threadIdx.x; t < max(nsplit * npc, nsplit * GS); t += CT) {
+            const float* all = a.part + (size_t)g * G * WH * GS * HD;
+            const float* all_ml = a.part + (size_t)NKV * G * WH * GS * HD
+                                  + (size_t)g * G * WH * GS * 2;
+            u32x4* po = (u32x4*)&st;  // [nparts][npc]
+            float* ml = (float*)(po + nparts * npc);  // [nparts][GS][2]
+            for (int t = threadIdx.x; t < max(nparts * npc, nparts * GS); t += CT) {
                 u32x4 v;
                 float2 w;
-                if (t < nsplit * npc)
+                if (t < nparts * npc)
                     v = ld_cg4(all + (size_t)(t / npc) * GS * HD + 4 * (pc0 + t % npc));
-                if (t < nsplit * GS)
+                if (t < nparts * GS)
                     asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];"
                                  : "=f"(w.x), "=f"(w.y) : "l"(all_ml + 2 * t));
-                if (t < nsplit * npc) po[t] = v;
-                if (t < nsplit * GS) { ml[2 * t] = w.x; ml[2 * t + 1] = w.y; }
+                if (t < nparts * npc) po[t] = v;
+                if (t < nparts * GS) { ml[2 * t] = w.x; ml[2 * t + 1] = w.y; }
             }
             consumer_sync();
             TR(5 * layer + 1, 6);
             // lp lanes a piece of 4 outputs (as many as leave every piece a lane group at
-            // once): lane l of a group takes the splits l, l + lp, ..., and their max and sums
-            // are added over the group in a fixed tree (every lane ends with the same)
+            // once): lane l of a group takes the partials l, l + lp, ..., and their max and
+            // sums are added over the group in a fixed tree (every lane ends with the same)
             int lp = 32;
             while (lp > 1 && npc * lp > CT) lp >>= 1;
             for (int i0 = warp * (32 / lp); i0 < npc; i0 += NCW * (32 / lp)) {
                 const int i = i0 + lane / lp, sub = lane % lp;  // groups past npc add zeros
                 const int pc = pc0 + min(i, npc - 1), hh = 4 * pc / HD;
-                const int nt = i < npc ? nsplit : 0;
+                const int nt = i < npc ? nparts : 0;
                 float mm = -1.0e30f;
                 for (int t = sub; t < nt; t += lp) mm = fmaxf(mm, ml[2 * (t * GS + hh)]);
                 for (int o = lp / 2; o; o >>= 1)
@@ -1370,6 +1390,7 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
             }
             if (TRACE) { consumer_sync(); TR(5 * layer + 1, 7); }
         }
+        if (u + G < NKV * nsplit) consumer_sync();  // the next unit's staging reuses st
     }
     if (!waited) wait_op(a, 5 * layer, G);
 }
