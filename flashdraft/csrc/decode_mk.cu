@@ -131,6 +131,7 @@
 #define KVD (NKV * HD)
 #define NQKV (QD + 2 * KVD)
 #define GS (NQ / NKV)  // query heads a kv head
+#define EPL (HD / 32)  // head elements a lane
 #define CT (NCW * 32)  // consumer threads
 #define NOPS (5 * NL + 1)
 #define RED_ROWS 64
@@ -1045,71 +1046,47 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
 
 // -- consumers: attention -------------------------------------------------------------------------
 
-// A warp takes a head: LG lanes a cached position, DL consecutive elements of the head a lane
-// (lane = group * LG + li: elements li DL ..), 32 / LG positions at once, so that a score is a
-// sum over LG lanes and each lane group keeps its own running max, sum and accumulators until
-// the unit's end.
-#ifndef ATT_LG
-#define ATT_LG 0  // LG; 0: 16 for int4 with head dim 128 (128 registers a thread), else 8
-#endif
-constexpr int LG = ATT_LG ? ATT_LG : (Q4 && HD >= 128 ? 16 : 8), PG = 32 / LG, DL = HD / LG;
-static_assert(DL % 8 == 0 && (LG & (LG - 1)) == 0 && LG >= 2 && LG <= 32,
-              "a lane's elements of a head come in 16-byte pieces");
-#ifndef PU
-#define PU 2  // cached positions a lane group scores at once
-#endif
-#ifndef NOATT
-#define NOATT 0  // measurement only, wrong output: attention skipped
-#endif
-
-// x[d] and its rope partner d ± HD/2 (lane li ± LG/2 of the group; the first half in li < LG/2).
-__device__ __forceinline__ void rope_lane(float* v, const float* cs, const float* sn, int li) {
+// x[d] and its rope partner (d ± HD/2, lane ± 16 for HD 128, lane ± 16 for HD 64 too: EPL
+// elements a lane, the first half of the head in lanes 0-15).
+__device__ __forceinline__ void rope_lane(float* v, const float* cs, const float* sn, int lane) {
 #pragma unroll
-    for (int e = 0; e < DL; e++) {
-        const float other = __shfl_xor_sync(0xffffffffu, v[e], LG / 2);
-        v[e] = li < LG / 2 ? v[e] * cs[e] - other * sn[e] : v[e] * cs[e] + other * sn[e];
+    for (int e = 0; e < EPL; e++) {
+        const float other = __shfl_xor_sync(0xffffffffu, v[e], 16);
+        v[e] = lane < 16 ? v[e] * cs[e] - other * sn[e] : v[e] * cs[e] + other * sn[e];
     }
 }
 
-// v summed over a lane group (every lane of the group ends with the same).
-__device__ __forceinline__ float group_sum(float v) {
-#pragma unroll
-    for (int o = LG / 2; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-// QK_NORM: a head's RMSNorm (w: this lane's DL weights), rounded to bfloat16 before rope as
+// QK_NORM: a head's RMSNorm (w: this lane's EPL weights), rounded to bfloat16 before rope as
 // the model's kernel stores it.
 __device__ __forceinline__ void head_norm(float* v, const float* w, float eps) {
     float ss = 0.f;
 #pragma unroll
-    for (int e = 0; e < DL; e++) ss = fmaf(v[e], v[e], ss);
-    const float inv = rsqrtf(group_sum(ss) / (float)HD + eps);
+    for (int e = 0; e < EPL; e++) ss = fmaf(v[e], v[e], ss);
+    const float inv = rsqrtf(warp_sum(ss) / (float)HD + eps);
 #pragma unroll
-    for (int e = 0; e < DL; e++) v[e] = round_bf16(v[e] * inv * w[e]);
+    for (int e = 0; e < EPL; e++) v[e] = round_bf16(v[e] * inv * w[e]);
 }
 
-// This lane's DL bfloat16 of a head as raw words, from global memory (other blocks' writes:
-// past L1; loads only: convert with unpack_head once a batch's loads are all issued) or from
-// the staged keys and values.
+// This lane's EPL bfloat16 of a head as raw words (loads only: convert with unpack_head, after
+// every load of a batch is issued, so that a batch waits for one round trip, not one a load).
 __device__ __forceinline__ void load_words(const u16* p, u32* w) {
-#pragma unroll
-    for (int i = 0; i < DL / 8; i++) {
-        const u32x4 v = ld_cg4(p + 8 * i);
-        w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
-    }
-}
-__device__ __forceinline__ void shared_words(const u16* p, u32* w) {
-#pragma unroll
-    for (int i = 0; i < DL / 8; i++) {
-        const uint4 v = ((const uint4*)p)[i];
-        w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
+    if (EPL == 4) {
+        asm volatile("ld.global.cg.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
+    } else {
+        w[0] = ld_cg(p);
     }
 }
 __device__ __forceinline__ void unpack_head(const u32* w, float* v) {
 #pragma unroll
-    for (int i = 0; i < DL / 2; i++) { v[2 * i] = lo_f32(w[i]); v[2 * i + 1] = hi_f32(w[i]); }
+    for (int i = 0; i < EPL / 2; i++) { v[2 * i] = lo_f32(w[i]); v[2 * i + 1] = hi_f32(w[i]); }
 }
+
+#ifndef PU
+#define PU 2  // cached positions a warp loads (and scores) at once
+#endif
+#ifndef NOATT
+#define NOATT 0  // measurement only, wrong output: attention skipped
+#endif
 
 // The split of positions 0 .. p over kv heads: nsplit units a head, ch positions a unit. At most
 // MAX_SPLIT units a head: a unit's merge holds its slice of the outputs from every unit's WH
@@ -1138,15 +1115,25 @@ __device__ __forceinline__ void stage_kv(AttState& st, const u16* kcache, const 
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
+// This lane's EPL bfloat16 of a staged key or value, as raw words.
+__device__ __forceinline__ void shared_words(const u16* p, u32* w) {
+    if (EPL == 4) {
+        const uint2 v = *(const uint2*)p;
+        w[0] = v.x;
+        w[1] = v.y;
+    } else {
+        w[0] = *(const u32*)p;
+    }
+}
+
 // Units of (kv head g, split sp of positions) a block. A unit's cached keys and values are
 // staged in shared memory in rounds of KS positions (the first NB rounds before the wait for
 // QKV, each later one once the round NB before it is scored); a warp takes one head of the
 // group (HPW heads where the group has more heads than the block has warps; WH warps a head,
-// every WH-th position, where it has fewer), its lane groups each a share of the positions with
-// an online softmax, merged over the groups at the unit's end: no warp waits for another until
-// its partials are out. With one partial a head it is the output; else each (m, l, acc) goes to
-// a.part, and once every unit of head g has arrived (a counter a kv head), each unit merges its
-// slice of the head group's outputs from every partial.
+// every WH-th position, where it has fewer) with an online softmax, so no warp waits for
+// another until its partials are out. With one partial a head it is the output; else each
+// (m, l, acc) goes to a.part, and once every unit of head g has arrived (a counter a kv head),
+// each unit merges its slice of the head group's outputs from every partial.
 // Round trips to memory on the way: the staged keys/values (before the wait); the unit's q, k,
 // v; later rounds (units longer than NB KS positions); the partials' release and the wait for
 // the other units; the merge's loads, all at once.
@@ -1155,7 +1142,6 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
     bool waited = false;
     AttState& st = s.u.at;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int li = lane % LG, pg = lane / LG;  // lane li of lane group pg
     const int p = (int)*a.pos;
     int nsplit, ch;
     attention_split(p, G, nsplit, ch);
@@ -1171,59 +1157,62 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
         // wait for QKV), then q of the warp's heads, the new key and value
 #pragma unroll
         for (int r = 0; r < NB; r++) stage_kv(st, kcache, vcache, j0, j1, r);
-        u32 qnw[DL / 2], knw[DL / 2];  // QK_NORM: the head norms' weights
+        u32 qnw[EPL / 2], knw[EPL / 2];  // QK_NORM: the head norms' weights
         if (QK_NORM) {
-            load_words(a.qknorm + (size_t)(2 * layer) * HD + li * DL, qnw);
-            load_words(a.qknorm + (size_t)(2 * layer + 1) * HD + li * DL, knw);
+            load_words(a.qknorm + (size_t)(2 * layer) * HD + lane * EPL, qnw);
+            load_words(a.qknorm + (size_t)(2 * layer + 1) * HD + lane * EPL, knw);
         }
         // rope angles of this lane's elements, rounded to bfloat16 as the model's cos/sin are
         // (before the wait: they depend on the position only)
-        float cs[DL], sn[DL];
+        float cs[EPL], sn[EPL];
 #pragma unroll
-        for (int e = 0; e < DL; e++) {
-            const float ang = (float)p * a.inv_freq[(li * DL + e) % (HD / 2)];
+        for (int e = 0; e < EPL; e++) {
+            const int d = (lane * EPL + e) % (HD / 2);
+            const float ang = (float)p * a.inv_freq[d];
             cs[e] = round_bf16(cosf(ang));
             sn[e] = round_bf16(sinf(ang));
         }
         if (!waited) { wait_op(a, 5 * layer, G); waited = true; }
         // the warp's heads: wh = warp + NCW i, head wh % GS, every WH-th position from wh / GS
-        u32 qw[HPW][DL / 2], kw[DL / 2], vw[DL / 2];
+        u32 qw[HPW][EPL / 2], kw[EPL / 2], vw[EPL / 2];
 #pragma unroll
         for (int i = 0; i < HPW; i++) {
             const int wh = warp + NCW * i;
-            if (wh < GS * WH) load_words(a.qkv + (g * GS + wh % GS) * HD + li * DL, qw[i]);
+            if (wh < GS * WH) load_words(a.qkv + (g * GS + wh % GS) * HD + lane * EPL, qw[i]);
         }
-        load_words(a.qkv + QD + g * HD + li * DL, kw);
-        load_words(a.qkv + QD + KVD + g * HD + li * DL, vw);
+        load_words(a.qkv + QD + g * HD + lane * EPL, kw);
+        load_words(a.qkv + QD + KVD + g * HD + lane * EPL, vw);
         // the new key (rope) and value, rounded to the cache's bfloat16
-        float kn[DL], vn[DL];
+        float kn[EPL], vn[EPL];
         unpack_head(kw, kn);
         unpack_head(vw, vn);
-        float qn_w[DL], kn_w[DL];
+        float qn_w[EPL], kn_w[EPL];
         if (QK_NORM) {
             unpack_head(qnw, qn_w);
             unpack_head(knw, kn_w);
             head_norm(kn, kn_w, a.eps);
         }
-        rope_lane(kn, cs, sn, li);
+        rope_lane(kn, cs, sn, lane);
 #pragma unroll
-        for (int e = 0; e < DL; e++) kn[e] = round_bf16(kn[e]);
-        if (sp == 0 && warp == 0 && pg == 0) {
+        for (int e = 0; e < EPL; e++) {
+            kn[e] = round_bf16(kn[e]);
+            vn[e] = round_bf16(vn[e]);
+        }
+        if (sp == 0 && warp == 0) {
 #pragma unroll
-            for (int e = 0; e < DL; e += 2) {
-                *(u32*)(kcache + (size_t)p * HD + li * DL + e) =
-                    (u32)to_bf16(kn[e]) | ((u32)to_bf16(kn[e + 1]) << 16);
-                *(u32*)(vcache + (size_t)p * HD + li * DL + e) = vw[e / 2];
+            for (int e = 0; e < EPL; e++) {
+                kcache[(size_t)p * HD + lane * EPL + e] = to_bf16(kn[e]);
+                vcache[(size_t)p * HD + lane * EPL + e] = to_bf16(vn[e]);
             }
         }
-        float q[HPW][DL], acc[HPW][DL], m[HPW], l[HPW];
+        float q[HPW][EPL], acc[HPW][EPL], m[HPW], l[HPW];
 #pragma unroll
         for (int i = 0; i < HPW; i++) {
             unpack_head(qw[i], q[i]);
             if (QK_NORM) head_norm(q[i], qn_w, a.eps);
-            rope_lane(q[i], cs, sn, li);
+            rope_lane(q[i], cs, sn, lane);
 #pragma unroll
-            for (int e = 0; e < DL; e++) {
+            for (int e = 0; e < EPL; e++) {
                 q[i][e] = round_bf16(q[i][e]) * qscale;
                 acc[i][e] = 0.f;
             }
@@ -1240,49 +1229,44 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
             for (int i = 0; i < HPW; i++) {
                 const int wh = warp + NCW * i;
                 if (wh >= GS * WH) break;
-                // the warp's positions wh / GS + WH k; lane group pg takes k = pg + PG (PU it
-                // + t), PU at once: scores, their sums over the group interleaved, then one
-                // update of the group's running max, sum and accumulators
-                for (int k0 = 0; wh / GS + WH * k0 < n; k0 += PG * PU) {
-                    float sc[PU], vv[PU][DL];
+                // PU positions at once: scores, their sums over the lanes interleaved, then
+                // one update of the running max, sum and accumulators
+                for (int ib = wh / GS; ib < n; ib += WH * PU) {
+                    float sc[PU], vv[PU][EPL];
 #pragma unroll
                     for (int t = 0; t < PU; t++) {
-                        const int jj = wh / GS + WH * (k0 + PG * t + pg);
-                        float kk[DL];
+                        const int jj = ib + WH * t;
+                        float kk[EPL];
                         if (jj < n && s0 + jj != p) {
-                            u32 w[DL / 2];
-                            shared_words(&st.kv[r % NB][0][jj][li * DL], w);
+                            u32 w[EPL / 2];
+                            shared_words(&st.kv[r % NB][0][jj][lane * EPL], w);
                             unpack_head(w, kk);
                         } else {
 #pragma unroll
-                            for (int e = 0; e < DL; e++) kk[e] = kn[e];
+                            for (int e = 0; e < EPL; e++) kk[e] = kn[e];
                         }
-                        float s0a = 0.f, s1a = 0.f;  // two chains
+                        sc[t] = 0.f;
 #pragma unroll
-                        for (int e = 0; e < DL; e += 2) {
-                            s0a = fmaf(q[i][e], kk[e], s0a);
-                            s1a = fmaf(q[i][e + 1], kk[e + 1], s1a);
-                        }
-                        sc[t] = s0a + s1a;
+                        for (int e = 0; e < EPL; e++) sc[t] = fmaf(q[i][e], kk[e], sc[t]);
                     }
 #pragma unroll
-                    for (int o = LG / 2; o; o >>= 1)
+                    for (int o = 16; o; o >>= 1)
 #pragma unroll
                         for (int t = 0; t < PU; t++)
                             sc[t] += __shfl_xor_sync(0xffffffffu, sc[t], o);
 #pragma unroll
                     for (int t = 0; t < PU; t++) {
-                        const int jj = wh / GS + WH * (k0 + PG * t + pg);
+                        const int jj = ib + WH * t;
                         if (jj >= n) {  // past the round: weight 0
                             sc[t] = -1.0e30f;
 #pragma unroll
-                            for (int e = 0; e < DL; e++) vv[t][e] = 0.f;
+                            for (int e = 0; e < EPL; e++) vv[t][e] = 0.f;
                         } else if (s0 + jj == p) {
 #pragma unroll
-                            for (int e = 0; e < DL; e++) vv[t][e] = vn[e];
+                            for (int e = 0; e < EPL; e++) vv[t][e] = vn[e];
                         } else {
-                            u32 w[DL / 2];
-                            shared_words(&st.kv[r % NB][1][jj][li * DL], w);
+                            u32 w[EPL / 2];
+                            shared_words(&st.kv[r % NB][1][jj][lane * EPL], w);
                             unpack_head(w, vv[t]);
                         }
                     }
@@ -1298,7 +1282,7 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
                     for (int t = 0; t < PU; t++) ls += pr[t];
                     l[i] = ls;
 #pragma unroll
-                    for (int e = 0; e < DL; e++) {
+                    for (int e = 0; e < EPL; e++) {
                         float v = acc[i][e] * corr;
 #pragma unroll
                         for (int t = 0; t < PU; t++) v = fmaf(pr[t], vv[t][e], v);
@@ -1312,41 +1296,23 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
             if (r + NB < rounds) consumer_sync();
             stage_kv(st, kcache, vcache, j0, j1, r + NB);
         }
-        // the lane groups' states merged (a fixed tree: every group ends with the same), then
-        // group 0's lanes write the partials: accumulators [NKV][G WH][GS][HD], then (max, sum)
-        // [NKV][G WH][GS][2]
+        // partials: accumulators [NKV][G WH][GS][HD], then (max, sum) [NKV][G WH][GS][2]
 #pragma unroll
         for (int i = 0; i < HPW; i++) {
             const int wh = warp + NCW * i;
             if (wh >= GS * WH) break;
-#pragma unroll
-            for (int o = LG; o < 32; o <<= 1) {
-                const float mo = __shfl_xor_sync(0xffffffffu, m[i], o);
-                const float lo = __shfl_xor_sync(0xffffffffu, l[i], o);
-                const float mm = fmaxf(m[i], mo), f = exp2f(m[i] - mm), fo = exp2f(mo - mm);
-                l[i] = l[i] * f + lo * fo;
-#pragma unroll
-                for (int e = 0; e < DL; e++)
-                    acc[i][e] = acc[i][e] * f + __shfl_xor_sync(0xffffffffu, acc[i][e], o) * fo;
-                m[i] = mm;
-            }
-            if (pg != 0) continue;
             const int hh = wh % GS, part = sp * WH + wh / GS;
             if (nparts == 1) {
-                const float r = 1.f / l[i];
 #pragma unroll
-                for (int e = 0; e < DL; e += 2)
-                    *(u32*)(a.att + (g * GS + hh) * HD + li * DL + e) =
-                        (u32)to_bf16(acc[i][e] * r) | ((u32)to_bf16(acc[i][e + 1] * r) << 16);
+                for (int e = 0; e < EPL; e++)
+                    a.att[(g * GS + hh) * HD + lane * EPL + e] = to_bf16(acc[i][e] / l[i]);
             } else {
-                float* mine = a.part + ((size_t)(g * G * WH + part) * GS + hh) * HD + li * DL;
+                float* mine = a.part + ((size_t)(g * G * WH + part) * GS + hh) * HD;
                 float* mine_ml = a.part + (size_t)NKV * G * WH * GS * HD
                                  + ((size_t)(g * G * WH + part) * GS + hh) * 2;
 #pragma unroll
-                for (int e = 0; e < DL; e += 4)
-                    *(float4*)(mine + e) = make_float4(acc[i][e], acc[i][e + 1], acc[i][e + 2],
-                                                       acc[i][e + 3]);
-                if (li == 0) { mine_ml[0] = m[i]; mine_ml[1] = l[i]; }
+                for (int e = 0; e < EPL; e++) mine[lane * EPL + e] = acc[i][e];
+                if (lane == 0) { mine_ml[0] = m[i]; mine_ml[1] = l[i]; }
             }
         }
         consumer_sync();
