@@ -44,10 +44,9 @@ SOURCE = Path(__file__).with_name("csrc") / "decode_mk.cu"
 # measured choices live in benchmarks/RESULTS.md.
 RING = os.environ.get("FLASHDRAFT_MK_RING")
 CONSUMER_WARPS = 8  # bfloat16 takes rows in chunks of 8 warps
-# int4: 12 consumer warps, attention a position a warp at a time (PU 1) so that 128 registers a
-# thread hold it without spills; 1-5 % faster a step than 8 warps on the 0.5B, 1.5B, 8B and 32B
-# shapes (benchmarks/RESULTS.md, session 23)
-Q4_CONSUMER_WARPS, Q4_MANY_WARPS_DEFINES = 12, {"PU": 1}
+# int4: 12 consumer warps (128 registers a thread); 1-5 % faster a step than 8 warps on the
+# 0.5B, 1.5B, 8B and 32B shapes (benchmarks/RESULTS.md, session 23)
+Q4_CONSUMER_WARPS = 12
 # decode_mk.cu's layouts read here: TRACE's times an op (consumer, producer), XO_ROWS
 TRACE_CONSUMER, TRACE_PRODUCER = 8, 2
 XO_ROWS = 66
@@ -295,8 +294,8 @@ class DecodeMegakernel:
         producers: producer warps; defines: more of decode_mk.cu's compile-time settings
         (measurement: TRACE, LLX, PU, ATT_MIN, ...; int4 takes Q4_FINISH_EVERY from
         default_finish_every unless they set it); consumer_warps: default_warps; other
-        than 8 for int4 only (more warps multiplying, fewer registers a thread: 12 give 128,
-        so attention takes a position a warp at a time unless `defines` set PU)."""
+        than 8 for int4 only (more warps multiplying, fewer registers a thread: 12 give
+        128)."""
         why = unsupported(model, cache, ring)
         if why:
             raise ValueError(f"the decode megakernel cannot run this model: {why}")
@@ -307,8 +306,6 @@ class DecodeMegakernel:
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self.q4 = is_int4(model)
         consumer_warps = consumer_warps or default_warps(self.q4)
-        if self.q4 and consumer_warps > CONSUMER_WARPS:
-            defines = Q4_MANY_WARPS_DEFINES | (defines or {})
         limit = mma._shared_limit(_device_index(dev))
         self.ring = ring or default_ring(cfg, self.q4, consumer_warps, limit)
         if self.q4:

@@ -158,7 +158,6 @@ def test_int4_megakernel_matches_the_model(shape, prompt, warps, monkeypatch):
         return built[-1]
     compared = _follow_the_model(model, prompt, make)
     assert compared >= 12 and built[0].consumer_warps == warps
-    assert built[0].defines.get("PU") == (1 if warps == 12 else None)  # attention in 128 regs
 
 
 def test_more_consumer_warps_take_more_shared_memory_and_still_fit_the_32b():
@@ -324,7 +323,8 @@ def test_shape_bench_runs_the_megakernel_for_bf16_and_int4_and_refuses_it_for_in
     assert m["verify16_over_step"] == pytest.approx(r["step_curve"][16]["ms"] / m["step_ms"])
     q4 = run_shape_bench("qwen2.5-0.5b", quant="int4", step_tokens=(1,), draft=False,
                          repeats=3, decode_steps=16, decode_kernel="megakernel")["megakernel"]
-    assert q4["ring"] == "7x26112" and 0 < q4["step_roofline_fraction"] < 1
+    # 8 slots: attention's staged keys and values leave room for one more than 7 (session 27)
+    assert q4["ring"] == "8x26112" and 0 < q4["step_roofline_fraction"] < 1
     with pytest.raises(ValueError, match="megakernel cannot run the qwen2.5-0.5b shape .*int8.*"
                                          "contiguous bfloat16 nn.Linear, or all of them and the "
                                          "head int4"):
