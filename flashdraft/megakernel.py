@@ -160,7 +160,7 @@ def default_ring(cfg, q4: bool = False, warps: int | None = None,
     latency-bound Qwen3-0.6B, whose rows fill a 24 KB slot alike, stays faster with 24 KB
     slots: 0.696 against 0.712 ms).
 
-    int4 (q4): as many slots of (tile, group) units, up to 8, as fit `limit` bytes of shared
+    int4 (q4): as many slots of (tile, group) units, up to 7, as fit `limit` bytes of shared
     memory (the GPU's: mma._shared_limit; default a Hopper block's) beside the rest, a slot's
     units a multiple of the consumer warps (`warps`, default_warps), so that none idles while
     the slot is held (session 22, 8 warps: 24 units 8.11 ms a Qwen3-32B step,
@@ -177,7 +177,9 @@ def default_ring(cfg, q4: bool = False, warps: int | None = None,
         warps = warps or default_warps(True)
         # int4 bytes: 4 bits and 4 bytes of scale and zero a group of 128 (17 / 64 of bf16's)
         slot = (3 * warps if weights * 17 / 64 >= 2e9 else 24) * Q4_UNIT
-        fits = [n for n in range(2, 9)
+        # at most 7: 8 slots of 24 units were slower where they fit (the 0.5B: 0.517 against
+        # 0.462 ms a step at 7 with ATT_MIN 8, session 27)
+        fits = [n for n in range(2, 8)
                 if shared_bytes(cfg, f"{n}x{slot}", q4=True, warps=warps) <= limit]
         return f"{max(fits) if fits else 2}x{slot}"
     filled = _rows_per_chunk(h, 24576) * 2 * h / 24576
