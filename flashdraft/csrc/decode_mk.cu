@@ -48,11 +48,11 @@
 // x) with int4_mma's FOLD (s d + (z - 136 s) sum x, the group sums of x taken in float32 once
 // an op, while x is staged), and adds a tile's units in order; a tile's warps are added in
 // warp order every Q4_FINISH_EVERY chunks (a barrier of the consumers each time), or at the
-// op's end where the block's tiles all fit Shared.q4red. The host runs int4 with NCW 12 and
-// attention a position a warp at a time (PU 1), a unit's mma in Q4_CHAINS chains, tiles added
-// every 8, 6, 3 or 1 chunks (the most that fits). Timings (benchmarks/RESULTS.md, sessions
-// 22-24): faster than the graphs' int4 products on the 1.5B and 8B shapes, 1-4 % faster on the
-// 32B, whose consumers barely keep up with the stream.
+// op's end where the block's tiles all fit Shared.q4red. The host runs int4 with NCW 12 (128
+// registers a thread), a unit's mma in Q4_CHAINS chains, tiles added every 8, 6, 3 or 1 chunks
+// (the most that fits). Timings (benchmarks/RESULTS.md, sessions 22-27): faster than the
+// graphs' int4 products on the 1.5B and 8B shapes, 8 % faster on the 32B, whose consumers
+// barely keep up with the stream.
 
 
 #ifndef H
@@ -91,7 +91,6 @@
 #ifndef NCW
 #define NCW 8  // consumer warps
 #endif
-
 #ifndef LDGSTS
 #define LDGSTS 0  // 1: the producer warp's 32 lanes copy each chunk with cp.async (16 bytes a lane)
 #endif
@@ -396,15 +395,17 @@ constexpr int HPW = (GS + NCW - 1) / NCW;
 #ifndef ATT_KS
 #define ATT_KS 0
 #endif
+constexpr int NB = 2;
+__host__ __device__ constexpr int kv_bytes(int ks) { return NB * 2 * ks * HD * 2; }
 __host__ __device__ constexpr int att_ks() {
     int ks = 8;
-    while (ks < 32 && 2 * 8 * ks * HD <= (Q4 ? 2 * KMAX : 0)) ks *= 2;
+    while (ks < 32 && kv_bytes(2 * ks) <= (Q4 ? 2 * KMAX : 0)) ks *= 2;
     return ATT_KS ? ATT_KS : ks;
 }
-constexpr int KS = att_ks(), NB = 2;
-#define ATT_SPLITS 64  // units a head the merge's space holds at least (132 blocks, 2 kv heads)
+constexpr int KS = att_ks();
+#define ATT_SPLITS 64  // units a kv head the merge's space holds at least (more: longer units)
 constexpr int ATT_MERGE = WH * (4 * GS * HD + 16 * ATT_SPLITS) + 8 * WH * GS * ATT_SPLITS;
-constexpr int ATT_BYTES = 4 * NB * KS * HD > ATT_MERGE ? 4 * NB * KS * HD : ATT_MERGE;
+constexpr int ATT_BYTES = kv_bytes(KS) > ATT_MERGE ? kv_bytes(KS) : ATT_MERGE;
 
 union __align__(16) AttState {  // attention: the staged keys and values, or the merge's loads
     u16 kv[NB][2][KS][HD];
@@ -1089,8 +1090,8 @@ __device__ __forceinline__ void unpack_head(const u32* w, float* v) {
 #endif
 
 // Fewest positions an attention unit takes (fewer units below it): 8 where fewer than two
-// thirds of the warps have a head (the 0.5B int4, 7 heads on 12 warps: 0.517 → 0.505 ms a step,
-// session 27), else 16.
+// thirds of the warps have a head (the 0.5B int4, 7 heads on 12 warps: 0.517 → 0.505 ms a step
+// with 8 ring slots, session 27), else 16.
 #ifndef ATT_MIN
 #define ATT_MIN (3 * GS * WH < 2 * NCW ? 8 : 16)
 #endif
