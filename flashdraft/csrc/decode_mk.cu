@@ -54,7 +54,6 @@
 // graphs' int4 products on the 1.5B and 8B shapes, 8 % faster on the 32B, whose consumers
 // barely keep up with the stream.
 
-
 #ifndef H
 #define H 1536  // hidden size
 #endif
@@ -1134,6 +1133,71 @@ __device__ __forceinline__ void shared_words(const u16* p, u32* w) {
     }
 }
 
+// A warp's PU positions of a round at once (rows ib, ib + WH, ... of the staged keys and
+// values kv, below n; s0: the round's first position, whose row p is this step's own, kn and
+// vn): scores, their sums over the lanes interleaved, then one update of the running max m,
+// sum l and accumulators acc.
+__device__ __forceinline__ void score_batch(const u16 (*kv)[KS][HD], int ib, int n, int s0,
+                                            int p, int lane, const float* q, const float* kn,
+                                            const float* vn, float& m, float& l, float* acc) {
+    float sc[PU], vv[PU][EPL];
+#pragma unroll
+    for (int t = 0; t < PU; t++) {
+        const int jj = ib + WH * t;
+        float kk[EPL];
+        if (jj < n && s0 + jj != p) {
+            u32 w[EPL / 2];
+            shared_words(&kv[0][jj][lane * EPL], w);
+            unpack_head(w, kk);
+        } else {
+#pragma unroll
+            for (int e = 0; e < EPL; e++) kk[e] = kn[e];
+        }
+        sc[t] = 0.f;
+#pragma unroll
+        for (int e = 0; e < EPL; e++) sc[t] = fmaf(q[e], kk[e], sc[t]);
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1)
+#pragma unroll
+        for (int t = 0; t < PU; t++) sc[t] += __shfl_xor_sync(0xffffffffu, sc[t], o);
+#pragma unroll
+    for (int t = 0; t < PU; t++) {
+        const int jj = ib + WH * t;
+        if (jj >= n) {  // past the round: weight 0
+            sc[t] = -1.0e30f;
+#pragma unroll
+            for (int e = 0; e < EPL; e++) vv[t][e] = 0.f;
+        } else if (s0 + jj == p) {
+#pragma unroll
+            for (int e = 0; e < EPL; e++) vv[t][e] = vn[e];
+        } else {
+            u32 w[EPL / 2];
+            shared_words(&kv[1][jj][lane * EPL], w);
+            unpack_head(w, vv[t]);
+        }
+    }
+    float mn = m;
+#pragma unroll
+    for (int t = 0; t < PU; t++) mn = fmaxf(mn, sc[t]);
+    const float corr = exp2f(m - mn);
+    float pr[PU];
+#pragma unroll
+    for (int t = 0; t < PU; t++) pr[t] = exp2f(sc[t] - mn);
+    float ls = l * corr;
+#pragma unroll
+    for (int t = 0; t < PU; t++) ls += pr[t];
+    l = ls;
+#pragma unroll
+    for (int e = 0; e < EPL; e++) {
+        float v = acc[e] * corr;
+#pragma unroll
+        for (int t = 0; t < PU; t++) v = fmaf(pr[t], vv[t][e], v);
+        acc[e] = v;
+    }
+    m = mn;
+}
+
 // Units of (kv head g, split sp of positions) a block. A unit's cached keys and values are
 // staged in shared memory in rounds of KS positions (the first NB rounds before the wait for
 // QKV, each later one once the round NB before it is scored); a warp takes one head of the
@@ -1237,67 +1301,9 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
             for (int i = 0; i < HPW; i++) {
                 const int wh = warp + NCW * i;
                 if (wh >= GS * WH) break;
-                // PU positions at once: scores, their sums over the lanes interleaved, then
-                // one update of the running max, sum and accumulators
-                for (int ib = wh / GS; ib < n; ib += WH * PU) {
-                    float sc[PU], vv[PU][EPL];
-#pragma unroll
-                    for (int t = 0; t < PU; t++) {
-                        const int jj = ib + WH * t;
-                        float kk[EPL];
-                        if (jj < n && s0 + jj != p) {
-                            u32 w[EPL / 2];
-                            shared_words(&st.kv[r % NB][0][jj][lane * EPL], w);
-                            unpack_head(w, kk);
-                        } else {
-#pragma unroll
-                            for (int e = 0; e < EPL; e++) kk[e] = kn[e];
-                        }
-                        sc[t] = 0.f;
-#pragma unroll
-                        for (int e = 0; e < EPL; e++) sc[t] = fmaf(q[i][e], kk[e], sc[t]);
-                    }
-#pragma unroll
-                    for (int o = 16; o; o >>= 1)
-#pragma unroll
-                        for (int t = 0; t < PU; t++)
-                            sc[t] += __shfl_xor_sync(0xffffffffu, sc[t], o);
-#pragma unroll
-                    for (int t = 0; t < PU; t++) {
-                        const int jj = ib + WH * t;
-                        if (jj >= n) {  // past the round: weight 0
-                            sc[t] = -1.0e30f;
-#pragma unroll
-                            for (int e = 0; e < EPL; e++) vv[t][e] = 0.f;
-                        } else if (s0 + jj == p) {
-#pragma unroll
-                            for (int e = 0; e < EPL; e++) vv[t][e] = vn[e];
-                        } else {
-                            u32 w[EPL / 2];
-                            shared_words(&st.kv[r % NB][1][jj][lane * EPL], w);
-                            unpack_head(w, vv[t]);
-                        }
-                    }
-                    float mn = m[i];
-#pragma unroll
-                    for (int t = 0; t < PU; t++) mn = fmaxf(mn, sc[t]);
-                    const float corr = exp2f(m[i] - mn);
-                    float pr[PU];
-#pragma unroll
-                    for (int t = 0; t < PU; t++) pr[t] = exp2f(sc[t] - mn);
-                    float ls = l[i] * corr;
-#pragma unroll
-                    for (int t = 0; t < PU; t++) ls += pr[t];
-                    l[i] = ls;
-#pragma unroll
-                    for (int e = 0; e < EPL; e++) {
-                        float v = acc[i][e] * corr;
-#pragma unroll
-                        for (int t = 0; t < PU; t++) v = fmaf(pr[t], vv[t][e], v);
-                        acc[i][e] = v;
-                    }
-                    m[i] = mn;
-                }
+                for (int ib = wh / GS; ib < n; ib += WH * PU)
+                    score_batch(st.kv[r % NB], ib, n, s0, p, lane, q[i], kn, vn, m[i], l[i],
+                                acc[i]);
             }
             // round r + NB into this round's buffer once every warp has scored it (an empty
             // group past the unit, so that the wait above stays NB - 1)

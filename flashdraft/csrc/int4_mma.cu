@@ -91,7 +91,6 @@ __device__ __forceinline__ u32x2 load_pair(const u32x2* p) {
     return v;
 }
 
-
 // Nibbles 0 and 4 of q as (q - 8) * s + z, a bfloat16 pair (low half from nibble 0).
 __device__ __forceinline__ u32 dequant(u32 q, u32 s2, u32 z2) {
     u32 v = biased(q), d;
@@ -100,9 +99,6 @@ __device__ __forceinline__ u32 dequant(u32 q, u32 s2, u32 z2) {
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(v) : "r"(d), "r"(s2), "r"(z2));
     return v;
 }
-
-// Nibbles 0 and 4 of q as the bfloat16 pair 128 + nibble: (q & 0x000f000f) | 0x43004300.
-
 
 // The sums of the float32 slices p[0], p[slice], ... and of q's, each in order, all of a batch
 // of eight slices in flight (P = 2: both; P = 1: p's only).
