@@ -209,18 +209,17 @@ def _device_index(device: torch.device) -> int:
 
 
 def shared_bytes(cfg, ring: str, llx: bool = False, q4: bool = False,
-                 warps: int | None = None, finish_every: int = 1,
-                 defines: dict | None = None) -> int:
+                 warps: int | None = None, finish_every: int = 1, att_ks: int = 0) -> int:
     """Dynamic shared memory a block of the kernel takes: the ring, then decode_mk.cu's Shared
     (mbarriers, sums; with LLX, x as polled and the rows going out; with Q4, the tiles' warp
     sums, x's group sums and the side rows), whose attention state shares its space with Q4's
-    staged x. defines: the kernel's compile-time settings (ATT_KS, ATT_NB and ATT_WH count)."""
+    staged x."""
     slots, slot = _ring(ring)
     warps = warps or default_warps(q4)
     h, qd, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size
     struct = (16 * slots + 4 * 64 * warps + 4 * 3 * warps + 8 * warps + 16
               + ((2 * cfg.hidden_size + 2 * XO_ROWS + 16) if llx else 0))
-    attention = _attention_bytes(cfg, q4, warps, defines or {})
+    attention = _attention_bytes(cfg, q4, warps, att_ks)
     if q4:
         units = slot // Q4_UNIT
         tiles = 2 * (finish_every * units // (min(h, qd, inter) // 128)) + 4  # decode_mk.cu's RT
@@ -230,27 +229,25 @@ def shared_bytes(cfg, ring: str, llx: bool = False, q4: bool = False,
     return slots * slot + struct + attention + 128
 
 
-def _attention_bytes(cfg, q4: bool, warps: int, defines: dict) -> int:
-    """decode_mk.cu's AttState: keys and values staged in ATT_NB buffers of KS positions
-    (ATT_KS, else the kernel's choice), or the merge's loads of up to ATT_SPLITS units' WH
+def _attention_bytes(cfg, q4: bool, warps: int, att_ks: int = 0) -> int:
+    """decode_mk.cu's AttState: keys and values staged in 2 buffers of KS positions (att_ks:
+    ATT_KS, else the kernel's choice), or the merge's loads of up to ATT_SPLITS units'
     partials, whichever is larger."""
-    nb = defines.get("ATT_NB", 2)
     group, hd = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
     kmax = max(cfg.hidden_size, cfg.num_heads * hd, cfg.intermediate_size)
     ks = 8
-    while ks < 32 and 8 * nb * ks * hd <= (2 * kmax if q4 else 0):
+    while ks < 32 and 16 * ks * hd <= (2 * kmax if q4 else 0):
         ks *= 2
-    ks = defines.get("ATT_KS") or ks
-    wh = _warps_a_head(cfg, warps, defines)
+    ks = att_ks or ks
+    wh = _warps_a_head(cfg, warps)
     merge = wh * (4 * group * hd + 16 * ATT_SPLITS) + 8 * wh * group * ATT_SPLITS
-    return max(4 * nb * ks * hd, merge)
+    return max(8 * ks * hd, merge)
 
 
-def _warps_a_head(cfg, warps: int, defines: dict) -> int:
-    """decode_mk.cu's WH: attention's warps a query head (each its own partial): ATT_WH, else
-    as many as the group's heads leave whole."""
+def _warps_a_head(cfg, warps: int) -> int:
+    """decode_mk.cu's WH: attention's warps a query head (each its own partial)."""
     group = cfg.num_heads // cfg.num_kv_heads
-    return defines.get("ATT_WH") or (warps // group if group <= warps else 1)
+    return warps // group if group <= warps else 1
 
 
 def _ring(ring: str) -> tuple[int, int]:
@@ -342,9 +339,8 @@ class DecodeMegakernel:
         self.att = torch.zeros(qd, **bf16)
         self.hbuf = torch.zeros(inter, **bf16)
         group = cfg.num_heads // cfg.num_kv_heads
-        wh = _warps_a_head(cfg, consumer_warps, defines or {})
-        self.part = torch.zeros(cfg.num_kv_heads * self.sms * wh * group * (cfg.head_dim + 2),
-                                dtype=torch.float32, device=dev)
+        self.part = torch.zeros(cfg.num_kv_heads * self.sms * _warps_a_head(cfg, consumer_warps)
+                                * group * (cfg.head_dim + 2), dtype=torch.float32, device=dev)
         self.logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=dev)
         self.best = torch.zeros(2 * self.sms, dtype=torch.float32, device=dev)
         self.counters = torch.zeros(_nops(cfg) + cfg.num_kv_heads, dtype=torch.int32, device=dev)
@@ -386,7 +382,8 @@ class DecodeMegakernel:
                              f"takes rows in chunks of 8 warps), or 1 to 16 for int4")
         self.consumer_warps = consumer_warps
         self.shared = shared_bytes(cfg, self.ring, llx, self.q4, consumer_warps,
-                                   self.defines.get("Q4_FINISH_EVERY", 1), self.defines)
+                                   self.defines.get("Q4_FINISH_EVERY", 1),
+                                   self.defines.get("ATT_KS", 0))
         if self.shared > limit:  # LLX's bytes (unsupported() checks the rest)
             raise ValueError(f"the megakernel needs {self.shared} bytes of shared memory a block, "
                              f"the GPU allows {limit}: use a smaller FLASHDRAFT_MK_RING")

@@ -385,22 +385,16 @@ __device__ __forceinline__ bool next_chunk(const Args& a, Cursor& c, int b, int 
 
 // -- shared memory --------------------------------------------------------------------------------
 
-// Attention's warps: WH warps a head of the group (each every WH-th position), HPW (head,
-// warp) pairs a warp. ATT_WH, else NCW / GS where the group has at most NCW heads, else 1.
-#ifndef ATT_WH
-#define ATT_WH 0
-#endif
-constexpr int WH = ATT_WH ? ATT_WH : GS <= NCW ? NCW / GS : 1;
-constexpr int HPW = (GS * WH + NCW - 1) / NCW;
+// Attention's warps: a head of the group a warp, WH warps a head where the group has fewer heads
+// than the block has warps, HPW heads a warp where it has more.
+constexpr int WH = GS <= NCW ? NCW / GS : 1;
+constexpr int HPW = (GS + NCW - 1) / NCW;
 // Keys and values staged a round of KS positions at a time, in NB buffers: ATT_KS, else (Q4,
 // whose product x shares the space) the most up to 32 that fit beside it, else 8.
 #ifndef ATT_KS
 #define ATT_KS 0
 #endif
-#ifndef ATT_NB
-#define ATT_NB 2  // staging buffers: rounds asked for ahead of the one being scored, plus one
-#endif
-constexpr int NB = ATT_NB;
+constexpr int NB = 2;
 __host__ __device__ constexpr int kv_bytes(int ks) { return NB * 2 * ks * HD * 2; }
 __host__ __device__ constexpr int att_ks() {
     int ks = 8;
@@ -1093,15 +1087,6 @@ __device__ __forceinline__ void unpack_head(const u32* w, float* v) {
 #ifndef NOATT
 #define NOATT 0  // measurement only, wrong output: attention skipped
 #endif
-#ifndef KV_EARLY
-#define KV_EARLY 0  // 1: a unit's first NB rounds of cached keys and values asked for at the
-                    // layer's start, before QKV's wait (bfloat16: staged in shared memory; int4,
-                    // whose staging shares the space of QKV's x: asked of the L2 only)
-#endif
-#ifndef ATT_KV_FIRST
-#define ATT_KV_FIRST 0  // measurement only (TRACE): the first round waited for with q, k and v,
-                        // so that the timeline's unit_loads holds its wait and unit_math no wait
-#endif
 
 // Fewest positions an attention unit takes (fewer units below it): 8 where fewer than two
 // thirds of the warps have a head (the 0.5B int4, 7 heads on 12 warps: 0.517 → 0.505 ms a step
@@ -1119,25 +1104,6 @@ __device__ __forceinline__ void attention_split(int p, int G, int& nsplit, int& 
     const int by_len = (p + ATT_MIN) / ATT_MIN;  // ceil((p + 1) / ATT_MIN)
     nsplit = max(1, min(min(G / NKV, MAX_SPLIT), by_len));
     ch = (p + nsplit) / nsplit;  // ceil((p + 1) / nsplit)
-}
-
-// Unit u (of NKV nsplit, ch positions each, at position p): its kv head g, split sp and
-// positions [j0, j1); the layer's cached keys and values of head g from kcache and vcache.
-struct Unit {
-    int g, sp, j0, j1;
-    u16 *kcache, *vcache;
-};
-__device__ __forceinline__ Unit unit_at(const Args& a, int layer, int u, int p, int nsplit,
-                                        int ch) {
-    Unit n;
-    n.g = u / nsplit;
-    n.sp = u % nsplit;
-    n.j0 = n.sp * ch;
-    n.j1 = min(p + 1, n.j0 + ch);
-    const size_t head_stride = (size_t)a.max_len * HD;
-    n.kcache = a.kv + ((size_t)(2 * layer) * NKV + n.g) * head_stride;
-    n.vcache = a.kv + ((size_t)(2 * layer + 1) * NKV + n.g) * head_stride;
-    return n;
 }
 
 // Round r of a unit's cached keys and values (positions j0 + r KS .., at most KS, below j1)
@@ -1216,8 +1182,8 @@ __device__ __forceinline__ void score_batch(const u16 (*kv)[KS][HD], int ib, int
     for (int t = 0; t < PU; t++) mn = fmaxf(mn, sc[t]);
     const float corr = exp2f(m - mn);
     float pr[PU];
-#pragma unroll  // a batch wholly past the round leaves m, l and acc as they were
-    for (int t = 0; t < PU; t++) pr[t] = ib + WH * t < n ? exp2f(sc[t] - mn) : 0.f;
+#pragma unroll
+    for (int t = 0; t < PU; t++) pr[t] = exp2f(sc[t] - mn);
     float ls = l * corr;
 #pragma unroll
     for (int t = 0; t < PU; t++) ls += pr[t];
@@ -1253,18 +1219,16 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
     attention_split(p, G, nsplit, ch);
     const int nparts = nsplit * WH;  // partials a head
     const float qscale = rsqrtf((float)HD) * 1.4426950408889634f;  // softmax in base 2
+    const size_t head_stride = (size_t)a.max_len * HD;
     for (int u = b; u < NKV * nsplit; u += G) {
-        const Unit un = unit_at(a, layer, u, p, nsplit, ch);
-        const int g = un.g, sp = un.sp, j0 = un.j0, j1 = un.j1;
-        u16 *kcache = un.kcache, *vcache = un.vcache;
-        const int rounds = (j1 - j0 + KS - 1) / KS;
+        const int g = u / nsplit, sp = u % nsplit;
+        const int j0 = sp * ch, j1 = min(p + 1, j0 + ch), rounds = (j1 - j0 + KS - 1) / KS;
+        u16* kcache = a.kv + ((size_t)(2 * layer) * NKV + g) * head_stride;
+        u16* vcache = a.kv + ((size_t)(2 * layer + 1) * NKV + g) * head_stride;
         // the first rounds of cached keys/values (earlier steps' writes: asked for before the
-        // wait for QKV, KV_EARLY bfloat16 before QKV's), then q of the warp's heads, the new
-        // key and value
-        if (!KV_EARLY || Q4 || u != b) {
+        // wait for QKV), then q of the warp's heads, the new key and value
 #pragma unroll
-            for (int r = 0; r < NB; r++) stage_kv(st, kcache, vcache, j0, j1, r);
-        }
+        for (int r = 0; r < NB; r++) stage_kv(st, kcache, vcache, j0, j1, r);
         u32 qnw[EPL / 2], knw[EPL / 2];  // QK_NORM: the head norms' weights
         if (QK_NORM) {
             load_words(a.qknorm + (size_t)(2 * layer) * HD + lane * EPL, qnw);
@@ -1327,25 +1291,19 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
             m[i] = -1.0e30f;
             l[i] = 0.f;
         }
-        if (TRACE) {
-            if (ATT_KV_FIRST) asm volatile("cp.async.wait_group %0;" :: "n"(NB - 1) : "memory");
-            consumer_sync();
-            TR(5 * layer + 1, 4);
-        }
+        if (TRACE) { consumer_sync(); TR(5 * layer + 1, 4); }
         for (int r = 0; r < rounds; r++) {
             // round r in: the NB - 1 groups after it may still be on their way
             asm volatile("cp.async.wait_group %0;" :: "n"(NB - 1) : "memory");
             consumer_sync();
             const int s0 = j0 + r * KS, n = min(KS, j1 - s0);
-            // the warp's pairs a batch each at a time: HPW independent chains
-            for (int base = 0; base < n; base += WH * PU) {
 #pragma unroll
-                for (int i = 0; i < HPW; i++) {
-                    const int wh = warp + NCW * i;
-                    if (GS * WH % NCW == 0 || wh < GS * WH)
-                        score_batch(st.kv[r % NB], base + wh / GS, n, s0, p, lane, q[i], kn,
-                                    vn, m[i], l[i], acc[i]);
-                }
+            for (int i = 0; i < HPW; i++) {
+                const int wh = warp + NCW * i;
+                if (wh >= GS * WH) break;
+                for (int ib = wh / GS; ib < n; ib += WH * PU)
+                    score_batch(st.kv[r % NB], ib, n, s0, p, lane, q[i], kn, vn, m[i], l[i],
+                                acc[i]);
             }
             // round r + NB into this round's buffer once every warp has scored it (an empty
             // group past the unit, so that the wait above stays NB - 1)
@@ -1451,26 +1409,6 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
     if (!waited) wait_op(a, 5 * layer, G);
 }
 
-// KV_EARLY, at the layer's start: the block's unit's first NB rounds of cached keys and values
-// (bfloat16: staged in shared memory, for attention_op; int4: asked of the L2, one bulk
-// prefetch each for the keys and the values).
-__device__ void attention_early(const Args& a, Shared& s, int layer, int b, int G) {
-    const int p = (int)*a.pos;
-    int nsplit, ch;
-    attention_split(p, G, nsplit, ch);
-    if (b >= NKV * nsplit) return;  // NKV nsplit <= G: a unit a block at most
-    const Unit un = unit_at(a, layer, b, p, nsplit, ch);
-    if (!Q4) {
-#pragma unroll
-        for (int r = 0; r < NB; r++) stage_kv(s.u.at, un.kcache, un.vcache, un.j0, un.j1, r);
-    } else if (threadIdx.x < 2) {
-        const int n = min(NB * KS, un.j1 - un.j0);
-        const u16* src = (threadIdx.x ? un.vcache : un.kcache) + (size_t)un.j0 * HD;
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
-                     :: "l"(src), "r"((u32)(n * HD * 2)) : "memory");
-    }
-}
-
 #if Q4
 #define OP q4_op
 static_assert(LDGSTS && !LLX, "Q4 copies with cp.async (LDGSTS=1), without LLX");
@@ -1549,7 +1487,6 @@ decode_step(Args a) {
     const u32 step = LLX ? ld_cg(a.step_count) : 0u;
     for (int layer = 0; layer < NL; layer++) {
         const int j = 5 * layer;
-        if (KV_EARLY) attention_early(a, s, layer, b, G);
         // each op waits for the one before (the last argument; -1: none) inside
         OP<H, OP_QKV>(a, s, ring, c, layer, b, G, step, layer > 0 && !LLX ? j - 1 : -1);
         signal_op(a, j);
