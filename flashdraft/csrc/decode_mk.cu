@@ -1141,12 +1141,13 @@ __device__ __forceinline__ float ex2(float x) {
     return y;
 }
 
-// Sums over the warp's lanes of PU values a lane at once (PU a power of two up to 32), into
+// Sums over the warp's lanes of N values a lane at once (N a power of two up to 32), into
 // every lane's v: the first levels halve the values a lane holds (a lane keeps one half and
-// takes its partner's sums of it), so PU values take PU - 1 + 5 - log2(PU) shuffles, then PU
-// more to hand each sum from the lanes that hold it to all. Every lane ends with the same sums.
+// takes its partner's sums of it), so N values take N - 1 + 5 - log2(N) shuffles, then N more
+// to hand each sum from the lanes that hold it to all. Every lane ends with the same sums.
+template <int N>
 __device__ __forceinline__ void warp_sums(float* v, int lane) {
-    int held = PU;
+    int held = N;
 #pragma unroll
     for (int o = 16; o; o >>= 1) {
         if (held > 1) {  // upper lanes keep the upper half
@@ -1165,10 +1166,10 @@ __device__ __forceinline__ void warp_sums(float* v, int lane) {
     // value t's sum is in the lanes whose bits (16, 8, ..) spell t (most significant first)
     const float mine = v[0];
 #pragma unroll
-    for (int t = 0; t < PU; t++) {
+    for (int t = 0; t < N; t++) {
         int src = 0;
 #pragma unroll
-        for (int b = PU / 2, o = 16; b; b >>= 1, o >>= 1) src |= t & b ? o : 0;
+        for (int b = N / 2, o = 16; b; b >>= 1, o >>= 1) src |= t & b ? o : 0;
         v[t] = __shfl_sync(0xffffffffu, mine, src);
     }
 }
@@ -1208,7 +1209,7 @@ __device__ __forceinline__ void score_batch(const u16 (*kv)[KS][HD], int ib, int
 #pragma unroll
         for (int e = 0; e < EPL; e++) sc[t] = fmaf(q[e], kk[e], sc[t]);
     }
-    warp_sums(sc, lane);
+    warp_sums<PU>(sc, lane);
     float mn = m;
 #pragma unroll
     for (int t = 0; t < PU; t++) {
@@ -1316,8 +1317,8 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
         // the step's own key and value into their staging row (the last unit's last
         // position): now if its round is staged, else once the loop below stages it
         const int rp = p < j1 ? (p - j0) / KS : -1;
-        if (rp >= 0 && rp < NB && warp == 0)
-            put_own(st.kv[rp % NB], p - j0 - rp * KS, lane, kn, vn);
+        auto own_row = [&]() { put_own(st.kv[rp % NB], p - j0 - rp * KS, lane, kn, vn); };
+        if (rp >= 0 && rp < NB && warp == 0) own_row();
         float q[HPW][EPL], acc[HPW][EPL], m[HPW], l[HPW];
 #pragma unroll
         for (int i = 0; i < HPW; i++) {
@@ -1349,8 +1350,7 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
             // group past the unit, so that the wait above stays NB - 1)
             if (r + NB < rounds) consumer_sync();
             stage_kv(st, kcache, vcache, j0, jc, r + NB);
-            if (r + NB == rp && warp == 0)
-                put_own(st.kv[rp % NB], p - j0 - rp * KS, lane, kn, vn);
+            if (r + NB == rp && warp == 0) own_row();
         }
         // partials: accumulators [NKV][G WH][GS][HD], then (max, sum) [NKV][G WH][GS][2]
 #pragma unroll
