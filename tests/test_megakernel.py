@@ -58,17 +58,20 @@ def test_megakernel_matches_the_model(shape, prompt, ring):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", ["hd128-split-down", "qwen3-split-rows", "hd64-group16"])
-def test_megakernel_staging_keys_in_several_rounds_matches_the_model(shape):
+@pytest.mark.parametrize("shape,pu", [("hd128-split-down", 4), ("qwen3-split-rows", 4),
+                                      ("hd64-group16", 4), ("hd128-split-down", 8),
+                                      ("hd64-group16", 2)])
+def test_megakernel_staging_keys_in_several_rounds_matches_the_model(shape, pu):
     # units of 64 positions (ATT_MIN) take 8 rounds of 8 staged keys and values, each round
-    # asked for while the one before it is scored
+    # asked for while the one before it is scored; PU positions a warp's batch (4, the default;
+    # 8 and 2: the lanes' sums of 8 and 2 scores at once)
     from flashdraft.megakernel import DecodeMegakernel
     torch.manual_seed(0)
     model = build_random_model(SHAPES[shape], torch.bfloat16, "cuda", seed=3)
     with torch.no_grad():
         model.lm_head.weight.mul_(20)
     compared = _follow_the_model(model, 700, lambda cache: DecodeMegakernel(
-        model, cache, defines={"ATT_MIN": 64}))
+        model, cache, defines={"ATT_MIN": 64, **({"PU": pu} if pu != 4 else {})}))
     assert compared >= (12 if SHAPES[shape].hidden_size < 4096 else 8)
 
 
