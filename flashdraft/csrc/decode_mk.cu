@@ -1234,7 +1234,7 @@ __device__ __forceinline__ void score_batch(const u16 (*kv)[KS][HD], int ib, int
     m = mn;
 }
 
-// Units of (kv head g, split sp of positions) a block. A unit's cached keys and values are
+// A block's unit of (kv head g, split sp of positions), at most one. A unit's cached keys and values are
 // staged in shared memory in rounds of KS positions (the first NB rounds before the wait for
 // QKV, each later one once the round NB before it is scored); a warp takes one head of the
 // group (HPW heads where the group has more heads than the block has warps; WH warps a head,
@@ -1247,7 +1247,6 @@ __device__ __forceinline__ void score_batch(const u16 (*kv)[KS][HD], int ib, int
 // the other units; the merge's loads, all at once.
 __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) {
     if (NOATT) { wait_op(a, 5 * layer, G); return; }
-    bool waited = false;
     AttState& st = s.u.at;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int p = (int)*a.pos;
@@ -1256,199 +1255,199 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
     const int nparts = nsplit * WH;  // partials a head
     const float qscale = rsqrtf((float)HD) * 1.4426950408889634f;  // softmax in base 2
     const size_t head_stride = (size_t)a.max_len * HD;
-    for (int u = b; u < NKV * nsplit; u += G) {
-        const int g = u / nsplit, sp = u % nsplit;
-        const int j0 = sp * ch, j1 = min(p + 1, j0 + ch), rounds = (j1 - j0 + KS - 1) / KS;
-        u16* kcache = a.kv + ((size_t)(2 * layer) * NKV + g) * head_stride;
-        u16* vcache = a.kv + ((size_t)(2 * layer + 1) * NKV + g) * head_stride;
-        // the first rounds of cached keys/values (earlier steps' writes: asked for before the
-        // wait for QKV), then q of the warp's heads, the new key and value
-        const int jc = min(j1, p);  // cached rows: the step's own (p) is put_own's
+    if (b >= NKV * nsplit) {  // no unit for this block (NKV nsplit <= G: one at most)
+        wait_op(a, 5 * layer, G);
+        return;
+    }
+    const int g = b / nsplit, sp = b % nsplit;
+    const int j0 = sp * ch, j1 = min(p + 1, j0 + ch), rounds = (j1 - j0 + KS - 1) / KS;
+    u16* kcache = a.kv + ((size_t)(2 * layer) * NKV + g) * head_stride;
+    u16* vcache = a.kv + ((size_t)(2 * layer + 1) * NKV + g) * head_stride;
+    // the first rounds of cached keys/values (earlier steps' writes: asked for before the
+    // wait for QKV), then q of the warp's heads, the new key and value
+    const int jc = min(j1, p);  // cached rows: the step's own (p) is put_own's
 #pragma unroll
-        for (int r = 0; r < NB; r++) stage_kv(st, kcache, vcache, j0, jc, r);
-        u32 qnw[EPL / 2], knw[EPL / 2];  // QK_NORM: the head norms' weights
-        if (QK_NORM) {
-            load_words(a.qknorm + (size_t)(2 * layer) * HD + lane * EPL, qnw);
-            load_words(a.qknorm + (size_t)(2 * layer + 1) * HD + lane * EPL, knw);
-        }
-        // rope angles of this lane's elements, rounded to bfloat16 as the model's cos/sin are
-        // (before the wait: they depend on the position only)
-        float cs[EPL], sn[EPL];
+    for (int r = 0; r < NB; r++) stage_kv(st, kcache, vcache, j0, jc, r);
+    u32 qnw[EPL / 2], knw[EPL / 2];  // QK_NORM: the head norms' weights
+    if (QK_NORM) {
+        load_words(a.qknorm + (size_t)(2 * layer) * HD + lane * EPL, qnw);
+        load_words(a.qknorm + (size_t)(2 * layer + 1) * HD + lane * EPL, knw);
+    }
+    // rope angles of this lane's elements, rounded to bfloat16 as the model's cos/sin are
+    // (before the wait: they depend on the position only)
+    float cs[EPL], sn[EPL];
+#pragma unroll
+    for (int e = 0; e < EPL; e++) {
+        const int d = (lane * EPL + e) % (HD / 2);
+        const float ang = (float)p * a.inv_freq[d];
+        cs[e] = round_bf16(cosf(ang));
+        sn[e] = round_bf16(sinf(ang));
+    }
+    wait_op(a, 5 * layer, G);
+    // the warp's heads: wh = warp + NCW i, head wh % GS, every WH-th position from wh / GS
+    u32 qw[HPW][EPL / 2], kw[EPL / 2], vw[EPL / 2];
+#pragma unroll
+    for (int i = 0; i < HPW; i++) {
+        const int wh = warp + NCW * i;
+        if (wh < GS * WH) load_words(a.qkv + (g * GS + wh % GS) * HD + lane * EPL, qw[i]);
+    }
+    load_words(a.qkv + QD + g * HD + lane * EPL, kw);
+    load_words(a.qkv + QD + KVD + g * HD + lane * EPL, vw);
+    // the new key (rope) and value, rounded to the cache's bfloat16
+    float kn[EPL], vn[EPL];
+    unpack_head(kw, kn);
+    unpack_head(vw, vn);
+    float qn_w[EPL], kn_w[EPL];
+    if (QK_NORM) {
+        unpack_head(qnw, qn_w);
+        unpack_head(knw, kn_w);
+        head_norm(kn, kn_w, a.eps);
+    }
+    rope_lane(kn, cs, sn, lane);
+#pragma unroll
+    for (int e = 0; e < EPL; e++) {
+        kn[e] = round_bf16(kn[e]);
+        vn[e] = round_bf16(vn[e]);
+    }
+    if (sp == 0 && warp == 0) {
 #pragma unroll
         for (int e = 0; e < EPL; e++) {
-            const int d = (lane * EPL + e) % (HD / 2);
-            const float ang = (float)p * a.inv_freq[d];
-            cs[e] = round_bf16(cosf(ang));
-            sn[e] = round_bf16(sinf(ang));
+            kcache[(size_t)p * HD + lane * EPL + e] = to_bf16(kn[e]);
+            vcache[(size_t)p * HD + lane * EPL + e] = to_bf16(vn[e]);
         }
-        if (!waited) { wait_op(a, 5 * layer, G); waited = true; }
-        // the warp's heads: wh = warp + NCW i, head wh % GS, every WH-th position from wh / GS
-        u32 qw[HPW][EPL / 2], kw[EPL / 2], vw[EPL / 2];
+    }
+    // the step's own key and value into their staging row (the last unit's last
+    // position): now if its round is staged, else once the loop below stages it
+    const int rp = p < j1 ? (p - j0) / KS : -1;
+    auto own_row = [&]() { put_own(st.kv[rp % NB], p - j0 - rp * KS, lane, kn, vn); };
+    if (rp >= 0 && rp < NB && warp == 0) own_row();
+    float q[HPW][EPL], acc[HPW][EPL], m[HPW], l[HPW];
 #pragma unroll
-        for (int i = 0; i < HPW; i++) {
-            const int wh = warp + NCW * i;
-            if (wh < GS * WH) load_words(a.qkv + (g * GS + wh % GS) * HD + lane * EPL, qw[i]);
-        }
-        load_words(a.qkv + QD + g * HD + lane * EPL, kw);
-        load_words(a.qkv + QD + KVD + g * HD + lane * EPL, vw);
-        // the new key (rope) and value, rounded to the cache's bfloat16
-        float kn[EPL], vn[EPL];
-        unpack_head(kw, kn);
-        unpack_head(vw, vn);
-        float qn_w[EPL], kn_w[EPL];
-        if (QK_NORM) {
-            unpack_head(qnw, qn_w);
-            unpack_head(knw, kn_w);
-            head_norm(kn, kn_w, a.eps);
-        }
-        rope_lane(kn, cs, sn, lane);
+    for (int i = 0; i < HPW; i++) {
+        unpack_head(qw[i], q[i]);
+        if (QK_NORM) head_norm(q[i], qn_w, a.eps);
+        rope_lane(q[i], cs, sn, lane);
 #pragma unroll
         for (int e = 0; e < EPL; e++) {
-            kn[e] = round_bf16(kn[e]);
-            vn[e] = round_bf16(vn[e]);
+            q[i][e] = round_bf16(q[i][e]) * qscale;
+            acc[i][e] = 0.f;
         }
-        if (sp == 0 && warp == 0) {
-#pragma unroll
-            for (int e = 0; e < EPL; e++) {
-                kcache[(size_t)p * HD + lane * EPL + e] = to_bf16(kn[e]);
-                vcache[(size_t)p * HD + lane * EPL + e] = to_bf16(vn[e]);
-            }
-        }
-        // the step's own key and value into their staging row (the last unit's last
-        // position): now if its round is staged, else once the loop below stages it
-        const int rp = p < j1 ? (p - j0) / KS : -1;
-        auto own_row = [&]() { put_own(st.kv[rp % NB], p - j0 - rp * KS, lane, kn, vn); };
-        if (rp >= 0 && rp < NB && warp == 0) own_row();
-        float q[HPW][EPL], acc[HPW][EPL], m[HPW], l[HPW];
-#pragma unroll
-        for (int i = 0; i < HPW; i++) {
-            unpack_head(qw[i], q[i]);
-            if (QK_NORM) head_norm(q[i], qn_w, a.eps);
-            rope_lane(q[i], cs, sn, lane);
-#pragma unroll
-            for (int e = 0; e < EPL; e++) {
-                q[i][e] = round_bf16(q[i][e]) * qscale;
-                acc[i][e] = 0.f;
-            }
-            m[i] = -1.0e30f;
-            l[i] = 0.f;
-        }
-        if (TRACE) { consumer_sync(); TR(5 * layer + 1, 4); }
-        for (int r = 0; r < rounds; r++) {
-            // round r in: the NB - 1 groups after it may still be on their way
-            asm volatile("cp.async.wait_group %0;" :: "n"(NB - 1) : "memory");
-            consumer_sync();
-            const int n = min(KS, j1 - j0 - r * KS);
-#pragma unroll
-            for (int i = 0; i < HPW; i++) {
-                const int wh = warp + NCW * i;
-                if (wh >= GS * WH) break;
-                for (int ib = wh / GS; ib < n; ib += WH * PU)
-                    score_batch(st.kv[r % NB], ib, n, lane, q[i], m[i], l[i], acc[i]);
-            }
-            // round r + NB into this round's buffer once every warp has scored it (an empty
-            // group past the unit, so that the wait above stays NB - 1)
-            if (r + NB < rounds) consumer_sync();
-            stage_kv(st, kcache, vcache, j0, jc, r + NB);
-            if (r + NB == rp && warp == 0) own_row();
-        }
-        // partials: accumulators [NKV][G WH][GS][HD], then (max, sum) [NKV][G WH][GS][2]
+        m[i] = -1.0e30f;
+        l[i] = 0.f;
+    }
+    if (TRACE) { consumer_sync(); TR(5 * layer + 1, 4); }
+    for (int r = 0; r < rounds; r++) {
+        // round r in: the NB - 1 groups after it may still be on their way
+        asm volatile("cp.async.wait_group %0;" :: "n"(NB - 1) : "memory");
+        consumer_sync();
+        const int n = min(KS, j1 - j0 - r * KS);
 #pragma unroll
         for (int i = 0; i < HPW; i++) {
             const int wh = warp + NCW * i;
             if (wh >= GS * WH) break;
-            const int hh = wh % GS, part = sp * WH + wh / GS;
-            if (nparts == 1) {
+            for (int ib = wh / GS; ib < n; ib += WH * PU)
+                score_batch(st.kv[r % NB], ib, n, lane, q[i], m[i], l[i], acc[i]);
+        }
+        // round r + NB into this round's buffer once every warp has scored it (an empty
+        // group past the unit, so that the wait above stays NB - 1)
+        if (r + NB < rounds) consumer_sync();
+        stage_kv(st, kcache, vcache, j0, jc, r + NB);
+        if (r + NB == rp && warp == 0) own_row();
+    }
+    // partials: accumulators [NKV][G WH][GS][HD], then (max, sum) [NKV][G WH][GS][2]
 #pragma unroll
-                for (int e = 0; e < EPL; e++)
-                    a.att[(g * GS + hh) * HD + lane * EPL + e] = to_bf16(acc[i][e] / l[i]);
-            } else {
-                float* mine = a.part + ((size_t)(g * G * WH + part) * GS + hh) * HD;
-                float* mine_ml = a.part + (size_t)NKV * G * WH * GS * HD
-                                 + ((size_t)(g * G * WH + part) * GS + hh) * 2;
+    for (int i = 0; i < HPW; i++) {
+        const int wh = warp + NCW * i;
+        if (wh >= GS * WH) break;
+        const int hh = wh % GS, part = sp * WH + wh / GS;
+        if (nparts == 1) {
 #pragma unroll
-                for (int e = 0; e < EPL; e++) mine[lane * EPL + e] = acc[i][e];
-                if (lane == 0) { mine_ml[0] = m[i]; mine_ml[1] = l[i]; }
-            }
+            for (int e = 0; e < EPL; e++)
+                a.att[(g * GS + hh) * HD + lane * EPL + e] = to_bf16(acc[i][e] / l[i]);
+        } else {
+            float* mine = a.part + ((size_t)(g * G * WH + part) * GS + hh) * HD;
+            float* mine_ml = a.part + (size_t)NKV * G * WH * GS * HD
+                             + ((size_t)(g * G * WH + part) * GS + hh) * 2;
+#pragma unroll
+            for (int e = 0; e < EPL; e++) mine[lane * EPL + e] = acc[i][e];
+            if (lane == 0) { mine_ml[0] = m[i]; mine_ml[1] = l[i]; }
+        }
+    }
+    consumer_sync();
+    TR(5 * layer + 1, 2);
+    if (nparts > 1) {  // every unit of kv head g merges a slice of its outputs
+        if (threadIdx.x == 0) {  // release this unit's partials; acquire every unit's
+            if (FENCES) __threadfence();
+            red_release(&a.counters[NOPS + g]);
+            const u32 target = (u32)nsplit * (u32)(layer + 1);  // zeroed at the step's end
+            if (!poll_until(&a.counters[NOPS + g], target))
+                atomicExch(a.error, 2u + 5 * layer);
+            if (FENCES) __threadfence();
         }
         consumer_sync();
-        TR(5 * layer + 1, 2);
-        if (nparts > 1) {  // every unit of kv head g merges a slice of its outputs
-            if (threadIdx.x == 0) {  // release this unit's partials; acquire every unit's
-                if (FENCES) __threadfence();
-                red_release(&a.counters[NOPS + g]);
-                const u32 target = (u32)nsplit * (u32)(layer + 1);  // zeroed at the step's end
-                if (!poll_until(&a.counters[NOPS + g], target))
-                    atomicExch(a.error, 2u + 5 * layer);
-                if (FENCES) __threadfence();
-            }
-            consumer_sync();
-            TR(5 * layer + 1, 5);
-            // this unit's outputs: 4-float pieces [pc0, pc0 + npc) of the group's GS * HD; one
-            // round trip loads every partial's piece and (max, sum), a thread a load
-            constexpr int NPC = GS * HD / 4;
-            const int ppu = (NPC + nsplit - 1) / nsplit;
-            const int pc0 = min(NPC, sp * ppu), npc = min(NPC, pc0 + ppu) - pc0;
-            const float* all = a.part + (size_t)g * G * WH * GS * HD;
-            const float* all_ml = a.part + (size_t)NKV * G * WH * GS * HD
-                                  + (size_t)g * G * WH * GS * 2;
-            u32x4* po = (u32x4*)&st;  // [nparts][npc]
-            float* ml = (float*)(po + nparts * npc);  // [nparts][GS][2]
-            for (int t = threadIdx.x; t < max(nparts * npc, nparts * GS); t += CT) {
-                u32x4 v;
-                float2 w;
-                if (t < nparts * npc)
-                    v = ld_cg4(all + (size_t)(t / npc) * GS * HD + 4 * (pc0 + t % npc));
-                if (t < nparts * GS)
-                    asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];"
-                                 : "=f"(w.x), "=f"(w.y) : "l"(all_ml + 2 * t));
-                if (t < nparts * npc) po[t] = v;
-                if (t < nparts * GS) { ml[2 * t] = w.x; ml[2 * t + 1] = w.y; }
-            }
-            consumer_sync();
-            TR(5 * layer + 1, 6);
-            // lp lanes a piece of 4 outputs (as many as leave every piece a lane group at
-            // once): lane l of a group takes the partials l, l + lp, ..., and their max and
-            // sums are added over the group in a fixed tree (every lane ends with the same)
-            int lp = 32;
-            while (lp > 1 && npc * lp > CT) lp >>= 1;
-            for (int i0 = warp * (32 / lp); i0 < npc; i0 += NCW * (32 / lp)) {
-                const int i = i0 + lane / lp, sub = lane % lp;  // groups past npc add zeros
-                const int pc = pc0 + min(i, npc - 1), hh = 4 * pc / HD;
-                const int nt = i < npc ? nparts : 0;
-                float mm = -1.0e30f;
-                for (int t = sub; t < nt; t += lp) mm = fmaxf(mm, ml[2 * (t * GS + hh)]);
-                for (int o = lp / 2; o; o >>= 1)
-                    mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, o));
-                float ll = 0.f, o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
-                for (int t = sub; t < nt; t += lp) {
-                    const float f = exp2f(ml[2 * (t * GS + hh)] - mm);
-                    const u32x4 v = po[t * npc + i];
-                    ll = fmaf(ml[2 * (t * GS + hh) + 1], f, ll);
-                    o0 = fmaf(__uint_as_float(v.x), f, o0);
-                    o1 = fmaf(__uint_as_float(v.y), f, o1);
-                    o2 = fmaf(__uint_as_float(v.z), f, o2);
-                    o3 = fmaf(__uint_as_float(v.w), f, o3);
-                }
-                for (int o = lp / 2; o; o >>= 1) {
-                    ll += __shfl_xor_sync(0xffffffffu, ll, o);
-                    o0 += __shfl_xor_sync(0xffffffffu, o0, o);
-                    o1 += __shfl_xor_sync(0xffffffffu, o1, o);
-                    o2 += __shfl_xor_sync(0xffffffffu, o2, o);
-                    o3 += __shfl_xor_sync(0xffffffffu, o3, o);
-                }
-                if (i < npc && sub == 0) {
-                    const float r = 1.f / ll;
-                    const u32 lo = (u32)to_bf16(o0 * r) | ((u32)to_bf16(o1 * r) << 16);
-                    const u32 hi = (u32)to_bf16(o2 * r) | ((u32)to_bf16(o3 * r) << 16);
-                    *(uint2*)(a.att + g * GS * HD + 4 * pc) = make_uint2(lo, hi);
-                }
-            }
-            if (TRACE) { consumer_sync(); TR(5 * layer + 1, 7); }
+        TR(5 * layer + 1, 5);
+        // this unit's outputs: 4-float pieces [pc0, pc0 + npc) of the group's GS * HD; one
+        // round trip loads every partial's piece and (max, sum), a thread a load
+        constexpr int NPC = GS * HD / 4;
+        const int ppu = (NPC + nsplit - 1) / nsplit;
+        const int pc0 = min(NPC, sp * ppu), npc = min(NPC, pc0 + ppu) - pc0;
+        const float* all = a.part + (size_t)g * G * WH * GS * HD;
+        const float* all_ml = a.part + (size_t)NKV * G * WH * GS * HD
+                              + (size_t)g * G * WH * GS * 2;
+        u32x4* po = (u32x4*)&st;  // [nparts][npc]
+        float* ml = (float*)(po + nparts * npc);  // [nparts][GS][2]
+        for (int t = threadIdx.x; t < max(nparts * npc, nparts * GS); t += CT) {
+            u32x4 v;
+            float2 w;
+            if (t < nparts * npc)
+                v = ld_cg4(all + (size_t)(t / npc) * GS * HD + 4 * (pc0 + t % npc));
+            if (t < nparts * GS)
+                asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];"
+                             : "=f"(w.x), "=f"(w.y) : "l"(all_ml + 2 * t));
+            if (t < nparts * npc) po[t] = v;
+            if (t < nparts * GS) { ml[2 * t] = w.x; ml[2 * t + 1] = w.y; }
         }
-        if (u + G < NKV * nsplit) consumer_sync();  // the next unit's staging reuses st
+        consumer_sync();
+        TR(5 * layer + 1, 6);
+        // lp lanes a piece of 4 outputs (as many as leave every piece a lane group at
+        // once): lane l of a group takes the partials l, l + lp, ..., and their max and
+        // sums are added over the group in a fixed tree (every lane ends with the same)
+        int lp = 32;
+        while (lp > 1 && npc * lp > CT) lp >>= 1;
+        for (int i0 = warp * (32 / lp); i0 < npc; i0 += NCW * (32 / lp)) {
+            const int i = i0 + lane / lp, sub = lane % lp;  // groups past npc add zeros
+            const int pc = pc0 + min(i, npc - 1), hh = 4 * pc / HD;
+            const int nt = i < npc ? nparts : 0;
+            float mm = -1.0e30f;
+            for (int t = sub; t < nt; t += lp) mm = fmaxf(mm, ml[2 * (t * GS + hh)]);
+            for (int o = lp / 2; o; o >>= 1)
+                mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, o));
+            float ll = 0.f, o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
+            for (int t = sub; t < nt; t += lp) {
+                const float f = exp2f(ml[2 * (t * GS + hh)] - mm);
+                const u32x4 v = po[t * npc + i];
+                ll = fmaf(ml[2 * (t * GS + hh) + 1], f, ll);
+                o0 = fmaf(__uint_as_float(v.x), f, o0);
+                o1 = fmaf(__uint_as_float(v.y), f, o1);
+                o2 = fmaf(__uint_as_float(v.z), f, o2);
+                o3 = fmaf(__uint_as_float(v.w), f, o3);
+            }
+            for (int o = lp / 2; o; o >>= 1) {
+                ll += __shfl_xor_sync(0xffffffffu, ll, o);
+                o0 += __shfl_xor_sync(0xffffffffu, o0, o);
+                o1 += __shfl_xor_sync(0xffffffffu, o1, o);
+                o2 += __shfl_xor_sync(0xffffffffu, o2, o);
+                o3 += __shfl_xor_sync(0xffffffffu, o3, o);
+            }
+            if (i < npc && sub == 0) {
+                const float r = 1.f / ll;
+                const u32 lo = (u32)to_bf16(o0 * r) | ((u32)to_bf16(o1 * r) << 16);
+                const u32 hi = (u32)to_bf16(o2 * r) | ((u32)to_bf16(o3 * r) << 16);
+                *(uint2*)(a.att + g * GS * HD + 4 * pc) = make_uint2(lo, hi);
+            }
+        }
+        if (TRACE) { consumer_sync(); TR(5 * layer + 1, 7); }
     }
-    if (!waited) wait_op(a, 5 * layer, G);
 }
 
 #if Q4
