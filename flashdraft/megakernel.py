@@ -209,11 +209,12 @@ def _device_index(device: torch.device) -> int:
 
 
 def shared_bytes(cfg, ring: str, llx: bool = False, q4: bool = False,
-                 warps: int | None = None, finish_every: int = 1, att_ks: int = 0) -> int:
+                 warps: int | None = None, finish_every: int = 1, att_ks: int = 0,
+                 halves: bool = False) -> int:
     """Dynamic shared memory a block of the kernel takes: the ring, then decode_mk.cu's Shared
     (mbarriers, sums; with LLX, x as polled and the rows going out; with Q4, the tiles' warp
-    sums, x's group sums and the side rows), whose attention state shares its space with Q4's
-    staged x."""
+    sums, one more tile's with Q4_PARTS (`halves`), x's group sums and the side rows), whose
+    attention state shares its space with Q4's staged x."""
     slots, slot = _ring(ring)
     warps = warps or default_warps(q4)
     h, qd, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size
@@ -223,6 +224,7 @@ def shared_bytes(cfg, ring: str, llx: bool = False, q4: bool = False,
     if q4:
         units = slot // Q4_UNIT
         tiles = 2 * (finish_every * units // (min(h, qd, inter) // 128)) + 4  # decode_mk.cu's RT
+        tiles += int(halves)
         struct += (4 * tiles * warps * 16 + 4 * max(h, qd, inter) // 128
                    + 2 * SIDE_MAX + 16)
         attention = max(attention, 2 * max(h, qd, inter))
@@ -268,7 +270,7 @@ class _Args(ctypes.Structure):  # decode_mk.cu's Args, field for field
         "qkv", "att", "hbuf", "part", "logits", "best", "counters", "out_token", "error", "trace",
         "step_count")] + [
         ("max_len", ctypes.c_int), ("eps", ctypes.c_float), ("chain", ctypes.c_int),
-        ("head_sz", ctypes.c_void_p)]
+        ("head_sz", ctypes.c_void_p), ("xpart", ctypes.c_void_p)]
 
 
 @functools.cache
@@ -335,6 +337,8 @@ class DecodeMegakernel:
         llx = bool((defines or {}).get("LLX"))
         self.x = torch.zeros(2 * h if llx else h, **bf16)
         self.step_count = torch.zeros(1, dtype=torch.int32, device=dev)
+        # Q4_PARTS: a half tile's 16 sums a pair of blocks, as (value, flag) words
+        self.xpart = torch.zeros(8 * self.sms, dtype=torch.int64, device=dev)
         self.qkv = torch.zeros(qd + 2 * kvd, **bf16)
         self.att = torch.zeros(qd, **bf16)
         self.hbuf = torch.zeros(inter, **bf16)
@@ -383,7 +387,8 @@ class DecodeMegakernel:
         self.consumer_warps = consumer_warps
         self.shared = shared_bytes(cfg, self.ring, llx, self.q4, consumer_warps,
                                    self.defines.get("Q4_FINISH_EVERY", 1),
-                                   self.defines.get("ATT_KS", 0))
+                                   self.defines.get("ATT_KS", 0),
+                                   bool(self.defines.get("Q4_PARTS", 0)))
         if self.shared > limit:  # LLX's bytes (unsupported() checks the rest)
             raise ValueError(f"the megakernel needs {self.shared} bytes of shared memory a block, "
                              f"the GPU allows {limit}: use a smaller FLASHDRAFT_MK_RING")
@@ -400,7 +405,8 @@ class DecodeMegakernel:
             self.token_out.data_ptr(), self.error.data_ptr(),
             self.trace.data_ptr() if self.trace is not None else 0, self.step_count.data_ptr(),
             cache.max_len,
-            float(cfg.rms_norm_eps), 0, model.lm_head.scale.data_ptr() if self.q4 else 0)
+            float(cfg.rms_norm_eps), 0, model.lm_head.scale.data_ptr() if self.q4 else 0,
+            self.xpart.data_ptr())
 
     @property
     def fn_device(self) -> int:

@@ -163,6 +163,36 @@ def test_int4_megakernel_matches_the_model(shape, prompt, warps, monkeypatch):
     assert compared >= 12 and built[0].consumer_warps == warps
 
 
+def _halves_hidden(sms: int) -> int:
+    """A hidden size (a multiple of 128) whose 16-row tiles leave a remainder that
+    decode_mk.cu's Q4_PARTS splits in halves over `sms` blocks, on a quarter to a half of them
+    (as the 32B's 320 tiles on 132: 56 split over 112 blocks)."""
+    return next(128 * m for m in range(-(-sms // 8), 64 * sms)
+                if sms // 4 <= (8 * m) % sms <= sms // 2 and 8 * m >= sms)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prompt", [5, 700])
+def test_int4_megakernel_with_tiles_split_in_halves_matches_the_model(prompt, monkeypatch):
+    # O's and DOWN's tiles past an even share, split in halves over the inputs between a pair
+    # of blocks (Q4_PARTS): the owner adds the other's sums, sent with the step's flag, over
+    # 24 steps (a stale word from an earlier step or layer would give wrong logits)
+    from flashdraft.megakernel import DecodeMegakernel
+    torch.manual_seed(0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    h = _halves_hidden(sms)
+    model = _int4_model(ModelConfig("qwen3", 1024, h, 1024, 2, 8, 2, 128, qk_norm=True,
+                                    rope_theta=1e6), monkeypatch)
+    compared = _follow_the_model(model, prompt, lambda cache: DecodeMegakernel(
+        model, cache, defines={"Q4_PARTS": 1}))
+    assert compared >= 8
+
+
+def test_the_halves_hidden_size_leaves_a_remainder_to_split():
+    assert _halves_hidden(132) == 2688  # 168 tiles: 1 each, 36 split in halves on 72 blocks
+    assert 28 <= (_halves_hidden(114) // 16) % 114 <= 57
+
+
 def test_more_consumer_warps_take_more_shared_memory_and_still_fit_the_32b():
     from flashdraft.megakernel import HOPPER_SHARED, shared_bytes
     from flashdraft.shapes import get_shape

@@ -143,6 +143,9 @@
 #define CU (SLOT / Q4_UNIT)  // Q4: units a chunk
 #define KMAX (H > QD ? (H > INTER ? H : INTER) : (QD > INTER ? QD : INTER))
 #define KMIN (H < QD ? (H < INTER ? H : INTER) : (QD < INTER ? QD : INTER))
+#ifndef Q4_PARTS
+#define Q4_PARTS 0  // Q4: O's and DOWN's tiles past an even share split in halves (q4_share)
+#endif
 #ifndef Q4_FINISH_EVERY
 #define Q4_FINISH_EVERY 1  // Q4: chunks between two additions of ended tiles (each a block-wide
                            // barrier) where the block's tiles do not all fit Shared.q4red
@@ -179,6 +182,7 @@ struct Args {
     float eps;
     int chain;
     const unsigned char* head_sz;  // Q4: the head's scales and zeros (head: its codes)
+    u64* xpart;            // Q4_PARTS: a pair's second half-tile sums, (value, flag) words
 };
 
 // -- small helpers --------------------------------------------------------------------------------
@@ -294,6 +298,42 @@ __device__ __forceinline__ void rows_of(int n, int j, int b, int G, int& r0, int
     if (pairs) { r0 *= 2; r1 *= 2; }
 }
 
+// Q4: a block's tiles of an op of T tiles, NG groups each. With `halves` (Q4_PARTS, O and
+// DOWN), where some blocks would take a whole tile more than others (T % G tiles past T / G
+// each, 2 (T % G) <= G; the 32B's 320 tiles: 2 or 3 a block, down's ends 8 µs apart), those
+// tiles are split in halves over the inputs instead: the first 2 (T % G) blocks (rows_of's
+// rotation) each take half a tile besides their T / G whole ones. A pair's first block (the
+// owner) runs its half last and adds the second's sums, which that block ran first and sent
+// as (value, flag) words in Args.xpart: no block waits on the other at the op's end.
+struct Share {
+    int t0, t1;  // whole tiles [t0, t1)
+    int pt;      // the half tile (-1: none), its groups [g0, g1), its pair's index
+    int g0, g1, pair;
+    bool owner;
+};
+__device__ __forceinline__ Share q4_share(int T, int NG, int j, int b, int G, bool halves) {
+    Share sh;
+    sh.pt = -1;
+    sh.g0 = sh.g1 = sh.pair = 0;
+    sh.owner = false;
+    const int base = T / G, rem = T % G;
+    if (!halves || base == 0 || rem == 0 || 2 * rem > G) {
+        rows_of(T, j, b, G, sh.t0, sh.t1);
+        return sh;
+    }
+    const int vb = (b + j * 53) % G;
+    sh.t0 = vb * base;
+    sh.t1 = sh.t0 + base;
+    if (vb < 2 * rem) {
+        sh.pair = vb >> 1;
+        sh.owner = (vb & 1) == 0;
+        sh.pt = base * G + sh.pair;
+        sh.g0 = sh.owner ? 0 : NG / 2;
+        sh.g1 = sh.owner ? NG / 2 : NG;
+    }
+    return sh;
+}
+
 // Rows a chunk of a matrix with k columns: the largest power of two up to 16 that fits a slot.
 __host__ __device__ constexpr int rows_per_chunk(int k) {
     return 2 * k * 16 <= SLOT ? 16 : 2 * k * 8 <= SLOT ? 8 : 2 * k * 4 <= SLOT ? 4
@@ -344,9 +384,13 @@ __device__ __forceinline__ bool next_chunk(const Args& a, Cursor& c, int b, int 
         const unsigned char *w, *sz;
         op_matrix(a, c.layer, op, n, k, j, w, sz);
         int total, r = 1, r0, r1;
-        if (Q4) {  // CU units a chunk of the block's tiles
-            rows_of(n / 16, j, b, G, r0, r1);
-            total = ((r1 - r0) * (k / 128) + CU - 1) / CU;
+        Share sh;  // Q4: the block's whole tiles, and (Q4_PARTS) its half tile
+        int cw = 0, ca = 0;  // chunks of the whole tiles, of the half
+        if (Q4) {  // CU units a chunk of the block's tiles; the half's own chunks
+            sh = q4_share(n / 16, k / 128, j, b, G, Q4_PARTS && (op == 1 || op == 3));
+            cw = ((sh.t1 - sh.t0) * (k / 128) + CU - 1) / CU;
+            ca = (sh.g1 - sh.g0 + CU - 1) / CU;
+            total = cw + ca;
         } else {  // r whole rows a chunk; GU: a chunk of gate rows, then the same of up rows
             r = rows_per_chunk(k);
             rows_of(n, j, b, G, r0, r1);
@@ -354,9 +398,13 @@ __device__ __forceinline__ bool next_chunk(const Args& a, Cursor& c, int b, int 
             total = op == 2 ? 2 * chunks : chunks;
         }
         if (c.i < total) {
-            if (Q4) {
-                const int units = (r1 - r0) * (k / 128), u = c.i * CU;
-                const size_t at = (size_t)r0 * (k / 128) + u;
+            if (Q4) {  // the half first, unless the block owns it (then last)
+                const int first = sh.owner ? cw : ca;
+                const bool half = (c.i < first) != sh.owner;
+                const int u = (c.i < first ? c.i : c.i - first) * CU;
+                const int units = half ? sh.g1 - sh.g0 : (sh.t1 - sh.t0) * (k / 128);
+                const size_t at = half ? (size_t)sh.pt * (k / 128) + sh.g0 + u
+                                       : (size_t)sh.t0 * (k / 128) + u;
                 const u32 nu = (u32)min(CU, units - u);
                 out.src = w + at * 1024;
                 out.bytes = nu * 1024;
@@ -423,7 +471,8 @@ struct Shared {
     float best_v[NCW];
     int best_i[NCW];
 #if Q4
-    float q4red[RT][NCW][16];     // a tile's sums a warp, until the tile's warps are added
+    float q4red[RT + Q4_PARTS][NCW][16];  // a tile's sums a warp, until its warps are added
+                                          // (Q4_PARTS: the half tile's in the last)
     float sx[KMAX / 128];         // the op's group sums of x (float32, taken while staging x)
     __align__(16) u16 side[SIDE_MAX];  // the block's rows of the bias or the residual
 #endif
@@ -461,7 +510,8 @@ __device__ __forceinline__ void signal_op(const Args& a, int j) {
 // -- LLX: x with its writer's flag ----------------------------------------------------------------
 
 // x's writes in a step: O of layer l is write 2 l, DOWN of layer l write 2 l + 1. A flag names
-// the step and the write; the step counter only grows (zero in the buffer: never a flag).
+// the step and the write (LLX: x's words; Q4_PARTS: the half tiles' sums); the step counter
+// only grows (zero in the buffer: never a flag).
 __device__ __forceinline__ u32 x_flag(u32 step, int w) {
     return step * (u32)(2 * NL) + (u32)w + 1u;
 }
@@ -886,15 +936,16 @@ __device__ __forceinline__ void q4_finish(const Args& a, Shared& s, int t0, int 
 }
 
 // Q4: the op's x into s.u.xq (NORM: bf16(x r g), as the model's norm kernel rounds it), the
-// block's side rows (bias, residual) of tiles [t0, t1) into s.side, and each group's sum of x
-// into s.sx; one round trip to the L2 for all of it.
+// block's side rows (bias, residual) of tiles [t0, t1) and of tile pt (>= 0: the half tile it
+// owns) after them into s.side, and each group's sum of x into s.sx; one round trip to the L2
+// for all of it.
 // j: the op (TRACE's index); wait_j: the op to wait for first (-1: none). What does not
 // depend on it (the token, the norm's weights, the bias, O's residual: x of the layer before)
 // is asked for before the wait: the norms' and the bias's loads wait for the table's pointers,
 // a round trip ahead of them (the 1.5B int4 step 0.816-0.822 → 0.782 ms, session 25).
 template <int K, int KIND>
 __device__ __forceinline__ void q4_stage(const Args& a, Shared& s, int layer, int j, int t0,
-                                         int t1, int wait_j, int G) {
+                                         int t1, int pt, int wait_j, int G) {
     constexpr bool NORM = KIND == OP_QKV || KIND == OP_GU || KIND == OP_HEAD;
     constexpr int NP = (K / 8 + CT - 1) / CT;  // 16-byte pieces of x a thread
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -914,6 +965,8 @@ __device__ __forceinline__ void q4_stage(const Args& a, Shared& s, int layer, in
     auto copy_side = [&]() {
         for (int i = threadIdx.x; i < (t1 - t0) * 2; i += CT)
             cp_async16(s.side + 8 * i, side + t0 * 16 + 8 * i);
+        if (Q4_PARTS && pt >= 0 && threadIdx.x < 2)
+            cp_async16(s.side + (t1 - t0) * 16 + 8 * threadIdx.x, side + pt * 16 + 8 * threadIdx.x);
     };
     if (side && KIND != OP_DOWN) copy_side();  // DOWN's residual comes from O
     if (wait_j >= 0) wait_op(a, wait_j, G);
@@ -976,39 +1029,101 @@ __device__ __forceinline__ void q4_stage(const Args& a, Shared& s, int layer, in
     TR(j, 4);
 }
 
+// Unit ui of a chunk in `slot` (group gr of its tile) against x into a warp's sums of features
+// g and g + 8 (g = lane / 4; lanes with lane % 4 == 0 hold them after the tile's units).
+__device__ __forceinline__ void q4_acc(const Shared& s, const unsigned char* slot, int ui, int gr,
+                                       int lane, float& acc0, float& acc1) {
+    const int t = lane & 3, g = lane >> 2;
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    if (!NOCOMPUTE) q4_unit(s.u.xq, gr, slot + (size_t)ui * 1024 + 16 * lane, t, d);
+    const uint2 sc = *(const uint2*)(slot + CU * 1024 + ui * 64 + 8 * g);
+    // sum_k x (q - 8) s + z = s d + (z - 136 s) sum_k x (int4_mma.cu's FOLD)
+    const float s0 = lo_f32(sc.x), s1 = lo_f32(sc.y), sxg = s.sx[gr];
+    acc0 = fmaf(fmaf(-136.f, s0, hi_f32(sc.x)), sxg, fmaf(s0, d[0], acc0));
+    acc1 = fmaf(fmaf(-136.f, s1, hi_f32(sc.y)), sxg, fmaf(s1, d[2], acc1));
+}
+
+__device__ __forceinline__ void ld_word(const u64* p, u32& v, u32& f) {
+    asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(v), "=r"(f) : "l"(p));
+}
+
+// Q4_PARTS (O, DOWN): the block's half tile (q4_share), chunk by chunk from the ring, its warps'
+// sums added in order. The pair's second block sends them as (value, flag) words; the owner
+// asks for those before its own half runs, adds them after its own, and writes the tile's rows
+// of x (its residual staged in s.side after the whole tiles' rows).
+__device__ __forceinline__ void q4_half(const Args& a, Shared& s, unsigned char* ring, u32& c,
+                                        const Share& sh, int j, u32 flag) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int units = sh.g1 - sh.g0, chunks = (units + CU - 1) / CU;
+    u64* words = a.xpart + (size_t)sh.pair * 16;
+    u32 pv = 0u, pf = 0u;
+    if (sh.owner && threadIdx.x < 16) ld_word(words + threadIdx.x, pv, pf);
+    float acc0 = 0.f, acc1 = 0.f;
+    for (int i = 0; i < chunks; i++, c++) {
+        const int u0 = i * CU, nu = min(CU, units - u0);
+        mbar_wait(&s.full[c % NS], (c / NS) & 1);
+        if (i == 0 && !sh.owner) TR(j, 2);
+        const unsigned char* slot = slot_ptr(ring, c);
+        for (int u = u0 + (warp - u0 % NCW + NCW) % NCW; u < u0 + nu; u += NCW)
+            q4_acc(s, slot, u - u0, sh.g0 + u, lane, acc0, acc1);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&s.empty[c % NS]);
+    }
+    if ((lane & 3) == 0) {  // every warp, with or without units
+        s.q4red[RT][warp][lane >> 2] = acc0;
+        s.q4red[RT][warp][(lane >> 2) + 8] = acc1;
+    }
+    consumer_sync();
+    if (threadIdx.x < 16) {
+        const int f = threadIdx.x;
+        float y = 0.f;
+#pragma unroll
+        for (int w = 0; w < NCW; w++) y += s.q4red[RT][w][f];
+        if (!sh.owner) {
+            asm volatile("st.volatile.global.v2.u32 [%0], {%1, %2};"
+                         :: "l"(words + f), "r"(__float_as_uint(y)), "r"(flag) : "memory");
+        } else {
+            for (u32 spins = 0; pf != flag; spins++) {
+                if (spins == SPIN_LIMIT) { atomicExch(a.error, 1u + j); break; }
+                ld_word(words + f, pv, pf);
+            }
+            y += __uint_as_float(pv);
+            a.x[sh.pt * 16 + f] = to_bf16(bf(s.side[(sh.t1 - sh.t0) * 16 + f]) + round_bf16(y));
+        }
+    }
+}
+
 // One op's int4 products for this block: x staged (normed where a norm comes first), the
 // group sums of x, then the block's tiles chunk by chunk from the ring (see Q4 above).
 template <int K, int KIND>
 __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int layer, int b,
-                      int G, u32 /* step: LLX's */, int wait_j) {
+                      int G, u32 step, int wait_j) {
     constexpr int NG = K / 128;  // groups a tile
+    constexpr bool HALVES = Q4_PARTS && (KIND == OP_O || KIND == OP_DOWN);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3, g = lane >> 2;
     int n, k, j;
     const unsigned char *wq, *wsz;
     op_matrix(a, layer, KIND == OP_HEAD ? 4 : KIND == OP_QKV ? 0 : KIND - 1, n, k, j, wq, wsz);
-    int t0, t1;
-    rows_of(n / 16, j, b, G, t0, t1);
-    q4_stage<K, KIND>(a, s, layer, j, t0, t1, wait_j, G);
+    const Share sh = q4_share(n / 16, NG, j, b, G, HALVES);
+    const int t0 = sh.t0, t1 = sh.t1;
+    const bool half_first = HALVES && sh.pt >= 0 && !sh.owner;
+    q4_stage<K, KIND>(a, s, layer, j, t0, t1, sh.owner ? sh.pt : -1, wait_j, G);
+    const u32 flag = x_flag(step, 2 * layer + (KIND == OP_DOWN));
+    if (half_first) q4_half(a, s, ring, c, sh, j, flag);
     const int units = (t1 - t0) * NG, chunks = (units + CU - 1) / CU;
-    if (chunks == 0) TR(j, 2);  // a block without tiles of this op (the timeline's "first chunk")
+    if (chunks == 0 && !half_first) TR(j, 2);  // a block without tiles of this op (the timeline's "first chunk")
     float acc0 = 0.f, acc1 = 0.f;  // features g and g + 8 of the warp's tile
     float best_v = -3.0e38f;
     int best_i = 0x7fffffff, done = 0;
     for (int i = 0; i < chunks; i++, c++) {
         const int u0 = i * CU, nu = min(CU, units - u0);
         mbar_wait(&s.full[c % NS], (c / NS) & 1);
-        if (i == 0) TR(j, 2);
+        if (i == 0 && !half_first) TR(j, 2);
         const unsigned char* slot = slot_ptr(ring, c);
         // the warp's units u = warp mod NCW of the chunk, added to the tile's sums in order
         for (int u = u0 + (warp - u0 % NCW + NCW) % NCW; u < u0 + nu; u += NCW) {
             const int tl = u / NG, gr = u - tl * NG;
-            float d[4] = {0.f, 0.f, 0.f, 0.f};
-            if (!NOCOMPUTE) q4_unit(s.u.xq, gr, slot + (size_t)(u - u0) * 1024 + 16 * lane, t, d);
-            const uint2 sc = *(const uint2*)(slot + CU * 1024 + (u - u0) * 64 + 8 * g);
-            // sum_k x (q - 8) s + z = s d + (z - 136 s) sum_k x (int4_mma.cu's FOLD)
-            const float s0 = lo_f32(sc.x), s1 = lo_f32(sc.y), sxg = s.sx[gr];
-            acc0 = fmaf(fmaf(-136.f, s0, hi_f32(sc.x)), sxg, fmaf(s0, d[0], acc0));
-            acc1 = fmaf(fmaf(-136.f, s1, hi_f32(sc.y)), sxg, fmaf(s1, d[2], acc1));
+            q4_acc(s, slot, u - u0, gr, lane, acc0, acc1);
             if (u + NCW >= (tl + 1) * NG) {  // the warp's last unit of the tile
                 if (t == 0) {
                     s.q4red[tl % RT][warp][g] = acc0;
@@ -1032,6 +1147,7 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
         consumer_sync();
         q4_finish<KIND>(a, s, t0, done, t1 - t0, best_v, best_i);
     }
+    if (HALVES && sh.owner) q4_half(a, s, ring, c, sh, j, flag);
     if (KIND == OP_HEAD) {  // the block's best logit (ties: the lower id)
 #pragma unroll
         for (int o = 16; o; o >>= 1) {
@@ -1525,7 +1641,7 @@ decode_step(Args a) {
     consumer_sync();
 #endif
     u32 c = 0;
-    const u32 step = LLX ? ld_cg(a.step_count) : 0u;
+    const u32 step = LLX || Q4_PARTS ? ld_cg(a.step_count) : 0u;  // flags name the step
     for (int layer = 0; layer < NL; layer++) {
         const int j = 5 * layer;
         // each op waits for the one before (the last argument; -1: none) inside
@@ -1561,7 +1677,7 @@ decode_step(Args a) {
                 *a.token = bi;
                 *a.pos = min(*a.pos + 1, (long long)a.max_len - 1);  // never past the cache
             }
-            if (LLX) *a.step_count = step + 1u;  // every block read it at its start
+            if (LLX || Q4_PARTS) *a.step_count = step + 1u;  // every block read it at its start
             for (int t = 0; t < NOPS + NKV; t++) a.counters[t] = 0u;
         }
     }
