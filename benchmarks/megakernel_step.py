@@ -39,7 +39,8 @@ CONTEXT = 512  # cached positions before the step (--context)
 
 def parse_variant(v: str) -> dict:
     ring, *opts = v.split("+")
-    out = {"ring": ring, "probe": ""}  # the rest: DecodeMegakernel's defaults
+    # "default" (or nothing before the first "+"): the shape's default ring
+    out = {"ring": None if ring in ("", "default") else ring, "probe": ""}
     probes = []
     for o in opts:
         if o.startswith("prod:"):
@@ -109,11 +110,13 @@ def run_shape(shape: str, variants: list[str], bandwidth: float, context: int = 
             continue
         r = {"t1_ms": t * 1e3, "roofline_t1": need / bandwidth / t, "decode_tok_s": d,
              "roofline_decode": d / roof if d else None, "max_logit_diff": err,
-             "ref_logit_absmax": ref.abs().max().item()}
+             "ref_logit_absmax": ref.abs().max().item(), "ring": mk.ring,
+             "settings": {k: mk.defines[k] for k in ("Q4_FINISH_EVERY", "Q4_PARTS", "PU")
+                          if k in mk.defines}}
         if timeline:
             r["timeline_us"] = timeline
         out["megakernel"][v] = r
-        print(f"  {v}: t1 {t * 1e3:.3f} ms ({r['roofline_t1']:.1%})"
+        print(f"  {v} ({mk.ring}, {r['settings']}): t1 {t * 1e3:.3f} ms ({r['roofline_t1']:.1%})"
               + (f", decode {d:.1f} tok/s ({d / roof:.1%})" if d else "")
               + f"; max |logit diff| {err:.4f} (|logit| max {r['ref_logit_absmax']:.3f})", flush=True)
         if timeline:

@@ -187,15 +187,24 @@ def default_ring(cfg, q4: bool = False, warps: int | None = None,
 
 
 def default_finish_every(cfg, ring: str, warps: int | None = None,
-                         limit: int = HOPPER_SHARED) -> int:
+                         limit: int = HOPPER_SHARED, halves: bool = False) -> int:
     """int4: chunks between two additions of the tiles they ended (decode_mk.cu's
     Q4_FINISH_EVERY; each addition is a barrier of the block's consumer warps), the most of 8,
-    6, 3 and 1 whose tile sums fit beside `ring` in `limit` bytes (as default_ring). Session
-    24, the 32B at 4x39168: 7.33-7.43 ms a step at 1, 7.14 at 3, 7.02-7.11 at 6, 6.94-6.98 at
-    8."""
+    6, 3 and 1 whose tile sums fit beside `ring` in `limit` bytes (as default_ring; `halves`:
+    with Q4_PARTS's tile). Session 24, the 32B at 4x39168: 7.33-7.43 ms a step at 1, 7.14 at
+    3, 7.02-7.11 at 6, 6.94-6.98 at 8."""
     return next(m for m in (8, 6, 3, 1)
-                if m == 1 or shared_bytes(cfg, ring, q4=True, warps=warps, finish_every=m)
-                <= limit)
+                if m == 1 or shared_bytes(cfg, ring, q4=True, warps=warps, finish_every=m,
+                                          halves=halves) <= limit)
+
+
+def splits_tiles_in_halves(cfg, sms: int) -> bool:
+    """int4: whether O's and DOWN's tiles (hidden size / 16 of them) leave a remainder over
+    `sms` blocks that decode_mk.cu's Q4_PARTS splits in halves (a whole tile a block at least,
+    the rest on at most half the blocks), where it runs by default: the 32B's 320 tiles on 132
+    blocks, 2 or 3 each without it (session 29: 6.410 → 6.264 ms a step)."""
+    tiles = cfg.hidden_size // 16
+    return tiles >= sms and 0 < tiles % sms <= sms // 2
 
 
 def _rows_per_chunk(k: int, slot: int) -> int:
@@ -313,8 +322,10 @@ class DecodeMegakernel:
         limit = mma._shared_limit(_device_index(dev))
         self.ring = ring or default_ring(cfg, self.q4, consumer_warps, limit)
         if self.q4:
-            every = default_finish_every(cfg, self.ring, consumer_warps, limit)
-            defines = {"Q4_FINISH_EVERY": every} | (defines or {})
+            halves = splits_tiles_in_halves(cfg, self.sms)
+            every = default_finish_every(cfg, self.ring, consumer_warps, limit, halves)
+            defines = ({"Q4_FINISH_EVERY": every} | ({"Q4_PARTS": 1} if halves else {})
+                       | (defines or {}))
         slots, slot = _ring(self.ring)
         probes = set(filter(None, probe.split(",")))
         if probes - {"nowait", "nocompute"}:
