@@ -5,7 +5,7 @@ import torch
 
 from flashdraft.config import ModelConfig
 from flashdraft.kv_cache import KVCache
-from flashdraft.shapes import build_random_model
+from flashdraft.shapes import build_random_model, get_shape
 
 # Tiny shapes that take every path of the kernel: head dim 128 and 64; an MLP whose rows are
 # split over several warps (4,608 features: 2 rows a 24 KB slot) and one whose are not; Qwen3's
@@ -183,14 +183,22 @@ def test_int4_megakernel_with_tiles_split_in_halves_matches_the_model(prompt, mo
     h = _halves_hidden(sms)
     model = _int4_model(ModelConfig("qwen3", 1024, h, 1024, 2, 8, 2, 128, qk_norm=True,
                                     rope_theta=1e6), monkeypatch)
-    compared = _follow_the_model(model, prompt, lambda cache: DecodeMegakernel(
-        model, cache, defines={"Q4_PARTS": 1}))
-    assert compared >= 8
+    built = []
+
+    def make(cache):  # Q4_PARTS by default for this shape (splits_tiles_in_halves)
+        built.append(DecodeMegakernel(model, cache))
+        return built[-1]
+    compared = _follow_the_model(model, prompt, make)
+    assert compared >= 8 and built[0].defines.get("Q4_PARTS") == 1
 
 
 def test_the_halves_hidden_size_leaves_a_remainder_to_split():
+    from flashdraft.megakernel import splits_tiles_in_halves
     assert _halves_hidden(132) == 2688  # 168 tiles: 1 each, 36 split in halves on 72 blocks
     assert 28 <= (_halves_hidden(114) // 16) % 114 <= 57
+    split = [name for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-8b", "qwen3-32b")
+             if splits_tiles_in_halves(get_shape(name), 132)]
+    assert split == ["qwen3-32b"]  # 320 tiles; 56, 96 and 256 (124 left) do not split
 
 
 def test_more_consumer_warps_take_more_shared_memory_and_still_fit_the_32b():
