@@ -63,15 +63,15 @@ def test_megakernel_matches_the_model(shape, prompt, ring):
                                       ("hd64-group16", 2)])
 def test_megakernel_staging_keys_in_several_rounds_matches_the_model(shape, pu):
     # units of 64 positions (ATT_MIN) take 8 rounds of 8 staged keys and values, each round
-    # asked for while the one before it is scored; PU positions a warp's batch (4, the default;
-    # 8 and 2: the lanes' sums of 8 and 2 scores at once)
+    # asked for while the one before it is scored; PU positions a warp's batch (8, the default;
+    # 4 and 2: the lanes' sums of 4 and 2 scores at once)
     from flashdraft.megakernel import DecodeMegakernel
     torch.manual_seed(0)
     model = build_random_model(SHAPES[shape], torch.bfloat16, "cuda", seed=3)
     with torch.no_grad():
         model.lm_head.weight.mul_(20)
     compared = _follow_the_model(model, 700, lambda cache: DecodeMegakernel(
-        model, cache, defines={"ATT_MIN": 64, **({"PU": pu} if pu != 4 else {})}))
+        model, cache, defines={"ATT_MIN": 64, **({"PU": pu} if pu != 8 else {})}))
     assert compared >= (12 if SHAPES[shape].hidden_size < 4096 else 8)
 
 
