@@ -72,8 +72,9 @@ def is_int4(model: Transformer) -> bool:
 
 
 def unsupported(model: Transformer, cache: KVCache | None = None,
-                ring: str | None = None) -> str | None:
-    """Why the megakernel cannot run this model (and cache, when given), or None when it can."""
+                ring: str | None = None, red_rows: int = 64) -> str | None:
+    """Why the megakernel cannot run this model (and cache, when given), or None when it can
+    (red_rows: decode_mk.cu's RED_ROWS, as shared_bytes)."""
     cfg = model.cfg
     device = model.embed.weight.device
     why = mma.unavailable(device, model.embed.weight.dtype)
@@ -90,7 +91,7 @@ def unsupported(model: Transformer, cache: KVCache | None = None,
     why = _why_not_int4(model, sms) if q4 else _why_not_bf16(model, _ring(ring)[1])
     if why:
         return why
-    need = shared_bytes(cfg, ring, q4=q4)
+    need = shared_bytes(cfg, ring, q4=q4, red_rows=red_rows)
     if need > limit:  # e.g. GPUs of ~100 KB a block
         return (f"it needs {need} bytes of shared memory a block, the GPU allows {limit} "
                 f"(FLASHDRAFT_MK_RING: a smaller ring)")
@@ -219,15 +220,16 @@ def _device_index(device: torch.device) -> int:
 
 def shared_bytes(cfg, ring: str, llx: bool = False, q4: bool = False,
                  warps: int | None = None, finish_every: int = 1, att_ks: int = 0,
-                 halves: bool = False) -> int:
+                 halves: bool = False, red_rows: int = 64) -> int:
     """Dynamic shared memory a block of the kernel takes: the ring, then decode_mk.cu's Shared
-    (mbarriers, sums; with LLX, x as polled and the rows going out; with Q4, the tiles' warp
-    sums, one more tile's with Q4_PARTS (`halves`), x's group sums and the side rows), whose
-    attention state shares its space with Q4's staged x."""
+    (mbarriers, sums: DOWN's of `red_rows` rows (RED_ROWS); with LLX, x as polled and the rows
+    going out; with Q4, the tiles' warp sums, one more tile's with Q4_PARTS (`halves`), x's
+    group sums and the side rows), whose attention state shares its space with Q4's staged
+    x."""
     slots, slot = _ring(ring)
     warps = warps or default_warps(q4)
     h, qd, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size
-    struct = (16 * slots + 4 * 64 * warps + 4 * 3 * warps + 8 * warps + 16
+    struct = (16 * slots + 4 * red_rows * warps + 4 * 3 * warps + 8 * warps + 16
               + ((2 * cfg.hidden_size + 2 * XO_ROWS + 16) if llx else 0))
     attention = _attention_bytes(cfg, q4, warps, att_ks)
     if q4:
@@ -309,7 +311,7 @@ class DecodeMegakernel:
         default_finish_every unless they set it); consumer_warps: default_warps; other
         than 8 for int4 only (more warps multiplying, fewer registers a thread: 12 give
         128)."""
-        why = unsupported(model, cache, ring)
+        why = unsupported(model, cache, ring, (defines or {}).get("RED_ROWS", 64))
         if why:
             raise ValueError(f"the decode megakernel cannot run this model: {why}")
         cfg = model.cfg
@@ -396,10 +398,16 @@ class DecodeMegakernel:
             raise ValueError(f"consumer_warps {consumer_warps}: {CONSUMER_WARPS} (bfloat16 "
                              f"takes rows in chunks of 8 warps), or 1 to 16 for int4")
         self.consumer_warps = consumer_warps
+        # RED_ROWS (measurement, default 64): DOWN's rows a block, as decode_mk.cu holds them;
+        # fewer make room (the 1.5B: 12 rows a block leave room for a 9th slot of 24 KB)
+        red_rows = self.defines.get("RED_ROWS", 64)
+        if red_rows < 2 * -(-(h // 2) // self.sms):  # rows_of's share, LLX's pairs included
+            raise ValueError(f"RED_ROWS {red_rows}: a block writes up to "
+                             f"{2 * -(-(h // 2) // self.sms)} rows of x")
         self.shared = shared_bytes(cfg, self.ring, llx, self.q4, consumer_warps,
                                    self.defines.get("Q4_FINISH_EVERY", 1),
                                    self.defines.get("ATT_KS", 0),
-                                   bool(self.defines.get("Q4_PARTS", 0)))
+                                   bool(self.defines.get("Q4_PARTS", 0)), red_rows)
         if self.shared > limit:  # LLX's bytes (unsupported() checks the rest)
             raise ValueError(f"the megakernel needs {self.shared} bytes of shared memory a block, "
                              f"the GPU allows {limit}: use a smaller FLASHDRAFT_MK_RING")

@@ -283,6 +283,13 @@ def test_shared_memory_fits_hopper_for_the_shapes_we_run_and_the_32b_rows():
     # the 32B's 51 KB rows need 4 slots of 51,200 bytes: they fit beside attention's 8 KB of
     # staged keys and values (not beside the 32 KB of warp states it took before session 27)
     assert shared_bytes(get_shape("qwen3-32b"), "4x51200") <= hopper
+    # a 9th 24 KB slot for the 1.5B fits where DOWN's sums hold the 12 rows a block writes
+    # (RED_ROWS 12 on 132 blocks), not the 64 they hold by default; the 32B int4 keeps room
+    # for Q4_PARTS's tile beside its 4 slots of 36 units at 8 chunks a tile addition
+    cfg = get_shape("qwen2.5-1.5b")
+    assert shared_bytes(cfg, "9x24576", red_rows=12) <= hopper < shared_bytes(cfg, "9x24576")
+    assert shared_bytes(get_shape("qwen3-32b"), "4x39168", q4=True, finish_every=8,
+                        halves=True) <= hopper
 
 
 def test_auto_drafts_on_graphs_where_the_kernel_fails_to_build(monkeypatch):

@@ -132,7 +132,9 @@
 #define EPL (HD / 32)  // head elements a lane
 #define CT (NCW * 32)  // consumer threads
 #define NOPS (5 * NL + 1)
-#define RED_ROWS 64
+#ifndef RED_ROWS
+#define RED_ROWS 64  // rows of x a block's DOWN writes at most (flashdraft.megakernel checks)
+#endif
 #define SPIN_LIMIT (1u << 22)  // polls before a wait gives up (~seconds; a step waits microseconds)
 
 #define XO_ROWS 66  // rows of x a block writes (flashdraft.megakernel checks it)
