@@ -118,7 +118,8 @@ def run_shape(shape: str, variants: list[str], bandwidth: float, context: int = 
         out["megakernel"][v] = r
         print(f"  {v} ({mk.ring}, {r['settings']}): t1 {t * 1e3:.3f} ms ({r['roofline_t1']:.1%})"
               + (f", decode {d:.1f} tok/s ({d / roof:.1%})" if d else "")
-              + f"; max |logit diff| {err:.4f} (|logit| max {r['ref_logit_absmax']:.3f})", flush=True)
+              + f"; max |logit diff| {err:.4f} (|logit| max {r['ref_logit_absmax']:.3f})",
+              flush=True)
         if timeline:
             print(f"    step {timeline['step_us']:.1f} us; a layer, us: " + "; ".join(
                 f"{k} " + " ".join(f"{n}={x:.2f}" if isinstance(x, float) else f"{n}={x}"

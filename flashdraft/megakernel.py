@@ -400,10 +400,9 @@ class DecodeMegakernel:
         self.consumer_warps = consumer_warps
         # RED_ROWS (measurement, default 64): DOWN's rows a block, as decode_mk.cu holds them;
         # fewer make room (the 1.5B: 12 rows a block leave room for a 9th slot of 24 KB)
-        red_rows = self.defines.get("RED_ROWS", 64)
-        if red_rows < 2 * -(-(h // 2) // self.sms):  # rows_of's share, LLX's pairs included
-            raise ValueError(f"RED_ROWS {red_rows}: a block writes up to "
-                             f"{2 * -(-(h // 2) // self.sms)} rows of x")
+        red_rows, rows = self.defines.get("RED_ROWS", 64), 2 * -(-(h // 2) // self.sms)
+        if red_rows < rows:  # rows_of's share of x, LLX's row pairs included
+            raise ValueError(f"RED_ROWS {red_rows}: a block writes up to {rows} rows of x")
         self.shared = shared_bytes(cfg, self.ring, llx, self.q4, consumer_warps,
                                    self.defines.get("Q4_FINISH_EVERY", 1),
                                    self.defines.get("ATT_KS", 0),

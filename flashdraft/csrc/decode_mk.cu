@@ -48,11 +48,12 @@
 // x) with int4_mma's FOLD (s d + (z - 136 s) sum x, the group sums of x taken in float32 once
 // an op, while x is staged), and adds a tile's units in order; a tile's warps are added in
 // warp order every Q4_FINISH_EVERY chunks (a barrier of the consumers each time), or at the
-// op's end where the block's tiles all fit Shared.q4red. The host runs int4 with NCW 12 (128
-// registers a thread), a unit's mma in Q4_CHAINS chains, tiles added every 8, 6, 3 or 1 chunks
-// (the most that fits). Timings (benchmarks/RESULTS.md, sessions 22-27): faster than the
-// graphs' int4 products on the 1.5B and 8B shapes, 8 % faster on the 32B, whose consumers
-// barely keep up with the stream.
+// op's end where the block's tiles all fit Shared.q4red. Q4_PARTS: O's and DOWN's tiles past an
+// even share are split in halves between pairs of blocks (q4_share). The host runs int4 with NCW 12
+// (128 registers a thread), a unit's mma in Q4_CHAINS chains, tiles added every 8, 6, 3 or 1 chunks
+// (the most that fits). Timings (benchmarks/RESULTS.md, sessions 22-29): faster than the graphs'
+// int4 products on the 1.5B and 8B shapes, 14 % faster on the 32B, whose consumers barely keep up
+// with the stream.
 
 #ifndef H
 #define H 1536  // hidden size
@@ -1113,7 +1114,8 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
     const u32 flag = x_flag(step, 2 * layer + (KIND == OP_DOWN));
     if (half_first) q4_half(a, s, ring, c, sh, j, flag);
     const int units = (t1 - t0) * NG, chunks = (units + CU - 1) / CU;
-    if (chunks == 0 && !half_first) TR(j, 2);  // a block without tiles of this op (the timeline's "first chunk")
+    if (chunks == 0 && !half_first)  // a block without tiles of this op: the timeline's "first
+        TR(j, 2);                     // chunk" now
     float acc0 = 0.f, acc1 = 0.f;  // features g and g + 8 of the warp's tile
     float best_v = -3.0e38f;
     int best_i = 0x7fffffff, done = 0;
@@ -1356,14 +1358,14 @@ __device__ __forceinline__ void score_batch(const u16 (*kv)[KS][HD], int ib, int
     m = mn;
 }
 
-// A block's unit of (kv head g, split sp of positions), at most one. A unit's cached keys and values are
-// staged in shared memory in rounds of KS positions (the first NB rounds before the wait for
-// QKV, each later one once the round NB before it is scored); a warp takes one head of the
-// group (HPW heads where the group has more heads than the block has warps; WH warps a head,
-// every WH-th position, where it has fewer) with an online softmax, so no warp waits for
-// another until its partials are out. With one partial a head it is the output; else each
-// (m, l, acc) goes to a.part, and once every unit of head g has arrived (a counter a kv head),
-// each unit merges its slice of the head group's outputs from every partial.
+// A block's unit of (kv head g, split sp of positions), at most one. A unit's cached keys and
+// values are staged in shared memory in rounds of KS positions (the first NB rounds before the wait
+// for QKV, each later one once the round NB before it is scored); a warp takes one head of the
+// group (HPW heads where the group has more heads than the block has warps; WH warps a head, every
+// WH-th position, where it has fewer) with an online softmax, so no warp waits for another until
+// its partials are out. With one partial a head it is the output; else each (m, l, acc) goes to
+// a.part, and once every unit of head g has arrived (a counter a kv head), each unit merges its
+// slice of the head group's outputs from every partial.
 // Round trips to memory on the way: the staged keys/values (before the wait); the unit's q, k,
 // v; later rounds (units longer than NB KS positions); the partials' release and the wait for
 // the other units; the merge's loads, all at once.
