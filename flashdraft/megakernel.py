@@ -50,6 +50,7 @@ Q4_CONSUMER_WARPS = 12
 # decode_mk.cu's layouts read here: TRACE's times an op (consumer, producer), XO_ROWS
 TRACE_CONSUMER, TRACE_PRODUCER = 8, 2
 XO_ROWS = 66
+RED_ROWS = 64  # decode_mk.cu's default: rows of x a block writes at most (a define may lower it)
 ATT_SPLITS = 64  # decode_mk.cu's: units a kv head whose partials attention's merge space holds
 Q4_UNIT, SIDE_MAX = 1088, 256  # Q4: bytes a (tile, group) unit; bias/residual rows a block
 HOPPER_SHARED = 227 * 1024 - 1024  # mma._shared_limit on an H100 / H200
@@ -72,7 +73,7 @@ def is_int4(model: Transformer) -> bool:
 
 
 def unsupported(model: Transformer, cache: KVCache | None = None,
-                ring: str | None = None, red_rows: int = 64) -> str | None:
+                ring: str | None = None, red_rows: int = RED_ROWS) -> str | None:
     """Why the megakernel cannot run this model (and cache, when given), or None when it can
     (red_rows: decode_mk.cu's RED_ROWS, as shared_bytes)."""
     cfg = model.cfg
@@ -97,8 +98,10 @@ def unsupported(model: Transformer, cache: KVCache | None = None,
                 f"(FLASHDRAFT_MK_RING: a smaller ring)")
     if cache is not None and (cache.kv.shape[2] != 1 or cache.kv.dtype != torch.bfloat16):
         return "the cache must hold one bfloat16 sequence"
-    if -(-cfg.hidden_size // sms) > 64:
-        return f"hidden size {cfg.hidden_size} over {sms} multiprocessors: at most 64 rows a block"
+    rows, most = _rows_a_block(cfg.hidden_size, sms), min(red_rows, RED_ROWS)
+    if rows > most:
+        return (f"hidden size {cfg.hidden_size} over {sms} multiprocessors: {rows} rows a block, "
+                f"at most {most}")
     return None
 
 
@@ -208,6 +211,12 @@ def splits_tiles_in_halves(cfg, sms: int) -> bool:
     return tiles >= sms and 0 < tiles % sms <= sms // 2
 
 
+def _rows_a_block(h: int, sms: int) -> int:
+    """Rows of x a block writes at most: decode_mk.cu's rows_of share (LLX's row pairs
+    included, never fewer than without them)."""
+    return 2 * -(-(h // 2) // sms)
+
+
 def _rows_per_chunk(k: int, slot: int) -> int:
     """decode_mk.cu's rows_per_chunk: rows of k bfloat16 a slot, the largest power of two up
     to 16 that fits (0: none)."""
@@ -220,7 +229,7 @@ def _device_index(device: torch.device) -> int:
 
 def shared_bytes(cfg, ring: str, llx: bool = False, q4: bool = False,
                  warps: int | None = None, finish_every: int = 1, att_ks: int = 0,
-                 halves: bool = False, red_rows: int = 64) -> int:
+                 halves: bool = False, red_rows: int = RED_ROWS) -> int:
     """Dynamic shared memory a block of the kernel takes: the ring, then decode_mk.cu's Shared
     (mbarriers, sums: DOWN's of `red_rows` rows (RED_ROWS); with LLX, x as polled and the rows
     going out; with Q4, the tiles' warp sums, one more tile's with Q4_PARTS (`halves`), x's
@@ -311,7 +320,8 @@ class DecodeMegakernel:
         default_finish_every unless they set it); consumer_warps: default_warps; other
         than 8 for int4 only (more warps multiplying, fewer registers a thread: 12 give
         128)."""
-        why = unsupported(model, cache, ring, (defines or {}).get("RED_ROWS", 64))
+        red_rows = (defines or {}).get("RED_ROWS", RED_ROWS)
+        why = unsupported(model, cache, ring, red_rows)
         if why:
             raise ValueError(f"the decode megakernel cannot run this model: {why}")
         cfg = model.cfg
@@ -378,10 +388,6 @@ class DecodeMegakernel:
         if llx and min(_rows_per_chunk(h, slot), _rows_per_chunk(qd, slot)) < CONSUMER_WARPS:
             raise ValueError(f"LLX: hidden size {h} / q width {qd}: LLX takes a warp a row, "
                              f"8 rows of them in a {slot}-byte slot")
-        # whole row pairs a block, as many as side loads take
-        if llx and 2 * -(-(h // 2) // self.sms) > 64:
-            raise ValueError(f"LLX: hidden size {h} over {self.sms} multiprocessors: at most 64 "
-                             f"rows a block")
         defines = (("H", h), ("INTER", inter), ("NQ", cfg.num_heads), ("NKV", cfg.num_kv_heads),
                    ("HD", cfg.head_dim), ("NL", cfg.num_layers), ("VOCAB", cfg.vocab_size),
                    ("QKV_BIAS", int(cfg.qkv_bias)), ("QK_NORM", int(cfg.qk_norm)),
@@ -398,11 +404,8 @@ class DecodeMegakernel:
             raise ValueError(f"consumer_warps {consumer_warps}: {CONSUMER_WARPS} (bfloat16 "
                              f"takes rows in chunks of 8 warps), or 1 to 16 for int4")
         self.consumer_warps = consumer_warps
-        # RED_ROWS (measurement, default 64): DOWN's rows a block, as decode_mk.cu holds them;
-        # fewer make room (the 1.5B: 12 rows a block leave room for a 9th slot of 24 KB)
-        red_rows, rows = self.defines.get("RED_ROWS", 64), 2 * -(-(h // 2) // self.sms)
-        if red_rows < rows:  # rows_of's share of x, LLX's row pairs included
-            raise ValueError(f"RED_ROWS {red_rows}: a block writes up to {rows} rows of x")
+        # RED_ROWS (measurement; unsupported() checks it): DOWN's rows a block as decode_mk.cu
+        # holds them; fewer make room (the 1.5B's 12 leave room for a 9th slot of 24 KB)
         self.shared = shared_bytes(cfg, self.ring, llx, self.q4, consumer_warps,
                                    self.defines.get("Q4_FINISH_EVERY", 1),
                                    self.defines.get("ATT_KS", 0),

@@ -222,6 +222,11 @@ __device__ __forceinline__ bool poll_until(const u32* p, u32 target) {
         if (ld_acquire(p) >= target) return true;
     return false;
 }
+// An 8-byte word that carries its writer's flag (LLX's x, Q4_PARTS's sums): value v, flag f,
+// read past L1 in one access, so a matching flag vouches for the value beside it.
+__device__ __forceinline__ void ld_word(const void* p, u32& v, u32& f) {
+    asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(v), "=r"(f) : "l"(p));
+}
 __device__ __forceinline__ u32 atom_add_acq_rel(u32* p) {
     u32 v;
     asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(v) : "l"(p) : "memory");
@@ -560,12 +565,8 @@ __device__ __forceinline__ void ll_rows(const Args& a, int ra, int rb, u32 want,
     const u32* xw = (const u32*)a.x;
     u32 da = 0, db = 0, fa = ra >= 0 ? ~want : want, fb = rb >= 0 ? ~want : want;
     for (u32 spins = 0;; spins++) {
-        if (fa != want)
-            asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];"
-                         : "=r"(da), "=r"(fa) : "l"(xw + 2 * (ra >> 1)));
-        if (fb != want)
-            asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];"
-                         : "=r"(db), "=r"(fb) : "l"(xw + 2 * (rb >> 1)));
+        if (fa != want) ld_word(xw + 2 * (ra >> 1), da, fa);
+        if (fb != want) ld_word(xw + 2 * (rb >> 1), db, fb);
         if (fa == want && fb == want) break;
         if (spins == SPIN_LIMIT) { atomicExch(a.error, 1u + j); break; }
     }
@@ -1044,10 +1045,6 @@ __device__ __forceinline__ void q4_acc(const Shared& s, const unsigned char* slo
     const float s0 = lo_f32(sc.x), s1 = lo_f32(sc.y), sxg = s.sx[gr];
     acc0 = fmaf(fmaf(-136.f, s0, hi_f32(sc.x)), sxg, fmaf(s0, d[0], acc0));
     acc1 = fmaf(fmaf(-136.f, s1, hi_f32(sc.y)), sxg, fmaf(s1, d[2], acc1));
-}
-
-__device__ __forceinline__ void ld_word(const u64* p, u32& v, u32& f) {
-    asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(v), "=r"(f) : "l"(p));
 }
 
 // Q4_PARTS (O, DOWN): the block's half tile (q4_share), chunk by chunk from the ring, its warps'
