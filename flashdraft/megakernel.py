@@ -92,7 +92,7 @@ def unsupported(model: Transformer, cache: KVCache | None = None,
     why = _why_not_int4(model, sms) if q4 else _why_not_bf16(model, _ring(ring)[1])
     if why:
         return why
-    need = shared_bytes(cfg, ring, q4=q4, red_rows=red_rows)
+    need = shared_bytes(cfg, ring, q4=q4, defines={"RED_ROWS": red_rows})
     if need > limit:  # e.g. GPUs of ~100 KB a block
         return (f"it needs {need} bytes of shared memory a block, the GPU allows {limit} "
                 f"(FLASHDRAFT_MK_RING: a smaller ring)")
@@ -198,8 +198,9 @@ def default_finish_every(cfg, ring: str, warps: int | None = None,
     with Q4_PARTS's tile). Session 24, the 32B at 4x39168: 7.33-7.43 ms a step at 1, 7.14 at
     3, 7.02-7.11 at 6, 6.94-6.98 at 8."""
     return next(m for m in (8, 6, 3, 1)
-                if m == 1 or shared_bytes(cfg, ring, q4=True, warps=warps, finish_every=m,
-                                          halves=halves) <= limit)
+                if m == 1 or shared_bytes(cfg, ring, q4=True, warps=warps,
+                                          defines={"Q4_FINISH_EVERY": m, "Q4_PARTS": halves})
+                <= limit)
 
 
 def splits_tiles_in_halves(cfg, sms: int) -> bool:
@@ -227,24 +228,29 @@ def _device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def shared_bytes(cfg, ring: str, llx: bool = False, q4: bool = False,
-                 warps: int | None = None, finish_every: int = 1, att_ks: int = 0,
-                 halves: bool = False, red_rows: int = RED_ROWS) -> int:
+def shared_bytes(cfg, ring: str, q4: bool = False, warps: int | None = None,
+                 defines: dict[str, int] | None = None) -> int:
     """Dynamic shared memory a block of the kernel takes: the ring, then decode_mk.cu's Shared
-    (mbarriers, sums: DOWN's of `red_rows` rows (RED_ROWS); with LLX, x as polled and the rows
-    going out; with Q4, the tiles' warp sums, one more tile's with Q4_PARTS (`halves`), x's
-    group sums and the side rows), whose attention state shares its space with Q4's staged
-    x."""
+    (mbarriers, sums: DOWN's of RED_ROWS rows; with LLX or LLA, the rows going out; with Q4,
+    the tiles' warp sums (Q4_FINISH_EVERY's), one more tile's with Q4_PARTS, x's group sums and
+    the side rows), whose attention state (ATT_KS) shares its space with Q4's staged x and
+    with LLX's or LLA's polled input. `defines`: the kernel's settings that size it, where not
+    the defaults."""
+    d = defines or {}
     slots, slot = _ring(ring)
     warps = warps or default_warps(q4)
     h, qd, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size
-    struct = (16 * slots + 4 * red_rows * warps + 4 * 3 * warps + 8 * warps + 16
-              + ((2 * cfg.hidden_size + 2 * XO_ROWS + 16) if llx else 0))
-    attention = _attention_bytes(cfg, q4, warps, att_ks)
+    llx, lla = d.get("LLX", 0), d.get("LLA", 0)
+    struct = (16 * slots + 4 * d.get("RED_ROWS", RED_ROWS) * warps + 4 * 3 * warps + 8 * warps
+              + 16 + (2 * XO_ROWS if llx or lla & 1 else 0))
+    attention = _attention_bytes(cfg, q4, warps, d.get("ATT_KS", 0))
+    if llx or lla & 4:  # Shared.u.xs: x's or att's bf16, as polled
+        attention = max(attention, 2 * (max(h, qd) if lla & 4 else h))
     if q4:
         units = slot // Q4_UNIT
-        tiles = 2 * (finish_every * units // (min(h, qd, inter) // 128)) + 4  # decode_mk.cu's RT
-        tiles += int(halves)
+        every = d.get("Q4_FINISH_EVERY", 1)
+        tiles = 2 * (every * units // (min(h, qd, inter) // 128)) + 4  # decode_mk.cu's RT
+        tiles += int(bool(d.get("Q4_PARTS", 0)))
         struct += (4 * tiles * warps * 16 + 4 * max(h, qd, inter) // 128
                    + 2 * SIDE_MAX + 16)
         attention = max(attention, 2 * max(h, qd, inter))
@@ -321,6 +327,10 @@ class DecodeMegakernel:
         than 8 for int4 only (more warps multiplying, fewer registers a thread: 12 give
         128)."""
         red_rows = (defines or {}).get("RED_ROWS", RED_ROWS)
+        llx, lla = bool((defines or {}).get("LLX")), (defines or {}).get("LLA", 0)
+        if lla not in range(8):
+            raise ValueError(f"LLA {lla!r}: 0 to 7, bits of what carries its writer's flag "
+                             f"(1 q/k/v, 2 attention's partials, 4 its output)")
         why = unsupported(model, cache, ring, red_rows)
         if why:
             raise ValueError(f"the decode megakernel cannot run this model: {why}")
@@ -356,18 +366,19 @@ class DecodeMegakernel:
                 ptrs += [block.attn_norm.weight.data_ptr(), block.mlp_norm.weight.data_ptr()]
         self.table = torch.tensor(ptrs, dtype=torch.int64, device=dev)
         bf16 = dict(dtype=torch.bfloat16, device=dev)
-        # x: bf16 rows, or with LLX (defines) 8-byte words of 2 rows and their writer's flag
-        llx = bool((defines or {}).get("LLX"))
+        # x: bf16 rows, or with LLX (defines) 8-byte words of 2 rows and their writer's flag;
+        # LLA's bits flag q/k/v (1), the partials (2, a word a float) and att (4) alike
         self.x = torch.zeros(2 * h if llx else h, **bf16)
         self.step_count = torch.zeros(1, dtype=torch.int32, device=dev)
         # Q4_PARTS: a half tile's 16 sums a pair of blocks, as (value, flag) words
         self.xpart = torch.zeros(8 * self.sms, dtype=torch.int64, device=dev)
-        self.qkv = torch.zeros(qd + 2 * kvd, **bf16)
-        self.att = torch.zeros(qd, **bf16)
+        self.qkv = torch.zeros((2 if lla & 1 else 1) * (qd + 2 * kvd), **bf16)
+        self.att = torch.zeros((2 if lla & 4 else 1) * qd, **bf16)
         self.hbuf = torch.zeros(inter, **bf16)
         group = cfg.num_heads // cfg.num_kv_heads
-        self.part = torch.zeros(cfg.num_kv_heads * self.sms * _warps_a_head(cfg, consumer_warps)
-                                * group * (cfg.head_dim + 2), dtype=torch.float32, device=dev)
+        self.part = torch.zeros((2 if lla & 2 else 1) * cfg.num_kv_heads * self.sms
+                                * _warps_a_head(cfg, consumer_warps) * group
+                                * (cfg.head_dim + 2), dtype=torch.float32, device=dev)
         self.logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=dev)
         self.best = torch.zeros(2 * self.sms, dtype=torch.float32, device=dev)
         self.counters = torch.zeros(_nops(cfg) + cfg.num_kv_heads, dtype=torch.int32, device=dev)
@@ -398,19 +409,20 @@ class DecodeMegakernel:
                    ) + tuple(sorted((defines or {}).items()))
         self.defines = dict(defines)  # decode_mk.cu's settings as compiled
         self.producers = producers
-        if self.q4 and (llx or not ldgsts):
-            raise ValueError("int4 weights: the producers copy with cp.async (ldgsts), no LLX")
+        if self.q4 and (llx or lla or not ldgsts):
+            raise ValueError("int4 weights: the producers copy with cp.async (ldgsts), "
+                             "no LLX or LLA")
+        qkv_rows = 2 * -(-((qd + 2 * kvd) // 2) // self.sms)  # LLA 1: QKV's rows in pairs
+        if lla & 1 and qkv_rows > XO_ROWS:
+            raise ValueError(f"LLA 1: {qkv_rows} rows of q/k/v a block, at most {XO_ROWS}")
         if consumer_warps != CONSUMER_WARPS and not (self.q4 and 1 <= consumer_warps <= 16):
             raise ValueError(f"consumer_warps {consumer_warps}: {CONSUMER_WARPS} (bfloat16 "
                              f"takes rows in chunks of 8 warps), or 1 to 16 for int4")
         self.consumer_warps = consumer_warps
         # RED_ROWS (measurement; unsupported() checks it): DOWN's rows a block as decode_mk.cu
         # holds them; fewer make room (the 1.5B's 12 leave room for a 9th slot of 24 KB)
-        self.shared = shared_bytes(cfg, self.ring, llx, self.q4, consumer_warps,
-                                   self.defines.get("Q4_FINISH_EVERY", 1),
-                                   self.defines.get("ATT_KS", 0),
-                                   bool(self.defines.get("Q4_PARTS", 0)), red_rows)
-        if self.shared > limit:  # LLX's bytes (unsupported() checks the rest)
+        self.shared = shared_bytes(cfg, self.ring, self.q4, consumer_warps, self.defines)
+        if self.shared > limit:  # LLX's and LLA's bytes (unsupported() checks the rest)
             raise ValueError(f"the megakernel needs {self.shared} bytes of shared memory a block, "
                              f"the GPU allows {limit}: use a smaller FLASHDRAFT_MK_RING")
         self.fn = _kernel(defines, self.fn_device)

@@ -37,19 +37,22 @@ def test_refused_without_cuda_with_the_reason():
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("prompt", [5, 100, 700])  # one attention split, several, the most
-@pytest.mark.parametrize("ring", ["8x24576", "4x49152", "8x24576+bulk", "8x24576+llx"])
+@pytest.mark.parametrize("ring", ["8x24576", "4x49152", "8x24576+bulk", "8x24576+llx",
+                                  "8x24576+lla", "8x24576+llx+lla"])
 def test_megakernel_matches_the_model(shape, prompt, ring):
     from flashdraft.megakernel import DecodeMegakernel
     torch.manual_seed(0)
     cfg = SHAPES[shape]
-    if shape == "qwen3-split-rows" and ring.endswith("+llx"):
+    if shape == "qwen3-split-rows" and "+llx" in ring:
         pytest.skip("LLX takes a warp a row (refused: test_llx_refuses_rows_split_over_warps)")
     model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
     with torch.no_grad():  # sharper logits than N(0, 0.02) gives: fewer near ties
         model.lm_head.weight.mul_(20)
-    ring, _, option = ring.partition("+")  # bulk: one producer warp's bulk copies; llx:
-    opts = {"bulk": dict(ldgsts=False, producers=1),  # x polled by its flags
-            "llx": dict(defines={"LLX": 1}), "": {}}[option]
+    ring, _, option = ring.partition("+")  # bulk: one producer warp's bulk copies; llx: x
+    opts = {"bulk": dict(ldgsts=False, producers=1),  # polled by its flags; lla: attention's
+            "llx": dict(defines={"LLX": 1}),  # q/k/v, partials and output likewise
+            "lla": dict(defines={"LLA": 7}), "llx+lla": dict(defines={"LLX": 1, "LLA": 7}),
+            "": {}}[option]
     compared = _follow_the_model(model, prompt, lambda cache: DecodeMegakernel(
         model, cache, ring=ring, **opts))
     # most steps decided the token (hidden size 4,096: each logit sums 4,096 rounded terms, so
@@ -253,11 +256,12 @@ def test_int4_tiles_are_added_as_rarely_as_shared_memory_allows():
                 get_shape("qwen2.5-0.5b")):
         ring = megakernel.default_ring(cfg, q4=True)
         m = every(cfg, ring)
-        need = megakernel.shared_bytes(cfg, ring, q4=True, finish_every=m)
+        need = megakernel.shared_bytes(cfg, ring, q4=True, defines={"Q4_FINISH_EVERY": m})
         assert need <= megakernel.HOPPER_SHARED, (cfg, m)
         larger = [n for n in (8, 6, 3) if n > m]  # the next larger choice would not fit
         if larger:
-            assert megakernel.shared_bytes(cfg, ring, q4=True, finish_every=larger[-1]) \
+            assert megakernel.shared_bytes(cfg, ring, q4=True,
+                                           defines={"Q4_FINISH_EVERY": larger[-1]}) \
                 > megakernel.HOPPER_SHARED, (cfg, m)
 
 
@@ -270,7 +274,8 @@ def test_int4_ring_and_tile_room_fit_a_gpu_with_less_shared_memory():
         hopper = megakernel.default_ring(cfg, q4=True)
         ring = megakernel.default_ring(cfg, q4=True, limit=limit)
         m = megakernel.default_finish_every(cfg, ring, limit=limit)
-        assert megakernel.shared_bytes(cfg, ring, q4=True, finish_every=m) <= limit, name
+        assert megakernel.shared_bytes(cfg, ring, q4=True,
+                                       defines={"Q4_FINISH_EVERY": m}) <= limit, name
         assert int(ring.split("x")[0]) < int(hopper.split("x")[0]), (name, ring, hopper)
 
 
@@ -287,9 +292,10 @@ def test_shared_memory_fits_hopper_for_the_shapes_we_run_and_the_32b_rows():
     # (RED_ROWS 12 on 132 blocks), not the 64 they hold by default; the 32B int4 keeps room
     # for Q4_PARTS's tile beside its 4 slots of 36 units at 8 chunks a tile addition
     cfg = get_shape("qwen2.5-1.5b")
-    assert shared_bytes(cfg, "9x24576", red_rows=12) <= hopper < shared_bytes(cfg, "9x24576")
-    assert shared_bytes(get_shape("qwen3-32b"), "4x39168", q4=True, finish_every=8,
-                        halves=True) <= hopper
+    assert shared_bytes(cfg, "9x24576", defines={"RED_ROWS": 12}) <= hopper \
+        < shared_bytes(cfg, "9x24576")
+    assert shared_bytes(get_shape("qwen3-32b"), "4x39168", q4=True,
+                        defines={"Q4_FINISH_EVERY": 8, "Q4_PARTS": 1}) <= hopper
 
 
 def test_auto_drafts_on_graphs_where_the_kernel_fails_to_build(monkeypatch):
@@ -391,7 +397,8 @@ def test_llx_refuses_rows_split_over_warps():
 
 
 @pytest.mark.gpu
-def test_traced_kernel_gives_the_same_step_and_a_timeline():
+@pytest.mark.parametrize("flags", [{}, {"LLA": 7}])  # LLA: attention polls, no waits
+def test_traced_kernel_gives_the_same_step_and_a_timeline(flags):
     from flashdraft.megakernel import DecodeMegakernel
     cfg = SHAPES["hd128-split-down"]
     model = build_random_model(cfg, torch.bfloat16, "cuda", seed=5)
@@ -399,9 +406,9 @@ def test_traced_kernel_gives_the_same_step_and_a_timeline():
     cache.kv.normal_()
     token, pos = torch.tensor([7], device="cuda"), torch.tensor([100], device="cuda")
     with torch.inference_mode():
-        plain = DecodeMegakernel(model, cache)
+        plain = DecodeMegakernel(model, cache, defines=flags)
         want = plain.step(token, pos)[0].clone()
-        traced = DecodeMegakernel(model, cache, defines={"TRACE": 1})
+        traced = DecodeMegakernel(model, cache, defines={"TRACE": 1, **flags})
         got = traced.step(token, pos)[0]
         torch.cuda.synchronize()
         traced.check()
@@ -413,6 +420,31 @@ def test_traced_kernel_gives_the_same_step_and_a_timeline():
     assert tl["att"]["units"] >= 1 and tl["gu"]["run"] > 0
     with pytest.raises(ValueError, match="TRACE=1"):
         plain.timeline()
+
+
+def test_flag_settings_are_checked_before_anything_else():
+    # LLA is a set of bits; a wrong value is named before the GPU is looked for
+    from flashdraft.megakernel import DecodeMegakernel
+    cfg = SHAPES["hd64-llama"]
+    model = build_random_model(cfg, torch.bfloat16, "cpu")
+    cache = KVCache.for_model(cfg, 1, 64, torch.bfloat16, "cpu")
+    for bad in (8, -1, "7"):
+        with pytest.raises(ValueError, match=f"LLA {bad!r}: 0 to 7"):
+            DecodeMegakernel(model, cache, defines={"LLA": bad})
+
+
+def test_flagged_attention_fits_beside_a_ninth_slot():
+    # LLA's polled att shares attention's space and its outgoing q/k/v rows take 132 bytes, so
+    # the 1.5B's 9th slot (RED_ROWS 12) still fits with every bit; LLX's x likewise
+    from flashdraft.megakernel import HOPPER_SHARED, shared_bytes
+    from flashdraft.shapes import get_shape
+    cfg = get_shape("qwen2.5-1.5b")
+    nine = shared_bytes(cfg, "9x24576", defines={"RED_ROWS": 12})
+    for flags in ({"LLA": 7}, {"LLA": 7, "LLX": 1}, {"LLX": 1}):
+        need = shared_bytes(cfg, "9x24576", defines={"RED_ROWS": 12, **flags})
+        assert nine < need <= HOPPER_SHARED, flags
+    # att as polled (3 KB) takes none of its own: attention's staged keys and values are larger
+    assert shared_bytes(cfg, "8x24576", defines={"LLA": 4}) == shared_bytes(cfg, "8x24576")
 
 
 def test_timeline_reads_a_synthetic_trace():

@@ -112,6 +112,16 @@
                // that wrote them, as NCCL's LL protocol): QKV, GU and HEAD poll x itself instead
                // of a counter and then x, one round trip fewer a dependency
 #endif
+#ifndef LLA
+// Attention's inputs and outputs with their writer's flag, as LLX's x (bits, each one round
+// trip fewer a layer where it replaces a counter): 1 q, k and v (QKV's rows in pairs; a unit
+// polls its heads' words instead of QKV's counter, blocks without a unit wait for nothing),
+// 2 the units' partials (the merge polls them instead of its kv head's counter), 4 the
+// attention's output (O polls it instead of attention's counter). bfloat16, a warp a row.
+#define LLA 0
+#endif
+#define LL_XO (LLX || (LLA & 1))  // Shared.xo: a block's rows of x or q/k/v before they go out
+#define LL_XS (LLX || (LLA & 4))  // Shared.xs: an op's polled input
 #ifndef TRACE
 #define TRACE 0  // 1: the global timer at each op's wait, start, first chunk and end (Args.trace)
 #endif
@@ -138,7 +148,7 @@
 #endif
 #define SPIN_LIMIT (1u << 22)  // polls before a wait gives up (~seconds; a step waits microseconds)
 
-#define XO_ROWS 66  // rows of x a block writes (flashdraft.megakernel checks it)
+#define XO_ROWS 66  // rows of x (LLA: or q/k/v) a block writes (flashdraft.megakernel checks it)
 // Args.table a layer: wqkv, bqkv (0: none), wo, w_gate_up, w_down; Q4: then the four products'
 // scales (sqkv, so, sgu, sdown) and the two block norms' weights (attn_norm, mlp_norm)
 #define TBL (Q4 ? 11 : 5)
@@ -180,7 +190,7 @@ struct Args {
     long long* out_token;
     u32* error;            // set when a wait gave up
     u64* trace;            // TRACE: [G][NOPS][8] consumer times, then [G][NOPS][2] producer's
-    u32* step_count;       // LLX: steps run so far (x's flags name the step)
+    u32* step_count;       // LLX, LLA, Q4_PARTS: steps run so far (flags name the step)
     int max_len;
     float eps;
     int chain;
@@ -297,8 +307,9 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes,
 // Rows [r0, r1) of an n-row op j for block b of G. The blocks that take one row more than the
 // others rotate from op to op, so that no block takes the extra rows of every op.
 __device__ __forceinline__ void rows_of(int n, int j, int b, int G, int& r0, int& r1) {
-    const bool pairs = LLX && j < 5 * NL && (j % 5 == 2 || j % 5 == 4);  // O, DOWN: x's writers
-    if (pairs) n /= 2;  // LLX: whole 8-byte words of x (row pairs) a block
+    const bool pairs = j < 5 * NL && ((LLX && (j % 5 == 2 || j % 5 == 4))  // x's writers
+                                      || ((LLA & 1) && j % 5 == 0));          // q, k, v's
+    if (pairs) n /= 2;  // whole 8-byte words (row pairs) a block
     const int base = n / G, rem = n % G;
     const int vb = (b + j * 53) % G;
     r0 = vb * base + min(vb, rem);
@@ -472,9 +483,8 @@ struct Shared {
     float red[RED_ROWS][NCW];     // DOWN: segment sums of rows split over warps
     float red_chunk[2][NCW];      // other ops: a chunk's segment sums (alternate chunks)
     float ss[NCW];                // a segment's sum of squares of x (rows split over warps)
-#if LLX
-    __align__(16) u32 xs[H / 2];  // x as polled (bf16 pairs), for every warp
-    u16 xo[XO_ROWS];              // this block's rows of x from O / DOWN, before they go out
+#if LL_XO
+    u16 xo[XO_ROWS];              // the block's rows of x (O, DOWN) or q/k/v, before they go out
 #endif
     float best_v[NCW];
     int best_i[NCW];
@@ -484,9 +494,14 @@ struct Shared {
     float sx[KMAX / 128];         // the op's group sums of x (float32, taken while staging x)
     __align__(16) u16 side[SIDE_MAX];  // the block's rows of the bias or the residual
 #endif
-    union __align__(16) {         // attention's state, or (Q4) a product's x, never both at once
+    // attention's state, (Q4) a product's x, or (LLX, LLA 4) an op's polled input (x or att,
+    // bf16 pairs), never two at once: a barrier of the consumers between any two
+    union __align__(16) {
         AttState at;
         u16 xq[Q4 ? KMAX : 8];
+#if LL_XS
+        u32 xs[((LLA & 4) && QD > H ? QD : H) / 2];
+#endif
     } u;
 };
 
@@ -515,34 +530,59 @@ __device__ __forceinline__ void signal_op(const Args& a, int j) {
     }
 }
 
-// -- LLX: x with its writer's flag ----------------------------------------------------------------
+// -- LLX, LLA: data with its writer's flag --------------------------------------------------------
 
-// x's writes in a step: O of layer l is write 2 l, DOWN of layer l write 2 l + 1. A flag names
-// the step and the write (LLX: x's words; Q4_PARTS: the half tiles' sums); the step counter
-// only grows (zero in the buffer: never a flag).
+// A buffer's writes in a step: x's by O of layer l are write 2 l, by DOWN of layer l 2 l + 1;
+// q/k/v's, the partials' and att's (LLA), each written once a layer, 2 l. A flag names the step
+// and the write (LLX: x's words; LLA: attention's; Q4_PARTS: the half tiles' sums); the step
+// counter only grows (zero in the buffer: never a flag).
 __device__ __forceinline__ u32 x_flag(u32 step, int w) {
     return step * (u32)(2 * NL) + (u32)w + 1u;
 }
 
-// Every consumer thread: x's 16-byte pieces (2 words) until each carries `want`, into s.xs.
-__device__ __forceinline__ void poll_x(const Args& a, Shared& s, u32 want, int j) {
-#if LLX
-    constexpr int NU = (H / 4 + CT - 1) / CT;
-    const u32* xw = (const u32*)a.x;
+// A flagged buffer of 32-bit values (2 bf16 or a float): value i at u32 2 i, its flag at 2 i + 1,
+// so that bf16 element e's word starts at u32 e (e even) and float i's at 2 i.
+// N values (1 or 2) at p, each with flag f, in one store.
+template <int N>
+__device__ __forceinline__ void st_flagged(u32* p, const u32* v, u32 f) {
+    if (N == 2)
+        asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};"
+                     :: "l"(p), "r"(v[0]), "r"(f), "r"(v[1]), "r"(f) : "memory");
+    else
+        asm volatile("st.volatile.global.v2.u32 [%0], {%1, %2};"
+                     :: "l"(p), "r"(v[0]), "r"(f) : "memory");
+}
+// N values (1 or 2) at p in one load: whether each carried `want`.
+template <int N>
+__device__ __forceinline__ bool ld_flagged(const u32* p, u32* v, u32 want) {
+    u32 f0, f1;
+    if (N == 2) {
+        asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v[0]), "=r"(f0), "=r"(v[1]), "=r"(f1) : "l"(p));
+        return f0 == want && f1 == want;
+    }
+    ld_word(p, v[0], f0);
+    return f0 == want;
+}
+
+// Every consumer thread: the K bf16 of a flagged buffer (x, or att) in 16-byte pieces (2
+// words) until each carries `want`, into s.u.xs.
+template <int K>
+__device__ __forceinline__ void poll_x(const Args& a, Shared& s, const u16* src, u32 want,
+                                       int j) {
+#if LL_XS
+    constexpr int NU = (K / 4 + CT - 1) / CT;
+    const u32* xw = (const u32*)src;
     bool ok[NU];
-    u32 d0[NU], d1[NU];
+    u32 d[NU][2];
 #pragma unroll
-    for (int i = 0; i < NU; i++) ok[i] = threadIdx.x + i * CT >= H / 4;
+    for (int i = 0; i < NU; i++) ok[i] = threadIdx.x + i * CT >= K / 4;
     for (u32 spins = 0;; spins++) {
         bool all = true;
 #pragma unroll
         for (int i = 0; i < NU; i++) {
             if (!ok[i]) {
-                u32 f0, f1;
-                asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                             : "=r"(d0[i]), "=r"(f0), "=r"(d1[i]), "=r"(f1)
-                             : "l"(xw + 4 * (threadIdx.x + i * CT)));
-                ok[i] = f0 == want && f1 == want;
+                ok[i] = ld_flagged<2>(xw + 4 * (threadIdx.x + i * CT), d[i], want);
                 all = all && ok[i];
             }
         }
@@ -551,9 +591,9 @@ __device__ __forceinline__ void poll_x(const Args& a, Shared& s, u32 want, int j
     }
 #pragma unroll
     for (int i = 0; i < NU; i++)
-        if (threadIdx.x + i * CT < H / 4) {
-            s.xs[2 * (threadIdx.x + i * CT)] = d0[i];
-            s.xs[2 * (threadIdx.x + i * CT) + 1] = d1[i];
+        if (threadIdx.x + i * CT < K / 4) {
+            s.u.xs[2 * (threadIdx.x + i * CT)] = d[i][0];
+            s.u.xs[2 * (threadIdx.x + i * CT) + 1] = d[i][1];
         }
     consumer_sync();
 #endif
@@ -654,12 +694,15 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
     };
     if (SIDE && SIDE_EARLY && side_all && !ll_side) load_side();
     if (wait_j >= 0) wait_op(a, wait_j, G);
-    // LLX: x read by QKV (past layer 0), GU and HEAD comes from polling x itself (the op's wait)
+    // LLX: x read by QKV (past layer 0), GU and HEAD comes from polling x itself (the op's
+    // wait); LLA 4: O's att likewise
     constexpr bool POLL = LLX && (KIND == OP_QKV || KIND == OP_GU || KIND == OP_HEAD);
-    const bool polled = POLL && !(KIND == OP_QKV && layer == 0);
+    constexpr bool POLL_ATT = (LLA & 4) && KIND == OP_O;
+    const bool polled = (POLL && !(KIND == OP_QKV && layer == 0)) || POLL_ATT;
     if (polled) {
         TR(j, 0);
-        poll_x(a, s, x_flag(step, KIND == OP_GU ? 2 * layer : 2 * layer - 1), j);
+        poll_x<K>(a, s, src, x_flag(step, POLL_ATT || KIND == OP_GU ? 2 * layer : 2 * layer - 1),
+                  j);
         TR(j, 1);
     }
     u32x4 xw[NV];  // x's words: every load of the op's inputs in flight before any is used
@@ -667,9 +710,9 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
     for (int v = 0; v < NV; v++) {
         const int idx = seg * VS + lane + 32 * v;
         xw[v] = {0u, 0u, 0u, 0u};
-#if LLX
+#if LL_XS
         if (polled) {
-            if (idx < v_end) xw[v] = *(const u32x4*)(s.xs + 4 * idx);
+            if (idx < v_end) xw[v] = *(const u32x4*)(s.u.xs + 4 * idx);
             continue;
         }
 #endif
@@ -795,7 +838,11 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
                                          : bf(ld_cg16(side_src + row_id));
                     }
                     if (KIND == OP_QKV) {
+#if LLA & 1
+                        if (lane == 0) s.xo[row_id - r0] = to_bf16(acc * scale + other);
+#else
                         if (lane == 0) a.qkv[row_id] = to_bf16(acc * scale + other);
+#endif
                     } else if (lane == 0) {
 #if LLX
                         s.xo[row_id - r0] = to_bf16(other + acc);
@@ -835,15 +882,15 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
 #endif
         }
     }
-#if LLX
-    if (KIND == OP_O || KIND == OP_DOWN) {  // the block's rows of x, a word with its flag each
+#if LL_XO
+    // the block's rows of x (LLX: O, DOWN) or of q/k/v (LLA 1), a word with its flag each
+    if ((LLX && (KIND == OP_O || KIND == OP_DOWN)) || ((LLA & 1) && KIND == OP_QKV)) {
         consumer_sync();
         const u32 flag = x_flag(step, 2 * layer + (KIND == OP_DOWN));
-        u32* xw = (u32*)a.x;
+        u32* xw = (u32*)(KIND == OP_QKV ? a.qkv : a.x);
         for (int t = threadIdx.x; t < (r1 - r0) / 2; t += CT) {
             const u32 d = (u32)s.xo[2 * t] | ((u32)s.xo[2 * t + 1] << 16);
-            asm volatile("st.volatile.global.v2.u32 [%0], {%1, %2};"
-                         :: "l"(xw + 2 * ((r0 >> 1) + t)), "r"(d), "r"(flag) : "memory");
+            st_flagged<1>(xw + 2 * ((r0 >> 1) + t), &d, flag);
         }
     }
 #endif
@@ -1366,7 +1413,7 @@ __device__ __forceinline__ void score_batch(const u16 (*kv)[KS][HD], int ib, int
 // Round trips to memory on the way: the staged keys/values (before the wait); the unit's q, k,
 // v; later rounds (units longer than NB KS positions); the partials' release and the wait for
 // the other units; the merge's loads, all at once.
-__device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) {
+__device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G, u32 step) {
     if (NOATT) { wait_op(a, 5 * layer, G); return; }
     AttState& st = s.u.at;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -1377,7 +1424,8 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
     const float qscale = rsqrtf((float)HD) * 1.4426950408889634f;  // softmax in base 2
     const size_t head_stride = (size_t)a.max_len * HD;
     if (b >= NKV * nsplit) {  // no unit for this block (NKV nsplit <= G: one at most)
-        wait_op(a, 5 * layer, G);
+        if (LLA & 1) { TR(5 * layer + 1, 0); TR(5 * layer + 1, 1); }  // nothing to wait for
+        else wait_op(a, 5 * layer, G);
         return;
     }
     const int g = b / nsplit, sp = b % nsplit;
@@ -1404,9 +1452,36 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
         cs[e] = round_bf16(cosf(ang));
         sn[e] = round_bf16(sinf(ang));
     }
-    wait_op(a, 5 * layer, G);
     // the warp's heads: wh = warp + NCW i, head wh % GS, every WH-th position from wh / GS
     u32 qw[HPW][EPL / 2], kw[EPL / 2], vw[EPL / 2];
+#if LLA & 1
+    // q, k and v from their words once each carries this layer's flag (no wait for QKV)
+    {
+        TR(5 * layer + 1, 0);
+        const u32* qkvw = (const u32*)a.qkv;
+        const u32 want = x_flag(step, 2 * layer);
+        bool ok[HPW + 2];
+#pragma unroll
+        for (int i = 0; i < HPW; i++) ok[i] = warp + NCW * i >= GS * WH;
+        ok[HPW] = ok[HPW + 1] = false;
+        for (u32 spins = 0;; spins++) {
+            bool all = true;
+#pragma unroll
+            for (int i = 0; i < HPW + 2; i++) {
+                if (ok[i]) continue;
+                const int e = i < HPW ? (g * GS + (warp + NCW * i) % GS) * HD
+                                      : QD + (i - HPW) * KVD + g * HD;
+                u32* w = i < HPW ? qw[i] : i == HPW ? kw : vw;
+                ok[i] = ld_flagged<EPL / 2>(qkvw + e + lane * EPL, w, want);
+                all = all && ok[i];
+            }
+            if (all) break;
+            if (spins == SPIN_LIMIT) { atomicExch(a.error, 1u + 5 * layer); break; }
+        }
+        if (TRACE) { consumer_sync(); TR(5 * layer + 1, 1); }
+    }
+#else
+    wait_op(a, 5 * layer, G);
 #pragma unroll
     for (int i = 0; i < HPW; i++) {
         const int wh = warp + NCW * i;
@@ -1414,6 +1489,7 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
     }
     load_words(a.qkv + QD + g * HD + lane * EPL, kw);
     load_words(a.qkv + QD + KVD + g * HD + lane * EPL, vw);
+#endif
     // the new key (rope) and value, rounded to the cache's bfloat16
     float kn[EPL], vn[EPL];
     unpack_head(kw, kn);
@@ -1475,29 +1551,55 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
         stage_kv(st, kcache, vcache, j0, jc, r + NB);
         if (r + NB == rp && warp == 0) own_row();
     }
-    // partials: accumulators [NKV][G WH][GS][HD], then (max, sum) [NKV][G WH][GS][2]
+    // partials: accumulators [NKV][G WH][GS][HD], then (max, sum) [NKV][G WH][GS][2] (LLA 2:
+    // each float a flagged word)
+    const u32 flag = x_flag(step, 2 * layer);  // LLA's words of this layer
 #pragma unroll
     for (int i = 0; i < HPW; i++) {
         const int wh = warp + NCW * i;
         if (wh >= GS * WH) break;
         const int hh = wh % GS, part = sp * WH + wh / GS;
         if (nparts == 1) {
+#if LLA & 4
+            u32 o[EPL / 2];
+#pragma unroll
+            for (int k = 0; k < EPL / 2; k++)
+                o[k] = (u32)to_bf16(acc[i][2 * k] / l[i])
+                       | ((u32)to_bf16(acc[i][2 * k + 1] / l[i]) << 16);
+            st_flagged<EPL / 2>((u32*)a.att + (g * GS + hh) * HD + lane * EPL, o, flag);
+#else
 #pragma unroll
             for (int e = 0; e < EPL; e++)
                 a.att[(g * GS + hh) * HD + lane * EPL + e] = to_bf16(acc[i][e] / l[i]);
+#endif
         } else {
             float* mine = a.part + ((size_t)(g * G * WH + part) * GS + hh) * HD;
             float* mine_ml = a.part + (size_t)NKV * G * WH * GS * HD
                              + ((size_t)(g * G * WH + part) * GS + hh) * 2;
+#if LLA & 2
+            // float f of a.part: the flagged word at u32 2 f
+            u32* pw = (u32*)a.part + 2 * (mine + lane * EPL - a.part);
+#pragma unroll
+            for (int k = 0; k < EPL / 2; k++) {
+                const u32 v[2] = {__float_as_uint(acc[i][2 * k]),
+                                  __float_as_uint(acc[i][2 * k + 1])};
+                st_flagged<2>(pw + 4 * k, v, flag);
+            }
+            if (lane == 0) {
+                const u32 v[2] = {__float_as_uint(m[i]), __float_as_uint(l[i])};
+                st_flagged<2>((u32*)a.part + 2 * (mine_ml - a.part), v, flag);
+            }
+#else
 #pragma unroll
             for (int e = 0; e < EPL; e++) mine[lane * EPL + e] = acc[i][e];
             if (lane == 0) { mine_ml[0] = m[i]; mine_ml[1] = l[i]; }
+#endif
         }
     }
     consumer_sync();
     TR(5 * layer + 1, 2);
     if (nparts > 1) {  // every unit of kv head g merges a slice of its outputs
-        if (threadIdx.x == 0) {  // release this unit's partials; acquire every unit's
+        if (!(LLA & 2) && threadIdx.x == 0) {  // release this unit's partials; acquire every unit's
             if (FENCES) __threadfence();
             red_release(&a.counters[NOPS + g]);
             const u32 target = (u32)nsplit * (u32)(layer + 1);  // zeroed at the step's end
@@ -1505,10 +1607,11 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
                 atomicExch(a.error, 2u + 5 * layer);
             if (FENCES) __threadfence();
         }
-        consumer_sync();
+        if (!(LLA & 2)) consumer_sync();
         TR(5 * layer + 1, 5);
         // this unit's outputs: 4-float pieces [pc0, pc0 + npc) of the group's GS * HD; one
-        // round trip loads every partial's piece and (max, sum), a thread a load
+        // round trip loads every partial's piece and (max, sum), a thread a load (LLA 2: until
+        // each carries this layer's flag)
         constexpr int NPC = GS * HD / 4;
         const int ppu = (NPC + nsplit - 1) / nsplit;
         const int pc0 = min(NPC, sp * ppu), npc = min(NPC, pc0 + ppu) - pc0;
@@ -1520,11 +1623,27 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
         for (int t = threadIdx.x; t < max(nparts * npc, nparts * GS); t += CT) {
             u32x4 v;
             float2 w;
+#if LLA & 2
+            const u32* pv = (const u32*)a.part + 2 * ((all - a.part) + (size_t)(t / npc) * GS * HD
+                                                      + 4 * (pc0 + t % npc));
+            const u32* pm = (const u32*)a.part + 2 * ((all_ml - a.part) + 2 * t);
+            u32 d[4], dm[2];
+            bool ok0 = t >= nparts * npc, ok1 = ok0, okm = t >= nparts * GS;
+            for (u32 spins = 0; !(ok0 && ok1 && okm); spins++) {
+                if (!ok0) ok0 = ld_flagged<2>(pv, d, flag);
+                if (!ok1) ok1 = ld_flagged<2>(pv + 4, d + 2, flag);
+                if (!okm) okm = ld_flagged<2>(pm, dm, flag);
+                if (spins == SPIN_LIMIT) { atomicExch(a.error, 2u + 5 * layer); break; }
+            }
+            v = {d[0], d[1], d[2], d[3]};
+            w = make_float2(__uint_as_float(dm[0]), __uint_as_float(dm[1]));
+#else
             if (t < nparts * npc)
                 v = ld_cg4(all + (size_t)(t / npc) * GS * HD + 4 * (pc0 + t % npc));
             if (t < nparts * GS)
                 asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];"
                              : "=f"(w.x), "=f"(w.y) : "l"(all_ml + 2 * t));
+#endif
             if (t < nparts * npc) po[t] = v;
             if (t < nparts * GS) { ml[2 * t] = w.x; ml[2 * t + 1] = w.y; }
         }
@@ -1564,7 +1683,12 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
                 const float r = 1.f / ll;
                 const u32 lo = (u32)to_bf16(o0 * r) | ((u32)to_bf16(o1 * r) << 16);
                 const u32 hi = (u32)to_bf16(o2 * r) | ((u32)to_bf16(o3 * r) << 16);
+#if LLA & 4
+                const u32 o[2] = {lo, hi};
+                st_flagged<2>((u32*)a.att + g * GS * HD + 4 * pc, o, flag);
+#else
                 *(uint2*)(a.att + g * GS * HD + 4 * pc) = make_uint2(lo, hi);
+#endif
             }
         }
         if (TRACE) { consumer_sync(); TR(5 * layer + 1, 7); }
@@ -1573,7 +1697,7 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G) 
 
 #if Q4
 #define OP q4_op
-static_assert(LDGSTS && !LLX, "Q4 copies with cp.async (LDGSTS=1), without LLX");
+static_assert(LDGSTS && !LLX && !LLA, "Q4 copies with cp.async (LDGSTS=1), without LLX or LLA");
 #else
 #define OP matrix_op
 #endif
@@ -1646,15 +1770,17 @@ decode_step(Args a) {
     consumer_sync();
 #endif
     u32 c = 0;
-    const u32 step = LLX || Q4_PARTS ? ld_cg(a.step_count) : 0u;  // flags name the step
+    const u32 step = LLX || LLA || Q4_PARTS ? ld_cg(a.step_count) : 0u;  // flags name the step
     for (int layer = 0; layer < NL; layer++) {
         const int j = 5 * layer;
         // each op waits for the one before (the last argument; -1: none) inside
         OP<H, OP_QKV>(a, s, ring, c, layer, b, G, step, layer > 0 && !LLX ? j - 1 : -1);
-        signal_op(a, j);
-        attention_op(a, s, layer, b, G);  // waits for QKV inside, its first loads issued
-        signal_op(a, j + 1);
-        OP<QD, OP_O>(a, s, ring, c, layer, b, G, step, j + 1);
+        if (LLA & 1) TR(j, 3);  // attention polls q, k and v
+        else signal_op(a, j);
+        attention_op(a, s, layer, b, G, step);  // waits for QKV inside, its first loads issued
+        if (LLA & 4) { consumer_sync(); TR(j + 1, 3); }  // O polls att (into the merge's space)
+        else signal_op(a, j + 1);
+        OP<QD, OP_O>(a, s, ring, c, layer, b, G, step, LLA & 4 ? -1 : j + 1);
         if (LLX) TR(j + 2, 3);
         else signal_op(a, j + 2);
         OP<H, OP_GU>(a, s, ring, c, layer, b, G, step, LLX ? -1 : j + 2);
@@ -1682,7 +1808,7 @@ decode_step(Args a) {
                 *a.token = bi;
                 *a.pos = min(*a.pos + 1, (long long)a.max_len - 1);  // never past the cache
             }
-            if (LLX || Q4_PARTS) *a.step_count = step + 1u;  // every block read it at its start
+            if (LLX || LLA || Q4_PARTS) *a.step_count = step + 1u;  // every block read it first
             for (int t = 0; t < NOPS + NKV; t++) a.counters[t] = 0u;
         }
     }
