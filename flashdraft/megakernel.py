@@ -212,10 +212,20 @@ def splits_tiles_in_halves(cfg, sms: int) -> bool:
     return tiles >= sms and 0 < tiles % sms <= sms // 2
 
 
-def _rows_a_block(h: int, sms: int) -> int:
-    """Rows of x a block writes at most: decode_mk.cu's rows_of share (LLX's row pairs
-    included, never fewer than without them)."""
-    return 2 * -(-(h // 2) // sms)
+def _rows_a_block(n: int, sms: int) -> int:
+    """Rows of an n-row op a block writes at most: decode_mk.cu's rows_of share (with row
+    pairs, as LLX, LLA and LLH take them, never fewer than without)."""
+    return 2 * -(-(n // 2) // sms)
+
+
+def xo_rows(cfg, sms: int, defines: dict[str, int]) -> int:
+    """decode_mk.cu's XO_ROWS for these settings on `sms` blocks: the most rows a block writes
+    with their flags (in pairs: x's with LLX, q/k/v's with LLA 1, h's with LLH), at least the
+    kernel's default."""
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    return max([XO_ROWS] + [_rows_a_block(n, sms) for n, on in (
+        (cfg.hidden_size, defines.get("LLX", 0)), (qkv, defines.get("LLA", 0) & 1),
+        (cfg.intermediate_size, defines.get("LLH", 0))) if on])
 
 
 def _rows_per_chunk(k: int, slot: int) -> int:
@@ -231,7 +241,8 @@ def _device_index(device: torch.device) -> int:
 def shared_bytes(cfg, ring: str, q4: bool = False, warps: int | None = None,
                  defines: dict[str, int] | None = None) -> int:
     """Dynamic shared memory a block of the kernel takes: the ring, then decode_mk.cu's Shared
-    (mbarriers, sums: DOWN's of RED_ROWS rows; with LLX or LLA, the rows going out; with Q4,
+    (mbarriers, sums: DOWN's of RED_ROWS rows; with LLX, LLA or LLH, the rows going out
+    (XO_ROWS); with Q4,
     the tiles' warp sums (Q4_FINISH_EVERY's), one more tile's with Q4_PARTS, x's group sums and
     the side rows), whose attention state (ATT_KS) shares its space with Q4's staged x and
     with LLX's or LLA's polled input. `defines`: the kernel's settings that size it, where not
@@ -241,8 +252,9 @@ def shared_bytes(cfg, ring: str, q4: bool = False, warps: int | None = None,
     warps = warps or default_warps(q4)
     h, qd, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size
     llx, lla = d.get("LLX", 0), d.get("LLA", 0)
+    outgoing = llx or lla & 1 or d.get("LLH", 0)  # Shared.xo: flagged rows before they go out
     struct = (16 * slots + 4 * d.get("RED_ROWS", RED_ROWS) * warps + 4 * 3 * warps + 8 * warps
-              + 16 + (2 * XO_ROWS if llx or lla & 1 else 0))
+              + 16 + (2 * d.get("XO_ROWS", XO_ROWS) if outgoing else 0))
     attention = _attention_bytes(cfg, q4, warps, d.get("ATT_KS", 0))
     if llx or lla & 4:  # Shared.u.xs: x's or att's bf16, as polled
         attention = max(attention, 2 * (max(h, qd) if lla & 4 else h))
@@ -328,6 +340,7 @@ class DecodeMegakernel:
         128)."""
         red_rows = (defines or {}).get("RED_ROWS", RED_ROWS)
         llx, lla = bool((defines or {}).get("LLX")), (defines or {}).get("LLA", 0)
+        llh = bool((defines or {}).get("LLH"))
         if lla not in range(8):
             raise ValueError(f"LLA {lla!r}: 0 to 7, bits of what carries its writer's flag "
                              f"(1 q/k/v, 2 attention's partials, 4 its output)")
@@ -367,14 +380,14 @@ class DecodeMegakernel:
         self.table = torch.tensor(ptrs, dtype=torch.int64, device=dev)
         bf16 = dict(dtype=torch.bfloat16, device=dev)
         # x: bf16 rows, or with LLX (defines) 8-byte words of 2 rows and their writer's flag;
-        # LLA's bits flag q/k/v (1), the partials (2, a word a float) and att (4) alike
+        # LLA's bits flag q/k/v (1), the partials (2, a word a float) and att (4) alike, LLH h
         self.x = torch.zeros(2 * h if llx else h, **bf16)
         self.step_count = torch.zeros(1, dtype=torch.int32, device=dev)
         # Q4_PARTS: a half tile's 16 sums a pair of blocks, as (value, flag) words
         self.xpart = torch.zeros(8 * self.sms, dtype=torch.int64, device=dev)
         self.qkv = torch.zeros((2 if lla & 1 else 1) * (qd + 2 * kvd), **bf16)
         self.att = torch.zeros((2 if lla & 4 else 1) * qd, **bf16)
-        self.hbuf = torch.zeros(inter, **bf16)
+        self.hbuf = torch.zeros((2 if llh else 1) * inter, **bf16)
         group = cfg.num_heads // cfg.num_kv_heads
         self.part = torch.zeros((2 if lla & 2 else 1) * cfg.num_kv_heads * self.sms
                                 * _warps_a_head(cfg, consumer_warps) * group
@@ -399,6 +412,8 @@ class DecodeMegakernel:
         if llx and min(_rows_per_chunk(h, slot), _rows_per_chunk(qd, slot)) < CONSUMER_WARPS:
             raise ValueError(f"LLX: hidden size {h} / q width {qd}: LLX takes a warp a row, "
                              f"8 rows of them in a {slot}-byte slot")
+        if llx or lla & 1 or llh:
+            defines = {"XO_ROWS": xo_rows(cfg, self.sms, defines)} | defines
         defines = (("H", h), ("INTER", inter), ("NQ", cfg.num_heads), ("NKV", cfg.num_kv_heads),
                    ("HD", cfg.head_dim), ("NL", cfg.num_layers), ("VOCAB", cfg.vocab_size),
                    ("QKV_BIAS", int(cfg.qkv_bias)), ("QK_NORM", int(cfg.qk_norm)),
@@ -409,12 +424,9 @@ class DecodeMegakernel:
                    ) + tuple(sorted((defines or {}).items()))
         self.defines = dict(defines)  # decode_mk.cu's settings as compiled
         self.producers = producers
-        if self.q4 and (llx or lla or not ldgsts):
+        if self.q4 and (llx or lla or llh or not ldgsts):
             raise ValueError("int4 weights: the producers copy with cp.async (ldgsts), "
-                             "no LLX or LLA")
-        qkv_rows = 2 * -(-((qd + 2 * kvd) // 2) // self.sms)  # LLA 1: QKV's rows in pairs
-        if lla & 1 and qkv_rows > XO_ROWS:
-            raise ValueError(f"LLA 1: {qkv_rows} rows of q/k/v a block, at most {XO_ROWS}")
+                             "no LLX, LLA or LLH")
         if consumer_warps != CONSUMER_WARPS and not (self.q4 and 1 <= consumer_warps <= 16):
             raise ValueError(f"consumer_warps {consumer_warps}: {CONSUMER_WARPS} (bfloat16 "
                              f"takes rows in chunks of 8 warps), or 1 to 16 for int4")

@@ -38,7 +38,7 @@ def test_refused_without_cuda_with_the_reason():
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("prompt", [5, 100, 700])  # one attention split, several, the most
 @pytest.mark.parametrize("ring", ["8x24576", "4x49152", "8x24576+bulk", "8x24576+llx",
-                                  "8x24576+lla", "8x24576+llx+lla"])
+                                  "8x24576+lla", "8x24576+llh", "8x24576+llx+lla+llh"])
 def test_megakernel_matches_the_model(shape, prompt, ring):
     from flashdraft.megakernel import DecodeMegakernel
     torch.manual_seed(0)
@@ -48,11 +48,12 @@ def test_megakernel_matches_the_model(shape, prompt, ring):
     model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
     with torch.no_grad():  # sharper logits than N(0, 0.02) gives: fewer near ties
         model.lm_head.weight.mul_(20)
-    ring, _, option = ring.partition("+")  # bulk: one producer warp's bulk copies; llx: x
-    opts = {"bulk": dict(ldgsts=False, producers=1),  # polled by its flags; lla: attention's
-            "llx": dict(defines={"LLX": 1}),  # q/k/v, partials and output likewise
-            "lla": dict(defines={"LLA": 7}), "llx+lla": dict(defines={"LLX": 1, "LLA": 7}),
-            "": {}}[option]
+    # bulk: one producer warp's bulk copies; llx: x polled by its flags; lla: attention's q/k/v,
+    # partials and output likewise; llh: the MLP's h
+    ring, _, option = ring.partition("+")
+    flags = {"llx": {"LLX": 1}, "lla": {"LLA": 7}, "llh": {"LLH": 1}}
+    opts = (dict(ldgsts=False, producers=1) if option == "bulk" else
+            dict(defines={k: v for o in option.split("+") if o for k, v in flags[o].items()}))
     compared = _follow_the_model(model, prompt, lambda cache: DecodeMegakernel(
         model, cache, ring=ring, **opts))
     # most steps decided the token (hidden size 4,096: each logit sums 4,096 rounded terms, so
@@ -433,14 +434,18 @@ def test_flag_settings_are_checked_before_anything_else():
             DecodeMegakernel(model, cache, defines={"LLA": bad})
 
 
-def test_flagged_attention_fits_beside_a_ninth_slot():
-    # LLA's polled att shares attention's space and its outgoing q/k/v rows take 132 bytes, so
-    # the 1.5B's 9th slot (RED_ROWS 12) still fits with every bit; LLX's x likewise
-    from flashdraft.megakernel import HOPPER_SHARED, shared_bytes
+def test_flagged_data_fits_beside_a_ninth_slot():
+    # the polled att (LLA 4) shares attention's space and the rows going out with their flags
+    # take XO_ROWS: the 1.5B's 9th slot (RED_ROWS 12) still fits with every flag on; h's rows
+    # (LLH: 8,960 in pairs on 132 blocks, 68) set XO_ROWS past its default 66
+    from flashdraft.megakernel import HOPPER_SHARED, shared_bytes, xo_rows
     from flashdraft.shapes import get_shape
     cfg = get_shape("qwen2.5-1.5b")
+    assert xo_rows(cfg, 132, {"LLX": 1, "LLA": 7}) == 66  # 12 rows of x, 16 of q/k/v
+    assert xo_rows(cfg, 132, {"LLH": 1}) == 68 and xo_rows(cfg, 132, {"LLA": 6}) == 66
     nine = shared_bytes(cfg, "9x24576", defines={"RED_ROWS": 12})
-    for flags in ({"LLA": 7}, {"LLA": 7, "LLX": 1}, {"LLX": 1}):
+    for flags in ({"LLA": 7}, {"LLX": 1}, {"LLX": 1, "LLA": 7, "LLH": 1}):
+        flags |= {"XO_ROWS": xo_rows(cfg, 132, flags)}
         need = shared_bytes(cfg, "9x24576", defines={"RED_ROWS": 12, **flags})
         assert nine < need <= HOPPER_SHARED, flags
     # att as polled (3 KB) takes none of its own: attention's staged keys and values are larger

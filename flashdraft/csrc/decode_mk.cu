@@ -117,10 +117,14 @@
 // trip fewer a layer where it replaces a counter): 1 q, k and v (QKV's rows in pairs; a unit
 // polls its heads' words instead of QKV's counter, blocks without a unit wait for nothing),
 // 2 the units' partials (the merge polls them instead of its kv head's counter), 4 the
-// attention's output (O polls it instead of attention's counter). bfloat16, a warp a row.
+// attention's output (O polls it instead of attention's counter). bfloat16.
 #define LLA 0
 #endif
-#define LL_XO (LLX || (LLA & 1))  // Shared.xo: a block's rows of x or q/k/v before they go out
+#ifndef LLH
+#define LLH 0  // 1: the MLP's h with its writer's flag (GU's rows in pairs): DOWN's lanes poll
+               // their pieces of h instead of GU's counter. bfloat16.
+#endif
+#define LL_XO (LLX || (LLA & 1) || LLH)  // Shared.xo: a block's rows of x, q/k/v or h going out
 #define LL_XS (LLX || (LLA & 4))  // Shared.xs: an op's polled input
 #ifndef TRACE
 #define TRACE 0  // 1: the global timer at each op's wait, start, first chunk and end (Args.trace)
@@ -148,7 +152,9 @@
 #endif
 #define SPIN_LIMIT (1u << 22)  // polls before a wait gives up (~seconds; a step waits microseconds)
 
-#define XO_ROWS 66  // rows of x (LLA: or q/k/v) a block writes (flashdraft.megakernel checks it)
+#ifndef XO_ROWS
+#define XO_ROWS 66  // rows of x, q/k/v or h a block writes (flashdraft.megakernel checks it)
+#endif
 // Args.table a layer: wqkv, bqkv (0: none), wo, w_gate_up, w_down; Q4: then the four products'
 // scales (sqkv, so, sgu, sdown) and the two block norms' weights (attn_norm, mlp_norm)
 #define TBL (Q4 ? 11 : 5)
@@ -308,7 +314,8 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes,
 // others rotate from op to op, so that no block takes the extra rows of every op.
 __device__ __forceinline__ void rows_of(int n, int j, int b, int G, int& r0, int& r1) {
     const bool pairs = j < 5 * NL && ((LLX && (j % 5 == 2 || j % 5 == 4))  // x's writers
-                                      || ((LLA & 1) && j % 5 == 0));          // q, k, v's
+                                      || ((LLA & 1) && j % 5 == 0)            // q, k, v's
+                                      || (LLH && j % 5 == 3));                // h's
     if (pairs) n /= 2;  // whole 8-byte words (row pairs) a block
     const int base = n / G, rem = n % G;
     const int vb = (b + j * 53) % G;
@@ -484,7 +491,7 @@ struct Shared {
     float red_chunk[2][NCW];      // other ops: a chunk's segment sums (alternate chunks)
     float ss[NCW];                // a segment's sum of squares of x (rows split over warps)
 #if LL_XO
-    u16 xo[XO_ROWS];              // the block's rows of x (O, DOWN) or q/k/v, before they go out
+    u16 xo[XO_ROWS];              // the block's rows of x (O, DOWN), q/k/v or h, before they go out
 #endif
     float best_v[NCW];
     int best_i[NCW];
@@ -533,9 +540,9 @@ __device__ __forceinline__ void signal_op(const Args& a, int j) {
 // -- LLX, LLA: data with its writer's flag --------------------------------------------------------
 
 // A buffer's writes in a step: x's by O of layer l are write 2 l, by DOWN of layer l 2 l + 1;
-// q/k/v's, the partials' and att's (LLA), each written once a layer, 2 l. A flag names the step
-// and the write (LLX: x's words; LLA: attention's; Q4_PARTS: the half tiles' sums); the step
-// counter only grows (zero in the buffer: never a flag).
+// q/k/v's, the partials' and att's (LLA) and h's (LLH), each written once a layer, 2 l. A flag
+// names the step and the write (LLX: x's words; LLA: attention's; LLH: h's; Q4_PARTS: the half
+// tiles' sums); the step counter only grows (zero in the buffer: never a flag).
 __device__ __forceinline__ u32 x_flag(u32 step, int w) {
     return step * (u32)(2 * NL) + (u32)w + 1u;
 }
@@ -597,6 +604,33 @@ __device__ __forceinline__ void poll_x(const Args& a, Shared& s, const u16* src,
         }
     consumer_sync();
 #endif
+}
+
+// This lane's NV 16-byte pieces of a flagged bf16 buffer (pieces i0, i0 + 32, ..., below
+// end; 4 words and their flags each) into xw, once every word carries `want`.
+template <int NV>
+__device__ __forceinline__ void poll_pieces(const Args& a, const u32* src, int i0, int end,
+                                            u32 want, int j, u32x4* xw) {
+    bool ok[NV][2];
+#pragma unroll
+    for (int v = 0; v < NV; v++) ok[v][0] = ok[v][1] = i0 + 32 * v >= end;
+    for (u32 spins = 0;; spins++) {
+        bool all = true;
+#pragma unroll
+        for (int v = 0; v < NV; v++) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                if (ok[v][h]) continue;
+                u32 d[2];
+                ok[v][h] = ld_flagged<2>(src + 8 * (i0 + 32 * v) + 4 * h, d, want);
+                if (h == 0) { xw[v].x = d[0]; xw[v].y = d[1]; }
+                else { xw[v].z = d[0]; xw[v].w = d[1]; }
+                all = all && ok[v][h];
+            }
+        }
+        if (all) break;
+        if (spins == SPIN_LIMIT) { atomicExch(a.error, 1u + j); break; }
+    }
 }
 
 // Rows ra and rb of x (either < 0: none), each from its word once that carries `want`.
@@ -716,7 +750,13 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
             continue;
         }
 #endif
-        if (idx < v_end) xw[v] = ld_cg4(src + 8 * idx);
+        if (idx < v_end && !(LLH && KIND == OP_DOWN)) xw[v] = ld_cg4(src + 8 * idx);
+    }
+    if (LLH && KIND == OP_DOWN) {  // each lane's pieces of h (the warps' segments part it)
+        TR(j, 0);
+        poll_pieces<NV>(a, (const u32*)src, seg * VS + lane, v_end, x_flag(step, 2 * layer), j,
+                        xw);
+        TR(j, 1);
     }
     u16 resid_w = 0;  // DOWN over several warps a row: thread r's row r0 + r's residual
     const u32 resid_flag = x_flag(step, KIND == OP_O ? 2 * layer - 1 : 2 * layer);
@@ -856,7 +896,11 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
                         gate[rr] = y;
                     } else {
                         const float g = gate[rr];
+#if LLH
+                        if (lane == 0) s.xo[row_id - r0] = to_bf16(g / (1.f + __expf(-g)) * y);
+#else
                         if (lane == 0) a.hbuf[row_id] = to_bf16(g / (1.f + __expf(-g)) * y);
+#endif
                     }
                 } else {  // HEAD
                     const float y = round_bf16(acc);
@@ -883,11 +927,12 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
         }
     }
 #if LL_XO
-    // the block's rows of x (LLX: O, DOWN) or of q/k/v (LLA 1), a word with its flag each
-    if ((LLX && (KIND == OP_O || KIND == OP_DOWN)) || ((LLA & 1) && KIND == OP_QKV)) {
+    // the block's rows of x (LLX: O, DOWN), q/k/v (LLA 1) or h (LLH), a word with its flag each
+    if ((LLX && (KIND == OP_O || KIND == OP_DOWN)) || ((LLA & 1) && KIND == OP_QKV)
+        || (LLH && KIND == OP_GU)) {
         consumer_sync();
         const u32 flag = x_flag(step, 2 * layer + (KIND == OP_DOWN));
-        u32* xw = (u32*)(KIND == OP_QKV ? a.qkv : a.x);
+        u32* xw = (u32*)(KIND == OP_QKV ? a.qkv : KIND == OP_GU ? a.hbuf : a.x);
         for (int t = threadIdx.x; t < (r1 - r0) / 2; t += CT) {
             const u32 d = (u32)s.xo[2 * t] | ((u32)s.xo[2 * t + 1] << 16);
             st_flagged<1>(xw + 2 * ((r0 >> 1) + t), &d, flag);
@@ -1697,7 +1742,7 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G, 
 
 #if Q4
 #define OP q4_op
-static_assert(LDGSTS && !LLX && !LLA, "Q4 copies with cp.async (LDGSTS=1), without LLX or LLA");
+static_assert(LDGSTS && !LLX && !LLA && !LLH, "Q4: cp.async (LDGSTS=1), no LLX, LLA or LLH");
 #else
 #define OP matrix_op
 #endif
@@ -1770,7 +1815,7 @@ decode_step(Args a) {
     consumer_sync();
 #endif
     u32 c = 0;
-    const u32 step = LLX || LLA || Q4_PARTS ? ld_cg(a.step_count) : 0u;  // flags name the step
+    const u32 step = LLX || LLA || LLH || Q4_PARTS ? ld_cg(a.step_count) : 0u;  // flags' step
     for (int layer = 0; layer < NL; layer++) {
         const int j = 5 * layer;
         // each op waits for the one before (the last argument; -1: none) inside
@@ -1784,8 +1829,9 @@ decode_step(Args a) {
         if (LLX) TR(j + 2, 3);
         else signal_op(a, j + 2);
         OP<H, OP_GU>(a, s, ring, c, layer, b, G, step, LLX ? -1 : j + 2);
-        signal_op(a, j + 3);
-        OP<INTER, OP_DOWN>(a, s, ring, c, layer, b, G, step, j + 3);
+        if (LLH) TR(j + 3, 3);  // DOWN polls h
+        else signal_op(a, j + 3);
+        OP<INTER, OP_DOWN>(a, s, ring, c, layer, b, G, step, LLH ? -1 : j + 3);
         if (LLX) TR(j + 4, 3);
         else signal_op(a, j + 4);
     }
@@ -1808,7 +1854,7 @@ decode_step(Args a) {
                 *a.token = bi;
                 *a.pos = min(*a.pos + 1, (long long)a.max_len - 1);  // never past the cache
             }
-            if (LLX || LLA || Q4_PARTS) *a.step_count = step + 1u;  // every block read it first
+            if (LLX || LLA || LLH || Q4_PARTS) *a.step_count = step + 1u;  // all read it first
             for (int t = 0; t < NOPS + NKV; t++) a.counters[t] = 0u;
         }
     }
