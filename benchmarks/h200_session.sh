@@ -203,6 +203,13 @@ for phase in "$@"; do
     python3 -m pytest -q -p no:cacheprovider tests/test_megakernel.py tests/test_cuda_graphs.py \
       2>&1 | tee "$OUT/pytest-megakernel.log" | tail -8
     ;;
+  lltests)
+    # The flagged-data settings (LLA, LLH, with LLX) against the model, first: a flag that never
+    # matches makes every wait spin until it gives up (seconds each), so the run is cut at
+    # LL_TIMEOUT seconds and stops at the first failure.
+    timeout ${LL_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -x tests/test_megakernel.py \
+      -k "${LL_TESTS:-llattn or llh or llflags}" 2>&1 | tee "$OUT/pytest-ll.log" | tail -12
+    ;;
   q4tests)
     # int4 weights through the decode megakernel against the model's int4 steps (a hang of a
     # wrong chunk count is cut at Q4_TIMEOUT seconds), then the rest of its GPU tests.

@@ -38,7 +38,7 @@ def test_refused_without_cuda_with_the_reason():
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("prompt", [5, 100, 700])  # one attention split, several, the most
 @pytest.mark.parametrize("ring", ["8x24576", "4x49152", "8x24576+bulk", "8x24576+llx",
-                                  "8x24576+lla", "8x24576+llh", "8x24576+llx+lla+llh"])
+                                  "8x24576+llattn", "8x24576+llh", "8x24576+llx+llattn+llh"])
 def test_megakernel_matches_the_model(shape, prompt, ring):
     from flashdraft.megakernel import DecodeMegakernel
     torch.manual_seed(0)
@@ -48,10 +48,10 @@ def test_megakernel_matches_the_model(shape, prompt, ring):
     model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
     with torch.no_grad():  # sharper logits than N(0, 0.02) gives: fewer near ties
         model.lm_head.weight.mul_(20)
-    # bulk: one producer warp's bulk copies; llx: x polled by its flags; lla: attention's q/k/v,
-    # partials and output likewise; llh: the MLP's h
+    # bulk: one producer warp's bulk copies; llx: x polled by its flags; llattn: attention's
+    # q/k/v, partials and output likewise (LLA); llh: the MLP's h
     ring, _, option = ring.partition("+")
-    flags = {"llx": {"LLX": 1}, "lla": {"LLA": 7}, "llh": {"LLH": 1}}
+    flags = {"llx": {"LLX": 1}, "llattn": {"LLA": 7}, "llh": {"LLH": 1}}
     opts = (dict(ldgsts=False, producers=1) if option == "bulk" else
             dict(defines={k: v for o in option.split("+") if o for k, v in flags[o].items()}))
     compared = _follow_the_model(model, prompt, lambda cache: DecodeMegakernel(
@@ -398,7 +398,7 @@ def test_llx_refuses_rows_split_over_warps():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flags", [{}, {"LLA": 7}])  # LLA: attention polls, no waits
+@pytest.mark.parametrize("flags", [{}, {"LLA": 7, "LLH": 1}], ids=["counters", "llflags"])
 def test_traced_kernel_gives_the_same_step_and_a_timeline(flags):
     from flashdraft.megakernel import DecodeMegakernel
     cfg = SHAPES["hd128-split-down"]
