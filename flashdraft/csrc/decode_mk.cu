@@ -124,6 +124,10 @@
 #define LLH 0  // 1: the MLP's h with its writer's flag (GU's rows in pairs): DOWN's lanes poll
                // their pieces of h instead of GU's counter. bfloat16.
 #endif
+#ifndef LL_BACKOFF
+#define LL_BACKOFF 0  // ns a poll of flagged data (LLX, LLA, LLH) sleeps after a round that found
+                      // a stale word (0: none): fewer loads on the L2 beside the weight stream
+#endif
 #define LL_XO (LLX || (LLA & 1) || LLH)  // Shared.xo: a block's rows of x, q/k/v or h going out
 #define LL_XS (LLX || (LLA & 4))  // Shared.xs: an op's polled input
 #ifndef TRACE
@@ -546,6 +550,9 @@ __device__ __forceinline__ void signal_op(const Args& a, int j) {
 __device__ __forceinline__ u32 x_flag(u32 step, int w) {
     return step * (u32)(2 * NL) + (u32)w + 1u;
 }
+__device__ __forceinline__ void ll_backoff() {
+    if (LL_BACKOFF) __nanosleep(LL_BACKOFF);
+}
 
 // A flagged buffer of 32-bit values (2 bf16 or a float): value i at u32 2 i, its flag at 2 i + 1,
 // so that bf16 element e's word starts at u32 e (e even) and float i's at 2 i.
@@ -595,6 +602,7 @@ __device__ __forceinline__ void poll_x(const Args& a, Shared& s, const u16* src,
         }
         if (all) break;
         if (spins == SPIN_LIMIT) { atomicExch(a.error, 1u + j); break; }
+        ll_backoff();
     }
 #pragma unroll
     for (int i = 0; i < NU; i++)
@@ -630,6 +638,7 @@ __device__ __forceinline__ void poll_pieces(const Args& a, const u32* src, int i
         }
         if (all) break;
         if (spins == SPIN_LIMIT) { atomicExch(a.error, 1u + j); break; }
+        ll_backoff();
     }
 }
 
@@ -1522,6 +1531,7 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G, 
             }
             if (all) break;
             if (spins == SPIN_LIMIT) { atomicExch(a.error, 1u + 5 * layer); break; }
+            ll_backoff();
         }
         if (TRACE) { consumer_sync(); TR(5 * layer + 1, 1); }
     }
@@ -1679,6 +1689,7 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G, 
                 if (!ok1) ok1 = ld_flagged<2>(pv + 4, d + 2, flag);
                 if (!okm) okm = ld_flagged<2>(pm, dm, flag);
                 if (spins == SPIN_LIMIT) { atomicExch(a.error, 2u + 5 * layer); break; }
+                if (!(ok0 && ok1 && okm)) ll_backoff();
             }
             v = {d[0], d[1], d[2], d[3]};
             w = make_float2(__uint_as_float(dm[0]), __uint_as_float(dm[1]));
