@@ -207,8 +207,9 @@ for phase in "$@"; do
     # The flagged-data settings (LLA, LLH, with LLX) against the model, first: a flag that never
     # matches makes every wait spin until it gives up (seconds each), so the run is cut at
     # LL_TIMEOUT seconds and stops at the first failure.
-    timeout ${LL_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -x tests/test_megakernel.py \
-      -k "${LL_TESTS:-llattn or llh or llflags}" 2>&1 | tee "$OUT/pytest-ll.log" | tail -12
+    timeout ${LL_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -x \
+      tests/test_megakernel.py -k "${LL_TESTS:-bit_for_bit or llattn or llh or llflags}" 2>&1 \
+      | tee "$OUT/pytest-ll.log" | tail -12
     ;;
   q4tests)
     # int4 weights through the decode megakernel against the model's int4 steps (a hang of a

@@ -62,6 +62,37 @@ def test_megakernel_matches_the_model(shape, prompt, ring):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("prompt", [5, 700])
+def test_flagged_data_gives_the_kernels_logits_bit_for_bit(shape, prompt):
+    # flags change how an op learns that its input is there, never a row's arithmetic or its
+    # order, so LLA, LLH and LLX (where it runs: a warp a row) reproduce the counters' kernel
+    # exactly, step after step (each step's flags differ: a stale word must never pass)
+    from flashdraft.megakernel import DecodeMegakernel
+    cfg = SHAPES[shape]
+    model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
+    flags = {"LLA": 7, "LLH": 1} | ({} if shape == "qwen3-split-rows" else {"LLX": 1})
+    caches = [KVCache.for_model(cfg, 1, 1024, torch.bfloat16, "cuda") for _ in range(2)]
+    torch.manual_seed(1)
+    cached = torch.randn_like(caches[0].kv)  # the same earlier keys and values in both
+    for cache in caches:
+        cache.kv.copy_(cached)
+    with torch.inference_mode():
+        plain = DecodeMegakernel(model, caches[0])
+        flagged = DecodeMegakernel(model, caches[1], defines=flags)
+        token = torch.tensor([3], device="cuda")
+        for step in range(6):
+            pos = torch.tensor([prompt + step], device="cuda")
+            want, want_token = (t.clone() for t in plain.step(token, pos))
+            got, got_token = flagged.step(token, pos)
+            torch.cuda.synchronize()
+            flagged.check()
+            assert torch.equal(got, want) and int(got_token) == int(want_token), step
+            token = want_token.clone()
+    assert torch.equal(caches[0].kv, caches[1].kv)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape,pu", [("hd128-split-down", 4), ("qwen3-split-rows", 4),
                                       ("hd64-group16", 4), ("hd128-split-down", 8),
                                       ("hd64-group16", 2)])
