@@ -242,11 +242,10 @@ def shared_bytes(cfg, ring: str, q4: bool = False, warps: int | None = None,
                  defines: dict[str, int] | None = None) -> int:
     """Dynamic shared memory a block of the kernel takes: the ring, then decode_mk.cu's Shared
     (mbarriers, sums: DOWN's of RED_ROWS rows; with LLX, LLA or LLH, the rows going out
-    (XO_ROWS); with Q4,
-    the tiles' warp sums (Q4_FINISH_EVERY's), one more tile's with Q4_PARTS, x's group sums and
-    the side rows), whose attention state (ATT_KS) shares its space with Q4's staged x and
-    with LLX's or LLA's polled input. `defines`: the kernel's settings that size it, where not
-    the defaults."""
+    (XO_ROWS); with Q4, the tiles' warp sums (Q4_FINISH_EVERY's), one more tile's with
+    Q4_PARTS, x's group sums and the side rows), whose attention state (ATT_KS) shares its
+    space with Q4's staged x and with LLX's or LLA's polled input. `defines`: the kernel's
+    settings that size it, where not the defaults."""
     d = defines or {}
     slots, slot = _ring(ring)
     warps = warps or default_warps(q4)
@@ -434,7 +433,7 @@ class DecodeMegakernel:
         # RED_ROWS (measurement; unsupported() checks it): DOWN's rows a block as decode_mk.cu
         # holds them; fewer make room (the 1.5B's 12 leave room for a 9th slot of 24 KB)
         self.shared = shared_bytes(cfg, self.ring, self.q4, consumer_warps, self.defines)
-        if self.shared > limit:  # LLX's and LLA's bytes (unsupported() checks the rest)
+        if self.shared > limit:  # the flags' rows (unsupported() checks the rest)
             raise ValueError(f"the megakernel needs {self.shared} bytes of shared memory a block, "
                              f"the GPU allows {limit}: use a smaller FLASHDRAFT_MK_RING")
         self.fn = _kernel(defines, self.fn_device)

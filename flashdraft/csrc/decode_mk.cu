@@ -579,6 +579,25 @@ __device__ __forceinline__ bool ld_flagged(const u32* p, u32* v, u32 want) {
     return f0 == want;
 }
 
+// A thread's poll of N items of flagged data: each round, load(i) issues the load of every item
+// not yet seen with its flag (ok[i] false) and says whether it now is, all before any is
+// waited for; until every item is, or SPIN_LIMIT rounds went by (then the error code err: the
+// op's index + 1, as a counter's wait gives).
+template <int N, typename Load>
+__device__ __forceinline__ void poll_items(const Args& a, u32 err, bool* ok, Load load) {
+    for (u32 spins = 0;; spins++) {
+        bool all = true;
+#pragma unroll
+        for (int i = 0; i < N; i++) {
+            if (!ok[i]) ok[i] = load(i);
+            all = all && ok[i];
+        }
+        if (all) break;
+        if (spins == SPIN_LIMIT) { atomicExch(a.error, err); break; }
+        ll_backoff();
+    }
+}
+
 // Every consumer thread: the K bf16 of a flagged buffer (x, or att) in 16-byte pieces (2
 // words) until each carries `want`, into s.u.xs.
 template <int K>
@@ -591,19 +610,9 @@ __device__ __forceinline__ void poll_x(const Args& a, Shared& s, const u16* src,
     u32 d[NU][2];
 #pragma unroll
     for (int i = 0; i < NU; i++) ok[i] = threadIdx.x + i * CT >= K / 4;
-    for (u32 spins = 0;; spins++) {
-        bool all = true;
-#pragma unroll
-        for (int i = 0; i < NU; i++) {
-            if (!ok[i]) {
-                ok[i] = ld_flagged<2>(xw + 4 * (threadIdx.x + i * CT), d[i], want);
-                all = all && ok[i];
-            }
-        }
-        if (all) break;
-        if (spins == SPIN_LIMIT) { atomicExch(a.error, 1u + j); break; }
-        ll_backoff();
-    }
+    poll_items<NU>(a, 1u + j, ok, [&](int i) {
+        return ld_flagged<2>(xw + 4 * (threadIdx.x + i * CT), d[i], want);
+    });
 #pragma unroll
     for (int i = 0; i < NU; i++)
         if (threadIdx.x + i * CT < K / 4) {
@@ -619,42 +628,30 @@ __device__ __forceinline__ void poll_x(const Args& a, Shared& s, const u16* src,
 template <int NV>
 __device__ __forceinline__ void poll_pieces(const Args& a, const u32* src, int i0, int end,
                                             u32 want, int j, u32x4* xw) {
-    bool ok[NV][2];
+    bool ok[2 * NV];  // item i: half i % 2 of piece i / 2
 #pragma unroll
-    for (int v = 0; v < NV; v++) ok[v][0] = ok[v][1] = i0 + 32 * v >= end;
-    for (u32 spins = 0;; spins++) {
-        bool all = true;
-#pragma unroll
-        for (int v = 0; v < NV; v++) {
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                if (ok[v][h]) continue;
-                u32 d[2];
-                ok[v][h] = ld_flagged<2>(src + 8 * (i0 + 32 * v) + 4 * h, d, want);
-                if (h == 0) { xw[v].x = d[0]; xw[v].y = d[1]; }
-                else { xw[v].z = d[0]; xw[v].w = d[1]; }
-                all = all && ok[v][h];
-            }
-        }
-        if (all) break;
-        if (spins == SPIN_LIMIT) { atomicExch(a.error, 1u + j); break; }
-        ll_backoff();
-    }
+    for (int i = 0; i < 2 * NV; i++) ok[i] = i0 + 32 * (i / 2) >= end;
+    poll_items<2 * NV>(a, 1u + j, ok, [&](int i) {
+        u32 d[2];
+        const bool got = ld_flagged<2>(src + 8 * (i0 + 32 * (i / 2)) + 4 * (i % 2), d, want);
+        if (i % 2 == 0) { xw[i / 2].x = d[0]; xw[i / 2].y = d[1]; }
+        else { xw[i / 2].z = d[0]; xw[i / 2].w = d[1]; }
+        return got;
+    });
 }
 
 // Rows ra and rb of x (either < 0: none), each from its word once that carries `want`.
 __device__ __forceinline__ void ll_rows(const Args& a, int ra, int rb, u32 want, int j,
                                         u16& va, u16& vb) {
     const u32* xw = (const u32*)a.x;
-    u32 da = 0, db = 0, fa = ra >= 0 ? ~want : want, fb = rb >= 0 ? ~want : want;
-    for (u32 spins = 0;; spins++) {
-        if (fa != want) ld_word(xw + 2 * (ra >> 1), da, fa);
-        if (fb != want) ld_word(xw + 2 * (rb >> 1), db, fb);
-        if (fa == want && fb == want) break;
-        if (spins == SPIN_LIMIT) { atomicExch(a.error, 1u + j); break; }
-    }
-    va = (u16)(ra & 1 ? da >> 16 : da);
-    vb = (u16)(rb & 1 ? db >> 16 : db);
+    const int r[2] = {ra, rb};
+    u32 d[2] = {0u, 0u};
+    bool ok[2] = {ra < 0, rb < 0};
+    poll_items<2>(a, 1u + j, ok, [&](int i) {
+        return ld_flagged<1>(xw + 2 * (r[i] >> 1), &d[i], want);
+    });
+    va = (u16)(ra & 1 ? d[0] >> 16 : d[0]);
+    vb = (u16)(rb & 1 ? d[1] >> 16 : d[1]);
 }
 
 // HEAD: each warp's best logit (every lane of a warp holds it) to the block's, into a.best
@@ -1514,25 +1511,16 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G, 
         TR(5 * layer + 1, 0);
         const u32* qkvw = (const u32*)a.qkv;
         const u32 want = x_flag(step, 2 * layer);
-        bool ok[HPW + 2];
+        bool ok[HPW + 2];  // the warp's q heads, then k and v
 #pragma unroll
         for (int i = 0; i < HPW; i++) ok[i] = warp + NCW * i >= GS * WH;
         ok[HPW] = ok[HPW + 1] = false;
-        for (u32 spins = 0;; spins++) {
-            bool all = true;
-#pragma unroll
-            for (int i = 0; i < HPW + 2; i++) {
-                if (ok[i]) continue;
-                const int e = i < HPW ? (g * GS + (warp + NCW * i) % GS) * HD
-                                      : QD + (i - HPW) * KVD + g * HD;
-                u32* w = i < HPW ? qw[i] : i == HPW ? kw : vw;
-                ok[i] = ld_flagged<EPL / 2>(qkvw + e + lane * EPL, w, want);
-                all = all && ok[i];
-            }
-            if (all) break;
-            if (spins == SPIN_LIMIT) { atomicExch(a.error, 1u + 5 * layer); break; }
-            ll_backoff();
-        }
+        poll_items<HPW + 2>(a, 1u + 5 * layer, ok, [&](int i) {
+            const int e = i < HPW ? (g * GS + (warp + NCW * i) % GS) * HD
+                                  : QD + (i - HPW) * KVD + g * HD;
+            return ld_flagged<EPL / 2>(qkvw + e + lane * EPL, i < HPW ? qw[i] : i == HPW ? kw : vw,
+                                       want);
+        });
         if (TRACE) { consumer_sync(); TR(5 * layer + 1, 1); }
     }
 #else
@@ -1682,17 +1670,13 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G, 
             const u32* pv = (const u32*)a.part + 2 * ((all - a.part) + (size_t)(t / npc) * GS * HD
                                                       + 4 * (pc0 + t % npc));
             const u32* pm = (const u32*)a.part + 2 * ((all_ml - a.part) + 2 * t);
-            u32 d[4], dm[2];
-            bool ok0 = t >= nparts * npc, ok1 = ok0, okm = t >= nparts * GS;
-            for (u32 spins = 0; !(ok0 && ok1 && okm); spins++) {
-                if (!ok0) ok0 = ld_flagged<2>(pv, d, flag);
-                if (!ok1) ok1 = ld_flagged<2>(pv + 4, d + 2, flag);
-                if (!okm) okm = ld_flagged<2>(pm, dm, flag);
-                if (spins == SPIN_LIMIT) { atomicExch(a.error, 2u + 5 * layer); break; }
-                if (!(ok0 && ok1 && okm)) ll_backoff();
-            }
+            u32 d[6];  // the piece's 4 floats, then (max, sum)
+            bool ok[3] = {t >= nparts * npc, t >= nparts * npc, t >= nparts * GS};
+            poll_items<3>(a, 2u + 5 * layer, ok, [&](int i) {
+                return ld_flagged<2>(i < 2 ? pv + 4 * i : pm, d + 2 * i, flag);
+            });
             v = {d[0], d[1], d[2], d[3]};
-            w = make_float2(__uint_as_float(dm[0]), __uint_as_float(dm[1]));
+            w = make_float2(__uint_as_float(d[4]), __uint_as_float(d[5]));
 #else
             if (t < nparts * npc)
                 v = ld_cg4(all + (size_t)(t / npc) * GS * HD + 4 * (pc0 + t % npc));
