@@ -1824,7 +1824,8 @@ decode_step(Args a) {
         if (LLX) TR(j + 2, 3);
         else signal_op(a, j + 2);
         OP<H, OP_GU>(a, s, ring, c, layer, b, G, step, LLX ? -1 : j + 2);
-        if (LLH) TR(j + 3, 3);  // DOWN polls h
+        // DOWN polls h (the barrier: gate/up's rows read from xo before DOWN's LLX rows go in)
+        if (LLH) { consumer_sync(); TR(j + 3, 3); }
         else signal_op(a, j + 3);
         OP<INTER, OP_DOWN>(a, s, ring, c, layer, b, G, step, LLH ? -1 : j + 3);
         if (LLX) TR(j + 4, 3);
