@@ -35,6 +35,10 @@ from flashdraft.shapes import (_decode_loop, _time_steps, build_random_model, ge
                                step_bytes)
 
 CONTEXT = 512  # cached positions before the step (--context)
+# decode_mk.cu's defines that the shape, the ring and the variant's other options set; the
+# report's `settings` are the rest (the defaults' and the variant's D:NAME=V)
+SHAPE_DEFINES = {"H", "INTER", "NQ", "NKV", "HD", "NL", "VOCAB", "QKV_BIAS", "QK_NORM", "NS",
+                 "SLOT", "NCW", "NOWAIT", "NOCOMPUTE", "LDGSTS", "NPROD", "Q4", "TRACE"}
 
 
 def parse_variant(v: str) -> dict:
@@ -111,8 +115,7 @@ def run_shape(shape: str, variants: list[str], bandwidth: float, context: int = 
         r = {"t1_ms": t * 1e3, "roofline_t1": need / bandwidth / t, "decode_tok_s": d,
              "roofline_decode": d / roof if d else None, "max_logit_diff": err,
              "ref_logit_absmax": ref.abs().max().item(), "ring": mk.ring,
-             "settings": {k: mk.defines[k] for k in ("Q4_FINISH_EVERY", "Q4_PARTS", "PU")
-                          if k in mk.defines}}
+             "settings": {k: v for k, v in mk.defines.items() if k not in SHAPE_DEFINES}}
         if timeline:
             r["timeline_us"] = timeline
         out["megakernel"][v] = r
