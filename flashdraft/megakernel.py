@@ -382,8 +382,9 @@ class DecodeMegakernel:
         # LLA's bits flag q/k/v (1), the partials (2, a word a float) and att (4) alike, LLH h
         self.x = torch.zeros(2 * h if llx else h, **bf16)
         self.step_count = torch.zeros(1, dtype=torch.int32, device=dev)
-        # Q4_PARTS: a half tile's 16 sums a pair of blocks, as (value, flag) words
-        self.xpart = torch.zeros(8 * self.sms, dtype=torch.int64, device=dev)
+        # Q4_PARTS: a half tile's 16 sums a pair of blocks, as (value, flag) words; O's and
+        # DOWN's, then gate/up's
+        self.xpart = torch.zeros(16 * self.sms, dtype=torch.int64, device=dev)
         self.qkv = torch.zeros((2 if lla & 1 else 1) * (qd + 2 * kvd), **bf16)
         self.att = torch.zeros((2 if lla & 4 else 1) * qd, **bf16)
         self.hbuf = torch.zeros((2 if llh else 1) * inter, **bf16)

@@ -206,30 +206,43 @@ def _halves_hidden(sms: int) -> int:
                 if sms // 4 <= (8 * m) % sms <= sms // 2 and 8 * m >= sms)
 
 
+def _halves_intermediate(sms: int) -> int:
+    """An intermediate size (a multiple of 128) whose gate/up tiles (2 rows a feature, 16 a
+    tile) leave such a remainder over `sms` blocks."""
+    return next(128 * m for m in range(1, 64 * sms)
+                if sms // 4 <= (16 * m) % sms <= sms // 2 and 16 * m >= sms)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("prompt", [5, 700])
-def test_int4_megakernel_with_tiles_split_in_halves_matches_the_model(prompt, monkeypatch):
-    # O's and DOWN's tiles past an even share, split in halves over the inputs between a pair
-    # of blocks (Q4_PARTS): the owner adds the other's sums, sent with the step's flag, over
-    # 24 steps (a stale word from an earlier step or layer would give wrong logits)
+@pytest.mark.parametrize("parts", [1, 3])  # 3: gate/up's tiles too (not yet by default)
+def test_int4_megakernel_with_tiles_split_in_halves_matches_the_model(prompt, parts,
+                                                                      monkeypatch):
+    # O's and DOWN's tiles past an even share (and with bit 2 gate/up's), split in halves over
+    # the inputs between a pair of blocks (Q4_PARTS): the owner adds the other's sums, sent
+    # with the step's flag, over 24 steps (a stale word from an earlier step or layer would
+    # give wrong logits; gate/up's and O's words of a layer carry the same flag, apart in
+    # Args.xpart)
     from flashdraft.megakernel import DecodeMegakernel
     torch.manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    h = _halves_hidden(sms)
-    model = _int4_model(ModelConfig("qwen3", 1024, h, 1024, 2, 8, 2, 128, qk_norm=True,
+    h, inter = _halves_hidden(sms), _halves_intermediate(sms) if parts == 3 else 1024
+    model = _int4_model(ModelConfig("qwen3", 1024, h, inter, 2, 8, 2, 128, qk_norm=True,
                                     rope_theta=1e6), monkeypatch)
     built = []
 
-    def make(cache):  # Q4_PARTS by default for this shape (splits_tiles_in_halves)
-        built.append(DecodeMegakernel(model, cache))
+    def make(cache):  # Q4_PARTS 1 by default for this shape (splits_tiles_in_halves)
+        built.append(DecodeMegakernel(model, cache,
+                                      defines={"Q4_PARTS": parts} if parts != 1 else None))
         return built[-1]
     compared = _follow_the_model(model, prompt, make)
-    assert compared >= 8 and built[0].defines.get("Q4_PARTS") == 1
+    assert compared >= 8 and built[0].defines.get("Q4_PARTS") == parts
 
 
 def test_the_halves_hidden_size_leaves_a_remainder_to_split():
     from flashdraft.megakernel import splits_tiles_in_halves
     assert _halves_hidden(132) == 2688  # 168 tiles: 1 each, 36 split in halves on 72 blocks
+    assert _halves_intermediate(132) == 1408  # 176 gate/up tiles: 1 each, 44 split
     assert 28 <= (_halves_hidden(114) // 16) % 114 <= 57
     split = [name for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-8b", "qwen3-32b")
              if splits_tiles_in_halves(get_shape(name), 132)]

@@ -48,12 +48,12 @@
 // x) with int4_mma's FOLD (s d + (z - 136 s) sum x, the group sums of x taken in float32 once
 // an op, while x is staged), and adds a tile's units in order; a tile's warps are added in
 // warp order every Q4_FINISH_EVERY chunks (a barrier of the consumers each time), or at the
-// op's end where the block's tiles all fit Shared.q4red. Q4_PARTS: O's and DOWN's tiles past an
-// even share are split in halves between pairs of blocks (q4_share). The host runs int4 with NCW 12
-// (128 registers a thread), a unit's mma in Q4_CHAINS chains, tiles added every 8, 6, 3 or 1 chunks
-// (the most that fits). Timings (benchmarks/RESULTS.md, sessions 22-29): faster than the graphs'
-// int4 products on the 1.5B and 8B shapes, 14 % faster on the 32B, whose consumers barely keep up
-// with the stream.
+// op's end where the block's tiles all fit Shared.q4red. Q4_PARTS: O's and DOWN's (bit 2:
+// gate/up's) tiles past an even share are split in halves between pairs of blocks (q4_share).
+// The host runs int4 with NCW 12 (128 registers a thread), a unit's mma in Q4_CHAINS chains,
+// tiles added every 8, 6, 3 or 1 chunks (the most that fits). Timings (benchmarks/RESULTS.md,
+// sessions 22-29): faster than the graphs' int4 products on the 1.5B and 8B shapes, 14 % faster
+// on the 32B, whose consumers barely keep up with the stream.
 
 #ifndef H
 #define H 1536  // hidden size
@@ -167,7 +167,8 @@
 #define KMAX (H > QD ? (H > INTER ? H : INTER) : (QD > INTER ? QD : INTER))
 #define KMIN (H < QD ? (H < INTER ? H : INTER) : (QD < INTER ? QD : INTER))
 #ifndef Q4_PARTS
-#define Q4_PARTS 0  // Q4: O's and DOWN's tiles past an even share split in halves (q4_share)
+#define Q4_PARTS 0  // Q4: tiles past an even share split in halves (q4_share): bits, 1 O's and
+                    // DOWN's, 2 gate/up's
 #endif
 #ifndef Q4_FINISH_EVERY
 #define Q4_FINISH_EVERY 1  // Q4: chunks between two additions of ended tiles (each a block-wide
@@ -341,6 +342,10 @@ struct Share {
     int g0, g1, pair;
     bool owner;
 };
+// Whether Q4_PARTS splits an op's tiles in halves: O or DOWN (o_down), gate/up (gu).
+__host__ __device__ constexpr bool q4_halves(bool o_down, bool gu) {
+    return ((Q4_PARTS & 1) && o_down) || ((Q4_PARTS & 2) && gu);
+}
 __device__ __forceinline__ Share q4_share(int T, int NG, int j, int b, int G, bool halves) {
     Share sh;
     sh.pt = -1;
@@ -417,7 +422,7 @@ __device__ __forceinline__ bool next_chunk(const Args& a, Cursor& c, int b, int 
         Share sh;  // Q4: the block's whole tiles, and (Q4_PARTS) its half tile
         int cw = 0, ca = 0;  // chunks of the whole tiles, of the half
         if (Q4) {  // CU units a chunk of the block's tiles; the half's own chunks
-            sh = q4_share(n / 16, k / 128, j, b, G, Q4_PARTS && (op == 1 || op == 3));
+            sh = q4_share(n / 16, k / 128, j, b, G, q4_halves(op == 1 || op == 3, op == 2));
             cw = ((sh.t1 - sh.t0) * (k / 128) + CU - 1) / CU;
             ca = (sh.g1 - sh.g0 + CU - 1) / CU;
             total = cw + ca;
@@ -500,7 +505,7 @@ struct Shared {
     float best_v[NCW];
     int best_i[NCW];
 #if Q4
-    float q4red[RT + Q4_PARTS][NCW][16];  // a tile's sums a warp, until its warps are added
+    float q4red[RT + (Q4_PARTS != 0)][NCW][16];  // a tile's sums a warp, until its warps are added
                                           // (Q4_PARTS: the half tile's in the last)
     float sx[KMAX / 128];         // the op's group sums of x (float32, taken while staging x)
     __align__(16) u16 side[SIDE_MAX];  // the block's rows of the bias or the residual
@@ -1145,15 +1150,17 @@ __device__ __forceinline__ void q4_acc(const Shared& s, const unsigned char* slo
     acc1 = fmaf(fmaf(-136.f, s1, hi_f32(sc.y)), sxg, fmaf(s1, d[2], acc1));
 }
 
-// Q4_PARTS (O, DOWN): the block's half tile (q4_share), chunk by chunk from the ring, its warps'
-// sums added in order. The pair's second block sends them as (value, flag) words; the owner
-// asks for those before its own half runs, adds them after its own, and writes the tile's rows
-// of x (its residual staged in s.side after the whole tiles' rows).
+// Q4_PARTS (O, DOWN; gate/up): the block's half tile (q4_share), chunk by chunk from the ring,
+// its warps' sums added in order. The pair's second block sends them as (value, flag) words
+// (gate/up's in the second half of Args.xpart, as O's share a layer's flag); the owner asks for
+// those before its own half runs, adds them after its own, and writes the tile's rows of x (its
+// residual staged in s.side after the whole tiles' rows) or of h.
+template <int KIND>
 __device__ __forceinline__ void q4_half(const Args& a, Shared& s, unsigned char* ring, u32& c,
                                         const Share& sh, int j, u32 flag) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int units = sh.g1 - sh.g0, chunks = (units + CU - 1) / CU;
-    u64* words = a.xpart + (size_t)sh.pair * 16;
+    u64* words = a.xpart + (size_t)sh.pair * 16 + (KIND == OP_GU ? 8 * gridDim.x : 0);
     u32 pv = 0u, pf = 0u;
     if (sh.owner && threadIdx.x < 16) ld_word(words + threadIdx.x, pv, pf);
     float acc0 = 0.f, acc1 = 0.f;
@@ -1186,7 +1193,13 @@ __device__ __forceinline__ void q4_half(const Args& a, Shared& s, unsigned char*
                 ld_word(words + f, pv, pf);
             }
             y += __uint_as_float(pv);
-            a.x[sh.pt * 16 + f] = to_bf16(bf(s.side[(sh.t1 - sh.t0) * 16 + f]) + round_bf16(y));
+            if (KIND == OP_GU) {  // features f < 8: gates, f + 8: their ups (lanes 0-15)
+                const float up = __shfl_down_sync(0xffffu, y, 8);
+                if (f < 8) a.hbuf[sh.pt * 8 + f] = to_bf16(y / (1.f + __expf(-y)) * up);
+            } else {
+                a.x[sh.pt * 16 + f] = to_bf16(bf(s.side[(sh.t1 - sh.t0) * 16 + f])
+                                              + round_bf16(y));
+            }
         }
     }
 }
@@ -1197,7 +1210,7 @@ template <int K, int KIND>
 __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int layer, int b,
                       int G, u32 step, int wait_j) {
     constexpr int NG = K / 128;  // groups a tile
-    constexpr bool HALVES = Q4_PARTS && (KIND == OP_O || KIND == OP_DOWN);
+    constexpr bool HALVES = q4_halves(KIND == OP_O || KIND == OP_DOWN, KIND == OP_GU);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3, g = lane >> 2;
     int n, k, j;
     const unsigned char *wq, *wsz;
@@ -1207,7 +1220,7 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
     const bool half_first = HALVES && sh.pt >= 0 && !sh.owner;
     q4_stage<K, KIND>(a, s, layer, j, t0, t1, sh.owner ? sh.pt : -1, wait_j, G);
     const u32 flag = x_flag(step, 2 * layer + (KIND == OP_DOWN));
-    if (half_first) q4_half(a, s, ring, c, sh, j, flag);
+    if (half_first) q4_half<KIND>(a, s, ring, c, sh, j, flag);
     const int units = (t1 - t0) * NG, chunks = (units + CU - 1) / CU;
     if (chunks == 0 && !half_first)  // a block without tiles of this op: the timeline's "first
         TR(j, 2);                     // chunk" now
@@ -1246,7 +1259,7 @@ __device__ void q4_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int
         consumer_sync();
         q4_finish<KIND>(a, s, t0, done, t1 - t0, best_v, best_i);
     }
-    if (HALVES && sh.owner) q4_half(a, s, ring, c, sh, j, flag);
+    if (HALVES && sh.owner) q4_half<KIND>(a, s, ring, c, sh, j, flag);
     if (KIND == OP_HEAD) {  // the block's best logit (ties: the lower id)
 #pragma unroll
         for (int o = 16; o; o >>= 1) {
