@@ -129,7 +129,7 @@
                       // a stale word (0: none): fewer loads on the L2 beside the weight stream
 #endif
 #define LL_XO (LLX || (LLA & 1) || LLH)  // Shared.xo: a block's rows of x, q/k/v or h going out
-#define LL_XS (LLX || (LLA & 4))  // Shared.xs: an op's polled input
+#define LL_XS (LLX || (LLA & 4))  // Shared.u.xs: an op's polled input
 #ifndef TRACE
 #define TRACE 0  // 1: the global timer at each op's wait, start, first chunk and end (Args.trace)
 #endif
@@ -201,7 +201,7 @@ struct Args {
     long long* out_token;
     u32* error;            // set when a wait gave up
     u64* trace;            // TRACE: [G][NOPS][8] consumer times, then [G][NOPS][2] producer's
-    u32* step_count;       // LLX, LLA, Q4_PARTS: steps run so far (flags name the step)
+    u32* step_count;       // LLX, LLA, LLH, Q4_PARTS: steps run so far (flags name the step)
     int max_len;
     float eps;
     int chain;
@@ -546,7 +546,7 @@ __device__ __forceinline__ void signal_op(const Args& a, int j) {
     }
 }
 
-// -- LLX, LLA: data with its writer's flag --------------------------------------------------------
+// -- LLX, LLA, LLH: data with its writer's flag ---------------------------------------------------
 
 // A buffer's writes in a step: x's by O of layer l are write 2 l, by DOWN of layer l 2 l + 1;
 // q/k/v's, the partials' and att's (LLA) and h's (LLH), each written once a layer, 2 l. A flag
