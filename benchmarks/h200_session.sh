@@ -211,6 +211,23 @@ for phase in "$@"; do
       tests/test_megakernel.py -k "${LL_TESTS:-bit_for_bit or llattn or llh or llflags}" 2>&1 \
       | tee "$OUT/pytest-ll.log" | tail -12
     ;;
+  llstep)
+    # The flagged dependencies' step timings on the 1.5B bf16 (session 30's plan), only after
+    # lltests passed in this call (a hung variant would lose the call): the counters, the
+    # flags, the 9th slot, both, no waits at all (the most faster dependencies can give), traces.
+    summary=$(tail -1 "$OUT/pytest-ll.log" 2>/dev/null)  # pytest's last line: N passed, ...
+    if echo "$summary" | grep -Eq "[0-9]+ passed" && ! echo "$summary" | grep -Eq "failed|error"
+    then
+      timeout ${LL_STEP_TIMEOUT:-400} python3 benchmarks/megakernel_step.py --out "$OUT/llstep" \
+        --shapes ${MK_SHAPES:-qwen2.5-1.5b} --context ${MK_CONTEXT:-512} --variants \
+        ${MK_VARIANTS:-default default+D:LLA=7 default+D:LLA=7+D:LLH=1 \
+        default+D:LLA=7+D:LLH=1+D:LLX=1 9x24576+D:RED_ROWS=12 \
+        9x24576+D:RED_ROWS=12+D:LLA=7+D:LLH=1+D:LLX=1 default+nowait default+trace \
+        default+D:LLA=7+D:LLH=1+D:LLX=1+trace} 2>&1 | grep -v Warn | tee "$OUT/llstep.log"
+    else
+      echo "llstep: skipped, lltests did not pass in this call ($OUT/pytest-ll.log)"
+    fi
+    ;;
   q4tests)
     # int4 weights through the decode megakernel against the model's int4 steps (a hang of a
     # wrong chunk count is cut at Q4_TIMEOUT seconds), then the rest of its GPU tests.
