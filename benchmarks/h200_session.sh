@@ -207,7 +207,7 @@ for phase in "$@"; do
     # The flagged-data settings (LLA, LLH, with LLX) against the model, first: a flag that never
     # matches makes every wait spin until it gives up (seconds each), so the run is cut at
     # LL_TIMEOUT seconds and stops at the first failure.
-    timeout ${LL_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -x \
+    timeout ${LL_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -x \
       tests/test_megakernel.py -k "${LL_TESTS:-bit_for_bit or llattn or llh or llflags}" 2>&1 \
       | tee "$OUT/pytest-ll.log" | tail -12
     ;;
@@ -218,7 +218,7 @@ for phase in "$@"; do
     summary=$(tail -1 "$OUT/pytest-ll.log" 2>/dev/null)  # pytest's last line: N passed, ...
     if echo "$summary" | grep -Eq "[0-9]+ passed" && ! echo "$summary" | grep -Eq "failed|error"
     then
-      timeout ${LL_STEP_TIMEOUT:-400} python3 benchmarks/megakernel_step.py --out "$OUT/llstep" \
+      timeout ${LL_STEP_TIMEOUT:-360} python3 benchmarks/megakernel_step.py --out "$OUT/llstep" \
         --shapes ${MK_SHAPES:-qwen2.5-1.5b} --context ${MK_CONTEXT:-512} --variants \
         ${MK_VARIANTS:-default default+D:LLA=7 default+D:LLA=7+D:LLH=1 \
         default+D:LLA=7+D:LLH=1+D:LLX=1 9x24576+D:RED_ROWS=12 \
