@@ -11,6 +11,7 @@ is rewritten after each configuration, and Ctrl-C writes everything that has fin
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -747,8 +748,9 @@ def run_bench(s: BenchSettings, out=None) -> dict:
         llm.engine.ensure_capacity(longest)
         for draft in [None] + [d for d in s.drafts if d != "ngram"]:
             for pids in ids:
-                llm.generate({"prompt_token_ids": pids}, SamplingParams(temperature=0, max_tokens=1),
-                             draft=draft, num_speculative_tokens=1 if draft else None)
+                llm.generate({"prompt_token_ids": pids},
+                             SamplingParams(temperature=0, max_tokens=1), draft=draft,
+                             num_speculative_tokens=1 if draft else None)
     monitor = GpuMonitor(llm.device)
     results = {
         "schema": SCHEMA, "complete": False, "interrupted": False,
@@ -995,37 +997,37 @@ def write_plots(results: dict, outdir: Path) -> list[str]:
         fig.savefig(outdir / name, dpi=110)
         written.append(name)
 
-    fig = Figure(figsize=(7.5, 4.8), layout="constrained")
-    ax = fig.add_subplot()
-    for (label, t), cs in series.items():
-        cs = [c for c in cs if c["summary"]["tokens_per_s"]]
-        med = [c["summary"]["tokens_per_s"]["median"] for c in cs]
-        err = [[m - c["summary"]["tokens_per_s"]["p10"] for m, c in zip(med, cs)],
-               [c["summary"]["tokens_per_s"]["p90"] - m for m, c in zip(med, cs)]]
-        ax.errorbar([c["k"] for c in cs], med, yerr=err, marker="o", capsize=3,
-                    label=f"{label}, T={t:g}")
-    for p in plains:
-        if p["summary"]["tokens_per_s"]:
-            ax.axhline(p["summary"]["tokens_per_s"]["median"], ls="--", color="grey",
-                       label=f"plain decoding, T={p['temperature']:g}")
-    ax.set(xlabel="k (tokens drafted per step)", xticks=ks, ylim=(0, None),
-           ylabel="tokens/s (decode; median, bars p10–p90)", title=f"tokens/s vs k — {where}")
-    ax.legend(fontsize="small")
-    ax.grid(alpha=0.3)
-    save(fig, PLOTS[0])
+    @contextlib.contextmanager
+    def versus_k(name, ylabel, title):  # a figure of lines over k: its axes, then saved
+        fig = Figure(figsize=(7.5, 4.8), layout="constrained")
+        ax = fig.add_subplot()
+        yield ax
+        ax.set(xlabel="k (tokens drafted per step)", xticks=ks, ylim=(0, None), ylabel=ylabel,
+               title=f"{title} — {where}")
+        ax.legend(fontsize="small")
+        ax.grid(alpha=0.3)
+        save(fig, name)
 
-    fig = Figure(figsize=(7.5, 4.8), layout="constrained")
-    ax = fig.add_subplot()
-    ax.plot(ks, [k + 1 for k in ks], ls=":", color="grey", label="k + 1 (every draft accepted)")
-    ax.axhline(1.0, ls="--", color="grey", label="plain decoding (τ = 1)")
-    for (label, t), cs in series.items():
-        ax.plot([c["k"] for c in cs], [c["summary"]["tau"] for c in cs], marker="o",
-                label=f"{label}, T={t:g}")
-    ax.set(xlabel="k (tokens drafted per step)", xticks=ks, ylim=(0, None),
-           ylabel="τ (generated tokens / target passes)", title=f"τ vs k — {where}")
-    ax.legend(fontsize="small")
-    ax.grid(alpha=0.3)
-    save(fig, PLOTS[1])
+    with versus_k(PLOTS[0], "tokens/s (decode; median, bars p10–p90)", "tokens/s vs k") as ax:
+        for (label, t), cs in series.items():
+            cs = [c for c in cs if c["summary"]["tokens_per_s"]]
+            med = [c["summary"]["tokens_per_s"]["median"] for c in cs]
+            err = [[m - c["summary"]["tokens_per_s"]["p10"] for m, c in zip(med, cs)],
+                   [c["summary"]["tokens_per_s"]["p90"] - m for m, c in zip(med, cs)]]
+            ax.errorbar([c["k"] for c in cs], med, yerr=err, marker="o", capsize=3,
+                        label=f"{label}, T={t:g}")
+        for p in plains:
+            if p["summary"]["tokens_per_s"]:
+                ax.axhline(p["summary"]["tokens_per_s"]["median"], ls="--", color="grey",
+                           label=f"plain decoding, T={p['temperature']:g}")
+
+    with versus_k(PLOTS[1], "τ (generated tokens / target passes)", "τ vs k") as ax:
+        ax.plot(ks, [k + 1 for k in ks], ls=":", color="grey",
+                label="k + 1 (every draft accepted)")
+        ax.axhline(1.0, ls="--", color="grey", label="plain decoding (τ = 1)")
+        for (label, t), cs in series.items():
+            ax.plot([c["k"] for c in cs], [c["summary"]["tau"] for c in cs], marker="o",
+                    label=f"{label}, T={t:g}")
 
     rows, cols = len(series), len(ks)
     fig = Figure(figsize=(max(7.5, 2.6 * cols), 1.4 + 2.2 * rows), layout="constrained")
