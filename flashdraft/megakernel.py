@@ -379,19 +379,22 @@ class DecodeMegakernel:
         self.table = torch.tensor(ptrs, dtype=torch.int64, device=dev)
         bf16 = dict(dtype=torch.bfloat16, device=dev)
         # x: bf16 rows, or with LLX (defines) 8-byte words of 2 rows and their writer's flag;
-        # LLA's bits flag q/k/v (1), the partials (2, a word a float) and att (4) alike, LLH h
-        self.x = torch.zeros(2 * h if llx else h, **bf16)
+        # LLA's bits flag q/k/v (1), the partials (2, a word a float) and att (4) alike, LLH h:
+        # a flagged buffer takes twice the values' room
+        def room(n: int, flagged) -> int:
+            return 2 * n if flagged else n
+        self.x = torch.zeros(room(h, llx), **bf16)
         self.step_count = torch.zeros(1, dtype=torch.int32, device=dev)
         # Q4_PARTS: a half tile's 16 sums a pair of blocks, as (value, flag) words; O's and
         # DOWN's, then gate/up's
         self.xpart = torch.zeros(16 * self.sms, dtype=torch.int64, device=dev)
-        self.qkv = torch.zeros((2 if lla & 1 else 1) * (qd + 2 * kvd), **bf16)
-        self.att = torch.zeros((2 if lla & 4 else 1) * qd, **bf16)
-        self.hbuf = torch.zeros((2 if llh else 1) * inter, **bf16)
+        self.qkv = torch.zeros(room(qd + 2 * kvd, lla & 1), **bf16)
+        self.att = torch.zeros(room(qd, lla & 4), **bf16)
+        self.hbuf = torch.zeros(room(inter, llh), **bf16)
         group = cfg.num_heads // cfg.num_kv_heads
-        self.part = torch.zeros((2 if lla & 2 else 1) * cfg.num_kv_heads * self.sms
-                                * _warps_a_head(cfg, consumer_warps) * group
-                                * (cfg.head_dim + 2), dtype=torch.float32, device=dev)
+        parts = (cfg.num_kv_heads * self.sms * _warps_a_head(cfg, consumer_warps) * group
+                 * (cfg.head_dim + 2))
+        self.part = torch.zeros(room(parts, lla & 2), dtype=torch.float32, device=dev)
         self.logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=dev)
         self.best = torch.zeros(2 * self.sms, dtype=torch.float32, device=dev)
         self.counters = torch.zeros(_nops(cfg) + cfg.num_kv_heads, dtype=torch.int32, device=dev)

@@ -16,6 +16,11 @@ __device__ __forceinline__ u16 to_bf16(float v) {
     return r;
 }
 
+// SiLU(gate) * up in float32, rounded once.
+__device__ __forceinline__ u16 silu_mul(float gate, float up) {
+    return to_bf16(gate / (1.f + __expf(-gate)) * up);
+}
+
 // Nibbles 0 and 4 of q as the bfloat16 pair 128 + nibble: (q & 0x000f000f) | 0x43004300.
 __device__ __forceinline__ u32 biased(u32 q) {
     u32 v;

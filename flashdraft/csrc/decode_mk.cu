@@ -329,8 +329,8 @@ __device__ __forceinline__ void rows_of(int n, int j, int b, int G, int& r0, int
     if (pairs) { r0 *= 2; r1 *= 2; }
 }
 
-// Q4: a block's tiles of an op of T tiles, NG groups each. With `halves` (Q4_PARTS, O and
-// DOWN), where some blocks would take a whole tile more than others (T % G tiles past T / G
+// Q4: a block's tiles of an op of T tiles, NG groups each. With `halves` (Q4_PARTS: q4_halves),
+// where some blocks would take a whole tile more than others (T % G tiles past T / G
 // each, 2 (T % G) <= G; the 32B's 320 tiles: 2 or 3 a block, down's ends 8 µs apart), those
 // tiles are split in halves over the inputs instead: the first 2 (T % G) blocks (rows_of's
 // rotation) each take half a tile besides their T / G whole ones. A pair's first block (the
@@ -691,6 +691,26 @@ __device__ __forceinline__ const u16* op_side(const Args& a, int layer, long lon
          : KIND == OP_O ? (layer == 0 ? a.embed + (size_t)tok * H : a.x)
          : KIND == OP_DOWN ? a.x : nullptr;
 }
+// An op's bf16 output (HEAD's logits are float: none).
+template <int KIND>
+__device__ __forceinline__ u16* op_output(const Args& a) {
+    return KIND == OP_QKV ? a.qkv : KIND == OP_GU ? a.hbuf : KIND == OP_HEAD ? nullptr : a.x;
+}
+// Whether an op's rows go out with their writer's flag, through Shared.xo at the op's end: x's
+// (LLX: O, DOWN), q/k/v's (LLA 1), h's (LLH).
+__host__ __device__ constexpr bool flagged_out(int kind) {
+    return (LLX && (kind == OP_O || kind == OP_DOWN)) || ((LLA & 1) && kind == OP_QKV)
+        || (LLH && kind == OP_GU);
+}
+// Row `row` (of the block's rows from r0) of an op's output: into Shared.xo where it goes out
+// with its flag, else straight to the output.
+template <int KIND>
+__device__ __forceinline__ void put_row(const Args& a, Shared& s, int row, int r0, u16 v) {
+#if LL_XO
+    if (flagged_out(KIND)) { s.xo[row - r0] = v; return; }
+#endif
+    op_output<KIND>(a)[row] = v;
+}
 
 // One op's products for this block: its rows of W (streamed into the ring) against x (in each
 // lane's registers), with the op's epilogue. c: the consumers' chunk count (the slot sequence).
@@ -888,30 +908,15 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
                         other = side_all ? (lr < 32 ? mine : mine1)
                                          : bf(ld_cg16(side_src + row_id));
                     }
-                    if (KIND == OP_QKV) {
-#if LLA & 1
-                        if (lane == 0) s.xo[row_id - r0] = to_bf16(acc * scale + other);
-#else
-                        if (lane == 0) a.qkv[row_id] = to_bf16(acc * scale + other);
-#endif
-                    } else if (lane == 0) {
-#if LLX
-                        s.xo[row_id - r0] = to_bf16(other + acc);
-#else
-                        a.x[row_id] = to_bf16(other + acc);
-#endif
-                    }
+                    if (lane == 0)  // QKV: the bias; O, DOWN: the residual
+                        put_row<KIND>(a, s, row_id, r0,
+                                      to_bf16(KIND == OP_QKV ? acc * scale + other : other + acc));
                 } else if (KIND == OP_GU) {
                     const float y = round_bf16(acc * scale);
                     if ((i & 1) == 0) {
                         gate[rr] = y;
                     } else {
-                        const float g = gate[rr];
-#if LLH
-                        if (lane == 0) s.xo[row_id - r0] = to_bf16(g / (1.f + __expf(-g)) * y);
-#else
-                        if (lane == 0) a.hbuf[row_id] = to_bf16(g / (1.f + __expf(-g)) * y);
-#endif
+                        if (lane == 0) put_row<KIND>(a, s, row_id, r0, silu_mul(gate[rr], y));
                     }
                 } else {  // HEAD
                     const float y = round_bf16(acc);
@@ -930,20 +935,15 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
 #pragma unroll
             for (int sg = 0; sg < WPR; sg++) acc += s.red[r][sg];
             const float resid = r == threadIdx.x ? bf(resid_w) : bf(ld_cg16(a.x + r0 + r));
-#if LLX
-            s.xo[r] = to_bf16(resid + acc);
-#else
-            a.x[r0 + r] = to_bf16(resid + acc);
-#endif
+            const u16 v = to_bf16(resid + acc);
+            put_row<KIND>(a, s, r0 + r, r0, v);
         }
     }
 #if LL_XO
-    // the block's rows of x (LLX: O, DOWN), q/k/v (LLA 1) or h (LLH), a word with its flag each
-    if ((LLX && (KIND == OP_O || KIND == OP_DOWN)) || ((LLA & 1) && KIND == OP_QKV)
-        || (LLH && KIND == OP_GU)) {
+    if (flagged_out(KIND)) {  // the block's rows of the output, a word with its flag each
         consumer_sync();
         const u32 flag = x_flag(step, 2 * layer + (KIND == OP_DOWN));
-        u32* xw = (u32*)(KIND == OP_QKV ? a.qkv : KIND == OP_GU ? a.hbuf : a.x);
+        u32* xw = (u32*)op_output<KIND>(a);
         for (int t = threadIdx.x; t < (r1 - r0) / 2; t += CT) {
             const u32 d = (u32)s.xo[2 * t] | ((u32)s.xo[2 * t + 1] << 16);
             st_flagged<1>(xw + 2 * ((r0 >> 1) + t), &d, flag);
@@ -1032,7 +1032,7 @@ __device__ __forceinline__ void q4_finish(const Args& a, Shared& s, int t0, int 
         } else if (KIND == OP_O || KIND == OP_DOWN) {
             a.x[row] = to_bf16(bf(s.side[tl * 16 + f]) + round_bf16(y));
         } else if (KIND == OP_GU) {
-            a.hbuf[(t0 + tl) * 8 + f] = to_bf16(y / (1.f + __expf(-y)) * up);
+            a.hbuf[(t0 + tl) * 8 + f] = silu_mul(y, up);
         } else {
             const float v = round_bf16(y);
             a.logits[row] = v;
@@ -1195,7 +1195,7 @@ __device__ __forceinline__ void q4_half(const Args& a, Shared& s, unsigned char*
             y += __uint_as_float(pv);
             if (KIND == OP_GU) {  // features f < 8: gates, f + 8: their ups (lanes 0-15)
                 const float up = __shfl_down_sync(0xffffu, y, 8);
-                if (f < 8) a.hbuf[sh.pt * 8 + f] = to_bf16(y / (1.f + __expf(-y)) * up);
+                if (f < 8) a.hbuf[sh.pt * 8 + f] = silu_mul(y, up);
             } else {
                 a.x[sh.pt * 16 + f] = to_bf16(bf(s.side[(sh.t1 - sh.t0) * 16 + f])
                                               + round_bf16(y));

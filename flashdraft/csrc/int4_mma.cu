@@ -126,11 +126,6 @@ __device__ __forceinline__ float with_bias(float v, const u16* bias, int f, int 
     return has_bias ? v + lo_f32(bias[f]) : v;
 }
 
-// SiLU(gate) * up in float32, rounded once.
-__device__ __forceinline__ u16 silu_mul(float gate, float up) {
-    return to_bf16(gate / (1.f + __expf(-gate)) * up);
-}
-
 struct Args {
     const u32x4* __restrict__ w;
     const u32x2* __restrict__ sz;
