@@ -198,19 +198,20 @@ def test_int4_megakernel_matches_the_model(shape, prompt, warps, monkeypatch):
     assert compared >= 12 and built[0].consumer_warps == warps
 
 
-def _halves_hidden(sms: int) -> int:
-    """A hidden size (a multiple of 128) whose 16-row tiles leave a remainder that
+def _halves_size(sms: int, tiles_a_group: int) -> int:
+    """The smallest multiple of 128 whose tiles (`tiles_a_group` a 128) leave a remainder that
     decode_mk.cu's Q4_PARTS splits in halves over `sms` blocks, on a quarter to a half of them
     (as the 32B's 320 tiles on 132: 56 split over 112 blocks)."""
-    return next(128 * m for m in range(-(-sms // 8), 64 * sms)
-                if sms // 4 <= (8 * m) % sms <= sms // 2 and 8 * m >= sms)
-
-
-def _halves_intermediate(sms: int) -> int:
-    """An intermediate size (a multiple of 128) whose gate/up tiles (2 rows a feature, 16 a
-    tile) leave such a remainder over `sms` blocks."""
     return next(128 * m for m in range(1, 64 * sms)
-                if sms // 4 <= (16 * m) % sms <= sms // 2 and 16 * m >= sms)
+                if sms // 4 <= (tiles_a_group * m) % sms <= sms // 2 and tiles_a_group * m >= sms)
+
+
+def _halves_hidden(sms: int) -> int:  # O's and DOWN's tiles: 16 rows of the hidden size
+    return _halves_size(sms, 8)
+
+
+def _halves_intermediate(sms: int) -> int:  # gate/up's: 2 rows a feature
+    return _halves_size(sms, 16)
 
 
 @pytest.mark.gpu
