@@ -61,17 +61,26 @@ def test_megakernel_matches_the_model(shape, prompt, ring):
     assert compared >= (12 if cfg.hidden_size < 4096 else 8)
 
 
+# every flag at once (LLX where it runs: a warp a row), then each alone, so that a failure names
+# its bit (a wait that gives up ends the step's other polls: a few seconds a failed test)
+FLAG_SETS = {"all": {"LLA": 7, "LLH": 1, "LLX": 1}, "lla1": {"LLA": 1}, "lla2": {"LLA": 2},
+             "lla4": {"LLA": 4}, "llh": {"LLH": 1}}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("prompt", [5, 700])
-def test_flagged_data_gives_the_kernels_logits_bit_for_bit(shape, prompt):
+@pytest.mark.parametrize("prompt,flags", [(5, "all"), (700, "all")]
+                         + [(700, bit) for bit in FLAG_SETS if bit != "all"])
+def test_flagged_data_gives_the_kernels_logits_bit_for_bit(shape, prompt, flags):
     # flags change how an op learns that its input is there, never a row's arithmetic or its
-    # order, so LLA, LLH and LLX (where it runs: a warp a row) reproduce the counters' kernel
-    # exactly, step after step (each step's flags differ: a stale word must never pass)
+    # order, so LLA, LLH and LLX reproduce the counters' kernel exactly, step after step (each
+    # step's flags differ: a stale word must never pass); 700 positions: several units a head
     from flashdraft.megakernel import DecodeMegakernel
     cfg = SHAPES[shape]
     model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
-    flags = {"LLA": 7, "LLH": 1} | ({} if shape == "qwen3-split-rows" else {"LLX": 1})
+    flags = dict(FLAG_SETS[flags])
+    if shape == "qwen3-split-rows":
+        flags.pop("LLX", None)
     caches = [KVCache.for_model(cfg, 1, 1024, torch.bfloat16, "cuda") for _ in range(2)]
     torch.manual_seed(1)
     cached = torch.randn_like(caches[0].kv)  # the same earlier keys and values in both

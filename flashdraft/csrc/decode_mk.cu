@@ -587,7 +587,9 @@ __device__ __forceinline__ bool ld_flagged(const u32* p, u32* v, u32 want) {
 // A thread's poll of N items of flagged data: each round, load(i) issues the load of every item
 // not yet seen with its flag (ok[i] false) and says whether it now is, all before any is
 // waited for; until every item is, or SPIN_LIMIT rounds went by (then the error code err: the
-// op's index + 1, as a counter's wait gives).
+// op's index + 1, as a counter's wait gives). Once a wait of the step gave up, a poll gives up
+// within ERR_EVERY rounds (a flag that never comes costs one SPIN_LIMIT a step, not one a poll).
+#define ERR_EVERY 1024u
 template <int N, typename Load>
 __device__ __forceinline__ void poll_items(const Args& a, u32 err, bool* ok, Load load) {
     for (u32 spins = 0;; spins++) {
@@ -599,6 +601,7 @@ __device__ __forceinline__ void poll_items(const Args& a, u32 err, bool* ok, Loa
         }
         if (all) break;
         if (spins == SPIN_LIMIT) { atomicExch(a.error, err); break; }
+        if (spins % ERR_EVERY == ERR_EVERY - 1 && ld_cg(a.error)) break;
         ll_backoff();
     }
 }
