@@ -1,6 +1,7 @@
 """Everything the GPU fast path needs measured, in one run on one GPU (issue 5).
 
-    PYTHONPATH=. python3 benchmarks/gpu_fastpath.py --out $OUT [--budget 540] [--quick] [--no-compile]
+    PYTHONPATH=. python3 benchmarks/gpu_fastpath.py --out $OUT [--budget 540] [--quick]
+        [--no-compile]
 
 1. ceilings: device-to-device copy bandwidth, a weight-streaming bf16 GEMV;
 2. correctness: graph vs eager greedy tokens on a random model; quantized kernels vs the
@@ -122,7 +123,8 @@ def main() -> None:
                     seq.append(int(logits[0, -1].argmax()))
                     accepted = 0
                     while len(seq) < 160:
-                        drafts = [] if len(seq) % 2 else [(seq[-1] * 7 + i) % 1000 for i in range(3)]
+                        drafts = ([] if len(seq) % 2
+                                  else [(seq[-1] * 7 + i) % 1000 for i in range(3)])
                         if len(seq) % 5 == 0 and drafts:  # sometimes a right first draft
                             drafts[0] = seq[-1]
                         feed = torch.tensor([[seq[-1]] + drafts], device=dev)
@@ -220,7 +222,8 @@ def main() -> None:
                 mf = mask.repeat(1, 1, 4, 1)
                 fold = lambda: F.scaled_dot_product_attention(qf, k, v, attn_mask=mf)
                 ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-                err = ((fold().view_as(ref).float() - ref.float()).norm() / ref.float().norm()).item()
+                err = ((fold().view_as(ref).float() - ref.float()).norm()
+                       / ref.float().norm()).item()
                 need = 2 * 8 * (kv_len - 256) * 128 * 2
                 res[f"kv{kv_len}/T{t}"] = {"us": us, "GBps_of_needed": need / (us * 1e-6) / 1e9,
                                            "folded_us": bench_us(fold), "folded_rel_error": err}
@@ -302,7 +305,8 @@ def print_table() -> None:
         t32 = curve.get(32, curve.get("32")) or {}
         print(f"{name[6:]:34s} {r['decode_tokens_per_s']:8.1f} {r['roofline_tokens_per_s']:8.0f} "
               f"{100 * r['roofline_fraction']:6.1f} {t1:7.3f} "
-              f"{(t16.get('ms', float('nan')) / t1):6.2f} {(t32.get('ms', float('nan')) / t1):6.2f} "
+              f"{(t16.get('ms', float('nan')) / t1):6.2f} "
+              f"{(t32.get('ms', float('nan')) / t1):6.2f} "
               f"{r.get('drafter', {}).get('step_ms', float('nan')):8.3f}"
               + (f"  capture+compile {r['capture_s']:.0f}s" if r["compile"] else ""))
     if RESULTS["errors"]:

@@ -134,8 +134,8 @@ def main() -> None:
         result["runs"].append(row)
         print(f"  {row['mode']}: peak {row['peak_gb']:.2f} GB, resident {row['resident_gb']:.2f} "
               f"GB (peak - resident {row['peak_over_resident_gb']:.2f} GB), load "
-              f"{row['load_s']:.0f} s, forward finite {row['forward_finite']}, host peak RSS so far "
-              f"{row['host_peak_rss_gb_so_far']:.2f} GB", flush=True)
+              f"{row['load_s']:.0f} s, forward finite {row['forward_finite']}, host peak RSS "
+              f"so far {row['host_peak_rss_gb_so_far']:.2f} GB", flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))

@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flashdraft.cuda_graphs import StepRunner  # noqa: E402
 from flashdraft.kv_cache import KVCache  # noqa: E402
 from flashdraft.megakernel import DecodeMegakernel  # noqa: E402
-from flashdraft.shapes import (_decode_loop, _time_steps, build_random_model, get_shape,  # noqa: E402
-                               measure_copy_bandwidth, megakernel_decode, megakernel_step_time,
-                               step_bytes)
+from flashdraft.shapes import (_decode_loop, _time_steps, build_random_model,  # noqa: E402
+                               get_shape, measure_copy_bandwidth, megakernel_decode,
+                               megakernel_step_time, step_bytes)
 
 CONTEXT = 512  # cached positions before the step (--context)
 # decode_mk.cu's defines that the shape, the ring and the variant's other options set; the

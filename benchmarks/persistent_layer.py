@@ -294,7 +294,8 @@ class PersistentLayers:
         self.opart = torch.zeros(self.o[0], h, **f32)
 
     def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.w_qkv, self.w_o, self.w_gu, self.w_d))
+        return sum(t.numel() * t.element_size()
+                   for t in (self.w_qkv, self.w_o, self.w_gu, self.w_d))
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """x [h] through every layer; returns the residual stream after the last."""
@@ -421,7 +422,8 @@ def main() -> None:
                    "us_per_layer": us, "rel_error": err, "barrier_gave_up": stuck,
                    "splits": {"qkv": p.q, "o": p.o, "gate_up": p.g, "down": p.d}}
             p.barriers = False
-            run["us_per_layer_without_barriers"] = time_ms(functools.partial(p.run, x)) * 1e3 / cfg.num_layers
+            run["us_per_layer_without_barriers"] = (time_ms(functools.partial(p.run, x)) * 1e3
+                                                    / cfg.num_layers)
             p.barriers = True
             row["persistent"].append(run)
             print(f"  persistent, tiles {block_n}x{block_k}, {warps} warps: {us:.1f} us/layer "

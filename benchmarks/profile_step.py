@@ -158,7 +158,8 @@ def kernel_table(runner, cache, context, vocab, steps: int = 10) -> dict:
         for i in list(range(min(per_step, 24))) + list(range(max(24, per_step - 4), per_step)):
             us = sum(events[s * per_step + i].device_time for s in range(steps)) / steps
             sequence.append((i, events[i].name[:40], us))
-    return {"kernels_per_step": sum(r[1] for r in rows), "busy_us_per_step": sum(r[2] for r in rows),
+    return {"kernels_per_step": sum(r[1] for r in rows),
+            "busy_us_per_step": sum(r[2] for r in rows),
             "rows": rows[:25], "sequence": sequence}
 
 
@@ -329,7 +330,8 @@ def quant_products(shape: str, budget_s: float) -> dict:
         result[key] = row
         best = row["int4_sweep"][:3]
         print(f"  quant {shape} {key:>12s} (from DRAM) bf16 {row['bf16']:6.1f} us | int4 "
-              f"{row['int4']:6.1f} us ({row['int4_TBps']:.2f} TB/s, err {row['int4_rel_error']:.1e}) "
+              f"{row['int4']:6.1f} us ({row['int4_TBps']:.2f} TB/s, "
+              f"err {row['int4_rel_error']:.1e}) "
               f"plain-convert {row['int4_plain_convert']:.1f} tinygemm {row['tinygemm']:.1f} "
               f"(asm err {row['int4_asm_rel_error']:.1e} same {row['int4_asm_equals_ops']}, nk "
               f"{row['int4_nk_asm_rel_error']:.1e}) | "
@@ -397,7 +399,8 @@ def mma_products(shape: str, sweep: bool, probes: tuple[int, ...] = ()) -> dict:
                 mma.STREAM_SLOTS, mma.STREAM_RESIDENT = slots or saved[0], resident or saved[1]
                 try:
                     c = mma.config(n, k, tn, wk, gps)
-                    timed.append((graph_us(lambda: run(xs[:1], c)), graph_us(lambda: run(xs[:16], c)),
+                    timed.append((graph_us(lambda: run(xs[:1], c)),
+                                  graph_us(lambda: run(xs[:16], c)),
                                   (tn, wk, gps, slots, resident, c.splits)))
                 except Exception as e:  # resources the launch refuses
                     timed.append((float("inf"), float("inf"),
@@ -567,7 +570,8 @@ def convert_probe(shape: str, converts: list[str]) -> dict:
         for conv in converts:
             run = lambda x: _quantized(x, next(ring), rows, None, conv)
             try:
-                row[conv] = {"us": graph_us(lambda: run(x1)), "us_16rows": graph_us(lambda: run(x16)),
+                row[conv] = {"us": graph_us(lambda: run(x1)),
+                             "us_16rows": graph_us(lambda: run(x16)),
                              "rel_error": _rel_error(_quantized(x16, parts, rows, None, conv), ref)}
             except Exception as e:
                 row[conv] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}

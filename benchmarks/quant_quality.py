@@ -5,8 +5,9 @@ model on a fixed text (issue 5, item 4). Runs on a CPU (reference path) or a GPU
 
 Each mode loads the model afresh (quantization is in place) and scores the same tokens twice:
 in one prefill pass (more rows than the kernels take: the dequantized weight through cuBLAS)
-and in steps of --chunk tokens through the KV cache (the decode/verify kernels); figures: relative logit error ‖q − ref‖ / ‖ref‖, max abs error, top-1
-agreement, and the perplexity of the text under both models.
+and in steps of --chunk tokens through the KV cache (the decode/verify kernels); figures:
+relative logit error ‖q − ref‖ / ‖ref‖, max abs error, top-1 agreement, and the perplexity
+of the text under both models.
 """
 from __future__ import annotations
 

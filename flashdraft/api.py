@@ -235,13 +235,16 @@ class LLM:
         finally:
             steps.close()
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    def generate(self, prompts,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  *, draft=_DEFAULT, num_speculative_tokens: int | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """prompts: a str, a list of str, or {"prompt_token_ids": [...]} items (or a list of them)."""
+        """prompts: a str, a list of str, or {"prompt_token_ids": [...]} items (or a list of
+        them)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        params = (sampling_params if isinstance(sampling_params, list)
+                  else [sampling_params] * len(prompts))
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         # Encode and check every prompt before spending time on any of them.
@@ -257,7 +260,8 @@ class LLM:
             outputs.append(last.output)
         return outputs
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None, **kwargs) -> list[RequestOutput]:
+    def chat(self, messages, sampling_params: SamplingParams | None = None,
+             **kwargs) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"}) or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": self.chat_prompt_ids(c)} for c in conversations]

@@ -29,7 +29,8 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True,
                        help="draft at every step, even while drafts keep failing (default: "
                             "decode plainly for a while when they do; greedy output is the "
                             "same either way)")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when present)")
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N (default: cuda when present)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--max-model-len", type=int, default=None,

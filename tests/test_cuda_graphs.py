@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from flashdraft.config import ModelConfig
-from flashdraft.cuda_graphs import PREFILL_GRAPH_MAX, StepRunner, eager_step, prefill, prefill_length
+from flashdraft.cuda_graphs import (PREFILL_GRAPH_MAX, StepRunner, eager_step, prefill,
+                                    prefill_length)
 from flashdraft.kv_cache import KVCache
 from flashdraft.shapes import build_random_model
 

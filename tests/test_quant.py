@@ -50,7 +50,8 @@ def test_quantize_model_replaces_every_linear_and_still_runs(monkeypatch):
     ref, _ = model(tokens, pos, KVCache.for_model(cfg, 1, 16, torch.float32, "cpu"), kv_len=9)
     quant.quantize_model(model, "int8")
     assert not any(type(m) is nn.Linear for m in model.modules())
-    assert all(m.backend == "reference" for m in model.modules() if isinstance(m, quant.QuantLinear))
+    assert all(m.backend == "reference" for m in model.modules()
+               if isinstance(m, quant.QuantLinear))
     out, _ = model(tokens, pos, KVCache.for_model(cfg, 1, 16, torch.float32, "cpu"), kv_len=9)
     report = quant.quality_report(ref, out, tokens)
     assert report["logit_rel_error"] < 0.02 and report["top1_agreement"] > 0.8

@@ -1,4 +1,5 @@
-"""Losslessness end to end: greedy speculative output equals plain greedy output, token for token."""
+"""Losslessness end to end: greedy speculative output equals plain greedy output, token for
+token."""
 import pytest
 
 from flashdraft import LLM, SamplingParams

@@ -22,7 +22,8 @@ class Draft:
 
 @dataclass
 class DraftContext:
-    tokens: list[int]  # the committed sequence: prompt + generated (the last is not yet in the target's cache)
+    tokens: list[int]  # the committed sequence: prompt + generated (the last is not yet in
+                       # the target's cache)
     params: SamplingParams
     generator: torch.Generator | None
     # Outputs of the target's layers named by the drafter's `hidden_layers`, for the positions

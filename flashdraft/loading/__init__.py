@@ -1,4 +1,5 @@
-"""Load a model from whatever the user names: a HF directory, a hub id, a .gguf file, or an alias."""
+"""Load a model from whatever the user names: a HF directory, a hub id, a .gguf file, or an
+alias."""
 from __future__ import annotations
 
 from dataclasses import dataclass

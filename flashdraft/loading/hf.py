@@ -20,7 +20,8 @@ def resolve_hf(ref: str) -> Path:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is a directory but has no config.json; a model "
-                                    f"directory needs config.json, *.safetensors and tokenizer files")
+                                    "directory needs config.json, *.safetensors and tokenizer "
+                                    "files")
         return path
     if path.is_file():
         raise FileNotFoundError(f"{path} is a file but not a .gguf file; pass a .gguf file or a "
