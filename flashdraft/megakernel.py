@@ -268,19 +268,39 @@ def shared_bytes(cfg, ring: str, q4: bool = False, warps: int | None = None,
     return slots * slot + struct + attention + 128
 
 
-def _attention_bytes(cfg, q4: bool, warps: int, att_ks: int = 0) -> int:
-    """decode_mk.cu's AttState: keys and values staged in 2 buffers of KS positions (att_ks:
-    ATT_KS, else the kernel's choice), or the merge's loads of up to ATT_SPLITS units'
-    partials, whichever is larger."""
-    group, hd = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-    kmax = max(cfg.hidden_size, cfg.num_heads * hd, cfg.intermediate_size)
+def attention_ks(cfg, q4: bool, att_ks: int = 0) -> int:
+    """decode_mk.cu's KS: positions a round of attention's staged keys and values (att_ks:
+    ATT_KS; else int4, whose product x shares the space, the most up to 32 that fit beside it;
+    else 8)."""
+    kmax = max(cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
     ks = 8
-    while ks < 32 and 16 * ks * hd <= (2 * kmax if q4 else 0):
+    while ks < 32 and 16 * ks * cfg.head_dim <= (2 * kmax if q4 else 0):
         ks *= 2
-    ks = att_ks or ks
+    return att_ks or ks
+
+
+def _attention_bytes(cfg, q4: bool, warps: int, att_ks: int = 0) -> int:
+    """decode_mk.cu's AttState: keys and values staged in 2 buffers of KS positions, or the
+    merge's loads of up to ATT_SPLITS units' partials, whichever is larger."""
+    group, hd = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
     wh = _warps_a_head(cfg, warps)
     merge = wh * (4 * group * hd + 16 * ATT_SPLITS) + 8 * wh * group * ATT_SPLITS
-    return max(8 * ks * hd, merge)
+    return max(8 * attention_ks(cfg, q4, att_ks) * hd, merge)
+
+
+def attention_units(cfg, p: int, sms: int, q4: bool = False,
+                    warps: int | None = None) -> list[tuple[int, int]]:
+    """decode_mk.cu's attention_split at position p: a kv head's units as positions [j0, j1),
+    ceil((p + 1) / nsplit) each, at least ATT_MIN (the kernel's default) and at most as many
+    units as the merge's space holds; rounded up, the last units may start past p (none)."""
+    warps = warps or default_warps(q4)
+    group, wh = cfg.num_heads // cfg.num_kv_heads, _warps_a_head(cfg, warps)
+    att_min = 8 if 3 * group * wh < 2 * warps else 16
+    most = ((_attention_bytes(cfg, q4, warps) // wh - 4 * group * cfg.head_dim)
+            // (16 + 8 * group))
+    nsplit = max(1, min(sms // cfg.num_kv_heads, most, (p + att_min) // att_min))
+    ch = (p + nsplit) // nsplit
+    return [(sp * ch, min(p + 1, sp * ch + ch)) for sp in range(nsplit)]
 
 
 def _warps_a_head(cfg, warps: int) -> int:

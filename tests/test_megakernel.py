@@ -249,6 +249,57 @@ def test_int4_megakernel_with_tiles_split_in_halves_matches_the_model(prompt, pa
     assert compared >= 8 and built[0].defines.get("Q4_PARTS") == parts
 
 
+def _positions_past_a_unit(cfg, q4: bool, sms: int, below: int) -> list[int]:
+    """Positions p < below where a unit of attention starts past p by less than a round of
+    staged keys (where (p - j0) / KS, rounded toward zero, made a row of round 0 before the
+    fix)."""
+    from flashdraft.megakernel import attention_ks, attention_units
+    ks = attention_ks(cfg, q4)
+    return [p for p in range(below)
+            if any(p < j0 < p + ks for j0, _ in attention_units(cfg, p, sms, q4))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["q4-seven-groups", "qwen3-split-rows"])  # below 1,000
+def test_megakernel_where_units_start_past_the_position_matches_the_model(shape, monkeypatch):
+    # ceil((p + 1) / nsplit) positions a unit leaves the last units of a head starting past p
+    # (the 1.5B on 132 blocks from p = 1,064, its int4 from 1,056, the 0.5B int4 from 528):
+    # their step's own key and value row went below their staging buffer, over the int4 tile
+    # sums that must stay zero; 24 steps across such positions, int4 and bf16
+    from flashdraft.megakernel import DecodeMegakernel
+    torch.manual_seed(0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    q4 = shape in Q4_SHAPES
+    cfg = Q4_SHAPES[shape] if q4 else SHAPES[shape]
+    hits = _positions_past_a_unit(cfg, q4, sms, 1000)
+    if not hits:
+        pytest.skip(f"no unit starts past its position below 1,000 on {sms} blocks")
+    prompt = max(5, hits[0] - 4)
+    assert sum(prompt <= p < prompt + 24 for p in hits) >= 3
+    if q4:
+        model = _int4_model(cfg, monkeypatch)
+    else:
+        model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(20)
+    compared = _follow_the_model(model, prompt, lambda cache: DecodeMegakernel(model, cache))
+    assert compared >= 8
+
+
+def test_attention_units_cover_the_positions_and_some_start_past_them():
+    # the Python mirror of decode_mk.cu's attention_split that the test above relies on
+    from flashdraft.megakernel import attention_units
+    cfg = get_shape("qwen2.5-1.5b")
+    for p in (0, 5, 511, 1063, 1064, 4095):
+        units = attention_units(cfg, p, 132)
+        assert units[0][0] == 0 and all(j1 <= p + 1 for _, j1 in units)
+        assert sum(max(0, j1 - j0) for j0, j1 in units) == p + 1  # each position once
+    assert len(attention_units(cfg, 4095, 132)) == 66  # 132 blocks, 2 kv heads
+    assert _positions_past_a_unit(cfg, False, 132, 1071)[:2] == [1064, 1065]
+    assert _positions_past_a_unit(get_shape("qwen2.5-0.5b"), True, 132, 529) == [528]
+    assert _positions_past_a_unit(get_shape("qwen2.5-1.5b"), True, 132, 1057) == [1056]
+
+
 def test_the_halves_hidden_size_leaves_a_remainder_to_split():
     from flashdraft.megakernel import splits_tiles_in_halves
     assert _halves_hidden(132) == 2688  # 168 tiles: 1 each, 36 split in halves on 72 blocks

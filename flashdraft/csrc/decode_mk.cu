@@ -1573,8 +1573,10 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G, 
         }
     }
     // the step's own key and value into their staging row (the last unit's last
-    // position): now if its round is staged, else once the loop below stages it
-    const int rp = p < j1 ? (p - j0) / KS : -1;
+    // position): now if its round is staged, else once the loop below stages it. Units past p
+    // (ch rounded up: j0 > p, with no rounds) have none; (p - j0) / KS would round a row
+    // below their buffer's to round 0
+    const int rp = p >= j0 && p < j1 ? (p - j0) / KS : -1;
     auto own_row = [&]() { put_own(st.kv[rp % NB], p - j0 - rp * KS, lane, kn, vn); };
     if (rp >= 0 && rp < NB && warp == 0) own_row();
     float q[HPW][EPL], acc[HPW][EPL], m[HPW], l[HPW];
@@ -1683,8 +1685,9 @@ __device__ void attention_op(const Args& a, Shared& s, int layer, int b, int G, 
             u32x4 v;
             float2 w;
 #if LLA & 2
-            const u32* pv = (const u32*)a.part + 2 * ((all - a.part) + (size_t)(t / npc) * GS * HD
-                                                      + 4 * (pc0 + t % npc));
+            const int np = max(npc, 1);  // (a unit without a slice loads no piece)
+            const u32* pv = (const u32*)a.part + 2 * ((all - a.part) + (size_t)(t / np) * GS * HD
+                                                      + 4 * (pc0 + t % np));
             const u32* pm = (const u32*)a.part + 2 * ((all_ml - a.part) + 2 * t);
             u32 d[6];  // the piece's 4 floats, then (max, sum)
             bool ok[3] = {t >= nparts * npc, t >= nparts * npc, t >= nparts * GS};
