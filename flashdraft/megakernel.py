@@ -345,14 +345,14 @@ class DecodeMegakernel:
     """One decode step of `model` (one sequence, one token) as one kernel launch."""
 
     def __init__(self, model: Transformer, cache: KVCache, ring: str | None = None,
-                 probe: str = "", ldgsts: bool = True, producers: int = 4,
+                 probe: str = "", ldgsts: bool = True, producers: int | None = None,
                  defines: dict[str, int] | None = None, consumer_warps: int | None = None):
         """ring: "SLOTSxBYTES" (default: default_ring); probe: "nowait" (measurement
         only, wrong output: no op waits for the one before, the weight stream's own speed;
         "nocompute": the consumers multiply nothing; both: "nowait,nocompute"); ldgsts: the
         producer warps copy with cp.async, 16 bytes a lane (default, measured faster than one
         warp's bulk copies: benchmarks/RESULTS.md, sessions 18-19), else one bulk copy a chunk;
-        producers: producer warps; defines: more of decode_mk.cu's compile-time settings
+        producers: producer warps (default 4, at most the ring's slots); defines: more of decode_mk.cu's compile-time settings
         (measurement: TRACE, LLX, PU, ATT_MIN, ...; int4 takes Q4_FINISH_EVERY from
         default_finish_every unless they set it); consumer_warps: default_warps; other
         than 8 for int4 only (more warps multiplying, fewer registers a thread: 12 give
@@ -381,6 +381,12 @@ class DecodeMegakernel:
             defines = ({"Q4_FINISH_EVERY": every} | ({"Q4_PARTS": 1} if halves else {})
                        | (defines or {}))
         slots, slot = _ring(self.ring)
+        # a producer waits for its slot's use a ring before, which is sound only while its own
+        # previous wait (NPROD chunks earlier) covers the use before that: NPROD <= NS
+        producers = producers or min(4, slots)
+        if not 1 <= producers <= slots:
+            raise ValueError(f"producers {producers}: 1 to the ring's {slots} slots "
+                             f"({self.ring})")
         probes = set(filter(None, probe.split(",")))
         if probes - {"nowait", "nocompute"}:
             raise ValueError(f"probe {probe!r}: '', or nowait and/or nocompute")

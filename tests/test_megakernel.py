@@ -503,6 +503,26 @@ def test_llx_refuses_rows_split_over_warps():
 
 
 @pytest.mark.gpu
+def test_a_ring_of_fewer_slots_than_producers_takes_fewer_producers():
+    # a producer's wait for its slot is sound only while its own previous wait covers the
+    # slot's use before the last (NPROD <= NS): with 3 slots and 4 producers, chunk 7 could
+    # overwrite slot 1 while chunk 1 was read (GPUs of ~100 KB a block get such rings)
+    from flashdraft.megakernel import DecodeMegakernel
+    torch.manual_seed(0)
+    model = build_random_model(SHAPES["hd64-llama"], torch.bfloat16, "cuda", seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    built = []
+
+    def make(cache):
+        built.append(DecodeMegakernel(model, cache, ring="3x24576"))
+        return built[-1]
+    assert _follow_the_model(model, 100, make) >= 12 and built[0].producers == 3
+    with pytest.raises(ValueError, match=r"producers 4: 1 to the ring's 3 slots \(3x24576\)"):
+        DecodeMegakernel(model, built[0].cache, ring="3x24576", producers=4)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("flags", [{}, {"LLA": 7, "LLH": 1}], ids=["counters", "llflags"])
 def test_traced_kernel_gives_the_same_step_and_a_timeline(flags):
     from flashdraft.megakernel import DecodeMegakernel

@@ -97,6 +97,8 @@
 #ifndef NPROD
 #define NPROD 1  // producer warps: producer i copies the chunks c with c % NPROD == i
 #endif
+static_assert(NPROD <= NS, "a producer's wait for its slot assumes its previous wait covers "
+              "the slot's use before the last: NPROD at most NS");
 #ifndef NOCOMPUTE
 #define NOCOMPUTE 0  // measurement only, wrong output: consumers take each chunk, multiply nothing
 #endif
