@@ -89,6 +89,8 @@ def unsupported(model: Transformer, cache: KVCache | None = None,
     limit = mma._shared_limit(_device_index(device))
     ring = ring or default_ring(cfg, q4, limit=limit)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if sms < cfg.num_kv_heads:  # attention: a block at least a kv head
+        return f"{cfg.num_kv_heads} kv heads on {sms} multiprocessors (a block a kv head at least)"
     why = _why_not_int4(model, sms) if q4 else _why_not_bf16(model, _ring(ring)[1])
     if why:
         return why
@@ -352,8 +354,9 @@ class DecodeMegakernel:
         "nocompute": the consumers multiply nothing; both: "nowait,nocompute"); ldgsts: the
         producer warps copy with cp.async, 16 bytes a lane (default, measured faster than one
         warp's bulk copies: benchmarks/RESULTS.md, sessions 18-19), else one bulk copy a chunk;
-        producers: producer warps (default 4, at most the ring's slots); defines: more of decode_mk.cu's compile-time settings
-        (measurement: TRACE, LLX, PU, ATT_MIN, ...; int4 takes Q4_FINISH_EVERY from
+        producers: producer warps (default 4, at most the ring's slots); defines: more of
+        decode_mk.cu's compile-time settings (measurement: TRACE, LLX, PU, ATT_MIN, ...; int4
+        takes Q4_FINISH_EVERY from
         default_finish_every unless they set it); consumer_warps: default_warps; other
         than 8 for int4 only (more warps multiplying, fewer registers a thread: 12 give
         128)."""

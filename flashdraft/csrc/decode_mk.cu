@@ -196,7 +196,7 @@ struct Args {
     u16* qkv;              // [NQKV]
     u16* att;              // [QD]
     u16* hbuf;             // [INTER]
-    float* part;           // attention partials [NKV][G][GS][HD + 2]
+    float* part;           // attention partials [NKV][G WH][GS][HD], then [NKV][G WH][GS][2]
     float* logits;         // [VOCAB]
     float* best;           // [G][2]: value, id (as float bits)
     u32* counters;         // [NOPS + NKV], zero between steps
