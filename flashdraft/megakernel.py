@@ -356,10 +356,9 @@ class DecodeMegakernel:
         warp's bulk copies: benchmarks/RESULTS.md, sessions 18-19), else one bulk copy a chunk;
         producers: producer warps (default 4, at most the ring's slots); defines: more of
         decode_mk.cu's compile-time settings (measurement: TRACE, LLX, PU, ATT_MIN, ...; int4
-        takes Q4_FINISH_EVERY from
-        default_finish_every unless they set it); consumer_warps: default_warps; other
-        than 8 for int4 only (more warps multiplying, fewer registers a thread: 12 give
-        128)."""
+        takes Q4_FINISH_EVERY from default_finish_every unless they set it); consumer_warps:
+        default_warps; other than 8 for int4 only (more warps multiplying, fewer registers a
+        thread: 12 give 128)."""
         red_rows = (defines or {}).get("RED_ROWS", RED_ROWS)
         llx, lla = bool((defines or {}).get("LLX")), (defines or {}).get("LLA", 0)
         llh = bool((defines or {}).get("LLH"))
