@@ -204,13 +204,13 @@ for phase in "$@"; do
       2>&1 | tee "$OUT/pytest-megakernel.log" | tail -8
     ;;
   lltests)
-    # Attention's units past the position (session 31's fix), then the flagged-data settings
+    # Session 31's fixes (units past the position, rings of few or odd slots), then the flags
     # (LLA, LLH, with LLX) against the model: every flag at once, then each bit alone (the
     # bit-for-bit test names its bit). A flag that never matches costs one SPIN_LIMIT (seconds)
     # a step, the step's other polls giving up with it; the run is cut at LL_TIMEOUT seconds.
     timeout ${LL_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -rf \
       tests/test_megakernel.py \
-      -k "${LL_TESTS:-past_the_position or bit_for_bit or llattn or llh or llflags}" 2>&1 \
+      -k "${LL_TESTS:-past_the_position or rings_of or bit_for_bit or llattn or llh or llflags}" 2>&1 \
       | tee "$OUT/pytest-ll.log" | tail -30
     ;;
   llstep)

@@ -85,6 +85,10 @@ def unsupported(model: Transformer, cache: KVCache | None = None,
         return "it needs an sm_90 (Hopper) or newer GPU (bulk copies and mbarriers)"
     if cfg.head_dim not in (64, 128):
         return f"head_dim {cfg.head_dim} (the kernel takes 64 or 128)"
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    if h % 8 or inter % 8:  # (the q width: heads of 64 or 128)
+        return (f"hidden size {h}, intermediate size {inter}: the kernel reads rows in "
+                f"16-byte pieces (multiples of 8)")
     q4 = is_int4(model)
     limit = mma._shared_limit(_device_index(device))
     ring = ring or default_ring(cfg, q4, limit=limit)

@@ -137,8 +137,9 @@ static_assert(NPROD <= NS, "a producer's wait for its slot assumes its previous 
 #endif
 #ifndef INFLIGHT
 // chunks a block's producers have in flight at most (0: every free slot's); bfloat16 2: the
-// consumers' own loads queue behind fewer (the 1.5B 1.088-1.099 → 1.069-1.078 ms, session 27)
-#define INFLIGHT (Q4 || NS < 4 ? 0 : 2)
+// consumers' own loads queue behind fewer (the 1.5B 1.088-1.099 → 1.069-1.078 ms, session 27);
+// a ring of an odd number of slots 3 where it divides them, else 1 (see the wait's comment)
+#define INFLIGHT (Q4 || NS < 4 ? 0 : NS % 2 == 0 ? 2 : NS % 3 == 0 ? 3 : 1)
 #endif
 #ifndef NOWAIT
 #define NOWAIT 0  // measurement only, wrong output: no op waits for the one before
@@ -380,7 +381,8 @@ static_assert(Q4 || (2 * INTER <= SLOT && 2 * H <= SLOT && 2 * QD <= SLOT),
               "a row must fit a slot");
 static_assert(H % 8 == 0 && INTER % 8 == 0 && QD % 8 == 0, "rows are read in 16-byte pieces");
 static_assert(HD == 64 || HD == 128, "head dim 64 or 128");
-static_assert(INFLIGHT <= NS / 2, "INFLIGHT: at most half the ring's slots");
+static_assert(INFLIGHT <= NS / 2 && (INFLIGHT == 0 || NS % INFLIGHT == 0),
+              "INFLIGHT: at most half the ring's slots, and a divisor of them");
 
 // -- the weight stream: the same sequence of chunks for the producer and the consumers ---------
 
@@ -1791,9 +1793,11 @@ decode_step(Args a) {
             for (u32 c = 0; next_chunk(a, cur, b, G, ch); c++) {
                 if (c % NPROD != me) continue;
                 if (c >= NS) mbar_wait(&s.empty[c % NS], ((c / NS) - 1) & 1);
-                // at most INFLIGHT chunks on their way: chunk c - INFLIGHT has landed (its slot
-                // cannot have been filled again meanwhile: that needs chunk c in, as
-                // INFLIGHT <= NS / 2)
+                // at most INFLIGHT chunks on their way: chunk c - INFLIGHT has landed. Its slot
+                // cannot have been filled again meanwhile (the parity would then name the use
+                // after, a producer's own later chunk: a hang): chunk c - INFLIGHT + NS waits
+                // for c - 2 INFLIGHT + NS, ..., a chain that reaches chunk c, not yet issued,
+                // where INFLIGHT divides NS (an odd NS with 2 would step over it)
                 if (INFLIGHT && c >= INFLIGHT)
                     mbar_wait(&s.full[(c - INFLIGHT) % NS], ((c - INFLIGHT) / NS) & 1);
                 if (lane == 0 && ch.first) TRP(ch.j, 0);
