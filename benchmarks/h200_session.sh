@@ -208,10 +208,9 @@ for phase in "$@"; do
     # (LLA, LLH, with LLX) against the model: every flag at once, then each bit alone (the
     # bit-for-bit test names its bit). A flag that never matches costs one SPIN_LIMIT (seconds)
     # a step, the step's other polls giving up with it; the run is cut at LL_TIMEOUT seconds.
+    tests="past_the_position or rings_of or bit_for_bit or llattn or llh or llflags"
     timeout ${LL_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -rf \
-      tests/test_megakernel.py \
-      -k "${LL_TESTS:-past_the_position or rings_of or bit_for_bit or llattn or llh or llflags}" 2>&1 \
-      | tee "$OUT/pytest-ll.log" | tail -30
+      tests/test_megakernel.py -k "${LL_TESTS:-$tests}" 2>&1 | tee "$OUT/pytest-ll.log" | tail -30
     ;;
   llstep)
     # The flagged dependencies' step timings on the 1.5B bf16 (session 30's plan): the
