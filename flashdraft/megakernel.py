@@ -520,9 +520,13 @@ class DecodeMegakernel:
              position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [vocab] float32 and the greedy token [1] int64 of `token` ([1] int64) at
         `position` ([1] int64), its key and value written into the cache. The tensors returned
-        are this object's buffers, overwritten by the next step."""
+        are this object's buffers, overwritten by the next step. A position on the device is
+        not checked (that would wait for the GPU): its caller keeps it within the cache."""
         if position.numel() != 1 or token.numel() != 1:
             raise ValueError("the megakernel decodes one token of one sequence a step")
+        if not position.is_cuda and not 0 <= int(position) < self.cache.max_len:
+            raise ValueError(f"position {int(position)} is outside the cache's "
+                             f"{self.cache.max_len}")
         self.args.chain = 0
         self.token_in.copy_(token.reshape(1))
         self.pos_in.copy_(position.reshape(1))

@@ -550,6 +550,8 @@ def test_traced_kernel_gives_the_same_step_and_a_timeline(flags):
     assert tl["att"]["units"] >= 1 and tl["gu"]["run"] > 0
     with pytest.raises(ValueError, match="TRACE=1"):
         plain.timeline()
+    with pytest.raises(ValueError, match="position 256 is outside the cache's 256"):
+        plain.step(token, torch.tensor([256]))  # a position on the host is checked
 
 
 def test_flag_settings_are_checked_before_anything_else():
