@@ -270,6 +270,26 @@ def _row_blocks(rows: int) -> int:
     return 1 if rows <= 8 else 2 if rows <= 16 else 4
 
 
+def _check_packed(qweight: torch.Tensor, scales: torch.Tensor, n: int, k: int,
+                  bias: torch.Tensor | None = None) -> None:
+    """The kernels index the packed weight (pack_int4's layout) and the bias by n and k alone:
+    a mismatch would read past them, so it is refused here."""
+    tiles, groups = n // 16, k // GROUP
+    ok = (n % 16 == 0 and k % GROUP == 0
+          and tuple(qweight.shape) == (tiles, groups, 2, 32, 4)
+          and tuple(scales.shape) == (tiles, groups, 8, 2)
+          and all(t.dtype == torch.int32 and t.is_contiguous() for t in (qweight, scales))
+          and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()
+                                and bias.numel() == n)))
+    if not ok:
+        raise ValueError(
+            f"an int4 mma weight of {n} x {k} needs qweight [{tiles}, {groups}, 2, 32, 4] and "
+            f"scales [{tiles}, {groups}, 8, 2] (int32, contiguous: pack_int4's) and a bias of "
+            f"{n} contiguous bfloat16 or none; got qweight {list(qweight.shape)} "
+            f"{qweight.dtype}, scales {list(scales.shape)} {scales.dtype}, bias "
+            f"{None if bias is None else (list(bias.shape), bias.dtype)}")
+
+
 def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
            bias: torch.Tensor | None, n: int, cfg: MmaConfig | None = None,
            gated: bool = False) -> torch.Tensor:
@@ -279,6 +299,7 @@ def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if rows > MAX_ROWS or x2.dtype != torch.bfloat16:
         raise ValueError(f"the int4 mma kernel takes up to {MAX_ROWS} bfloat16 rows, "
                          f"got {rows} of {x2.dtype}")
+    _check_packed(qweight, scales, n, k, bias)
     if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
         x2 = x2.clone(memory_format=torch.contiguous_format)  # rows read in 16-byte chunks
     cfg = cfg or config(n, k, shared_limit=_shared_limit(_device_index(x2)))
@@ -355,6 +376,7 @@ def _allow_shared(fn, nbytes: int) -> None:
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """W [n, k] bfloat16, each weight as the product kernel computes it."""
+    _check_packed(qweight, scales, n, k)
     out = torch.empty(n, k, dtype=torch.bfloat16, device=qweight.device)
     words = qweight.numel() // 4
     fn = _kernel("int4_dequant", _device_index(qweight))

@@ -27,6 +27,20 @@ def test_pack_round_trip():
     assert torch.equal(s, scale) and torch.equal(z, zero)
 
 
+def test_a_weight_that_does_not_match_its_shape_is_refused():
+    # the kernels index the packed weight by n and k alone (k from x's width): a wider x, a
+    # larger n or a bias of another dtype would read past the tensors or misread them
+    qweight, scales = mma.pack_int4(*_quantized(48, 384))
+    bias = torch.zeros(48, dtype=torch.bfloat16)
+    mma._check_packed(qweight, scales, 48, 384, bias)  # pack_int4's own: accepted
+    for n, k, b in ((48, 512, bias), (64, 384, None), (48, 320, None),
+                    (48, 384, bias.float()), (48, 384, bias[:40])):
+        with pytest.raises(ValueError, match=rf"int4 mma weight of {n} x {k} needs qweight"):
+            mma._check_packed(qweight, scales, n, k, b)
+    with pytest.raises(ValueError, match=r"got qweight \[3, 3, 2, 32, 4\] torch.int64"):
+        mma._check_packed(qweight.long(), scales, 48, 384)
+
+
 def _emulate(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [rows <= 8, k] @ W^T as int4_mma computes it by default (FOLD), lane by lane, in
     float64: which code meets which input in each m16n8k16 product is read off the kernel's
