@@ -51,9 +51,12 @@ Q4_CONSUMER_WARPS = 12
 TRACE_CONSUMER, TRACE_PRODUCER = 8, 2
 XO_ROWS = 66
 RED_ROWS = 64  # decode_mk.cu's default: rows of x a block writes at most (a define may lower it)
-# bfloat16's LLA by default: 4, O polls attention's output by its flags instead of its counter
-# (the 1.5B at 512 positions: 1.018 against 1.035 ms a step, session 31)
-BF16_LLA = 4
+# bfloat16's LLA by default (default_lla): 4, O polls attention's output by its flags instead
+# of its counter, for hidden sizes up to BF16_LLA_MAX_H. Session 32, one call, each twice (ms a
+# step, LLA 4 against 0): the 1.5B 1.010 / 1.031 at 512 positions and 1.128 / 1.157 at 4,096,
+# the 0.5B 0.561 / 0.585 and 0.656 / 0.675; the 8B (hidden 4,096) 3.852 / 3.846 at 512 and
+# 4.553 / 4.505 at 4,096, so it keeps the counters.
+BF16_LLA, BF16_LLA_MAX_H = 4, 2048
 ATT_SPLITS = 64  # decode_mk.cu's: units a kv head whose partials attention's merge space holds
 Q4_UNIT, SIDE_MAX = 1088, 256  # Q4: bytes a (tile, group) unit; bias/residual rows a block
 HOPPER_SHARED = 227 * 1024 - 1024  # mma._shared_limit on an H100 / H200
@@ -161,6 +164,12 @@ def refuse_unsupported(model: Transformer, device, role: str = "this model") -> 
 def default_warps(q4: bool) -> int:
     """Consumer warps a block unless asked otherwise: Q4_CONSUMER_WARPS for int4, else 8."""
     return Q4_CONSUMER_WARPS if q4 else CONSUMER_WARPS
+
+
+def default_lla(cfg) -> int:
+    """bfloat16's LLA when the caller names none: BF16_LLA (O polls attention's output by its
+    flags) where the hidden size is at most BF16_LLA_MAX_H, else 0 (attention's counter)."""
+    return BF16_LLA if cfg.hidden_size <= BF16_LLA_MAX_H else 0
 
 
 def default_ring(cfg, q4: bool = False, warps: int | None = None,
@@ -389,8 +398,8 @@ class DecodeMegakernel:
             every = default_finish_every(cfg, self.ring, consumer_warps, limit, halves)
             defines = ({"Q4_FINISH_EVERY": every} | ({"Q4_PARTS": 1} if halves else {})
                        | (defines or {}))
-        else:  # O polls attention's output by its flags (LLA 4), unless the caller says
-            defines = {"LLA": BF16_LLA} | (defines or {})
+        else:  # O polls attention's output by its flags on small models, unless the caller says
+            defines = {"LLA": default_lla(cfg)} | (defines or {})
             lla = defines["LLA"]
         slots, slot = _ring(self.ring)
         # a producer waits for its slot's use a ring before, which is sound only while its own

@@ -583,6 +583,15 @@ def test_flagged_data_fits_beside_a_ninth_slot():
     assert shared_bytes(cfg, "8x24576", defines={"LLA": 4}) == shared_bytes(cfg, "8x24576")
 
 
+def test_bfloat16_takes_the_flagged_attention_output_on_small_models():
+    # LLA 4 won on the 0.5B and the 1.5B and lost 1 % on the 8B at 4,096 positions (session 32)
+    from flashdraft.megakernel import default_lla
+    from flashdraft.shapes import get_shape
+    lla = {name: default_lla(get_shape(name))
+           for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-8b", "qwen3-32b")}
+    assert lla == {"qwen2.5-0.5b": 4, "qwen2.5-1.5b": 4, "qwen3-8b": 0, "qwen3-32b": 0}
+
+
 def test_timeline_reads_a_synthetic_trace():
     """The trace's arithmetic on the CPU: blocks that wait 200 ns, start 300 ns later, end
     400 ns after that; two attention units, block 0's merge timed."""
