@@ -1195,8 +1195,9 @@ __device__ __forceinline__ void q4_half(const Args& a, Shared& s, unsigned char*
             asm volatile("st.volatile.global.v2.u32 [%0], {%1, %2};"
                          :: "l"(words + f), "r"(__float_as_uint(y)), "r"(flag) : "memory");
         } else {
-            for (u32 spins = 0; pf != flag; spins++) {
+            for (u32 spins = 0; pf != flag; spins++) {  // gives up as poll_items does
                 if (spins == SPIN_LIMIT) { atomicExch(a.error, 1u + j); break; }
+                if (spins % ERR_EVERY == ERR_EVERY - 1 && ld_cg(a.error)) break;
                 ld_word(words + f, pv, pf);
             }
             y += __uint_as_float(pv);
