@@ -266,10 +266,11 @@ for phase in "$@"; do
     # The real target's plain decoding through the megakernel (with transformers in the same
     # run), then through the CUDA graphs; n-gram speculation (graphs) in both; where their plain
     # tokens first differ. First 8 HumanEval prompts as raw text, 128 new tokens, greedy.
-    # PK_KINDS: which decode kernels (default both).
+    # PK_KINDS: which decode kernels (default both); PK_PROMPTS: how many prompts (default 8).
     for pk in ${PK_KINDS:-megakernel graph}; do
       fd bench --model example:qwen2.5-coder-1.5b --draft ngram --num-speculative-tokens \
-        "${PK_KS:-5,16}" --prompts humaneval --raw-prompts --num-prompts 8 --max-tokens 128 \
+        "${PK_KS:-5,16}" --prompts humaneval --raw-prompts --num-prompts ${PK_PROMPTS:-8} \
+        --max-tokens 128 \
         --decode-kernel $pk $([ $pk = megakernel ] && echo "${PK_PEER:---peer transformers}") \
         --output "$OUT/plain-$pk" --note "$(note); plain kernel $pk" --no-progress 2>&1 \
         | tee "$OUT/plain-$pk.log" | tail -14
