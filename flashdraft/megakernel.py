@@ -57,6 +57,14 @@ RED_ROWS = 64  # decode_mk.cu's default: rows of x a block writes at most (a def
 # the 0.5B 0.561 / 0.585 and 0.656 / 0.675; the 8B (hidden 4,096) 3.852 / 3.846 at 512 and
 # 4.553 / 4.505 at 4,096, so it keeps the counters.
 BF16_LLA, BF16_LLA_MAX_H = 4, 2048
+# bfloat16's attention rounds by default (default_att_ks): BF16_ATT_KS positions a round, not
+# decode_mk.cu's 8, on models of BF16_ATT_KS_MIN_KV kv heads or more, whose units are long (at
+# most a block a unit: 132 / 8 = 16 units a head, 256 positions a unit at 4,096), so two rounds
+# of 8 in flight left attention waiting on the round trip. Session 33 (H100, one call, ms a
+# step): the 8B 5.796 / 5.791 -> 5.523 at 4,096 positions, 5.162 / 5.156 -> 5.137 at 512 (32 in a
+# 5-slot ring: 5.967 against 16's 5.975); the 1.5B (2 kv heads, 62 positions a unit) lost,
+# 1.225 -> 1.241 at 512 and 1.343 -> 1.365 at 4,096, so it keeps 8.
+BF16_ATT_KS, BF16_ATT_KS_MIN_KV = 16, 8
 ATT_SPLITS = 64  # decode_mk.cu's: units a kv head whose partials attention's merge space holds
 Q4_UNIT, SIDE_MAX = 1088, 256  # Q4: bytes a (tile, group) unit; bias/residual rows a block
 HOPPER_SHARED = 227 * 1024 - 1024  # mma._shared_limit on an H100 / H200
@@ -170,6 +178,16 @@ def default_lla(cfg) -> int:
     """bfloat16's LLA when the caller names none: BF16_LLA (O polls attention's output by its
     flags) where the hidden size is at most BF16_LLA_MAX_H, else 0 (attention's counter)."""
     return BF16_LLA if cfg.hidden_size <= BF16_LLA_MAX_H else 0
+
+
+def default_att_ks(cfg, ring: str, defines: dict[str, int], limit: int = HOPPER_SHARED) -> int:
+    """bfloat16's ATT_KS when the caller names none: BF16_ATT_KS on models of
+    BF16_ATT_KS_MIN_KV kv heads or more where it fits `limit` beside `ring` and `defines`, else
+    0 (decode_mk.cu's 8)."""
+    if cfg.num_kv_heads < BF16_ATT_KS_MIN_KV:
+        return 0
+    fits = shared_bytes(cfg, ring, defines=defines | {"ATT_KS": BF16_ATT_KS}) <= limit
+    return BF16_ATT_KS if fits else 0
 
 
 def default_ring(cfg, q4: bool = False, warps: int | None = None,
@@ -400,6 +418,9 @@ class DecodeMegakernel:
                        | (defines or {}))
         else:  # O polls attention's output by its flags on small models, unless the caller says
             defines = {"LLA": default_lla(cfg)} | (defines or {})
+            ks = "ATT_KS" not in defines and default_att_ks(cfg, self.ring, defines, limit)
+            if ks:  # longer rounds of keys and values on models of many kv heads
+                defines["ATT_KS"] = ks
             lla = defines["LLA"]
         slots, slot = _ring(self.ring)
         # a producer waits for its slot's use a ring before, which is sound only while its own

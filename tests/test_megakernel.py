@@ -592,6 +592,20 @@ def test_bfloat16_takes_the_flagged_attention_output_on_small_models():
     assert lla == {"qwen2.5-0.5b": 4, "qwen2.5-1.5b": 4, "qwen3-8b": 0, "qwen3-32b": 0}
 
 
+def test_bfloat16_takes_longer_attention_rounds_on_models_of_many_kv_heads():
+    # 16 positions a round won on the 8B at 4,096 positions and lost on the 1.5B (session 33)
+    from flashdraft.megakernel import default_att_ks, default_lla, default_ring, shared_bytes
+    from flashdraft.shapes import get_shape
+    ks = {}
+    for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-8b", "qwen3-32b"):
+        cfg = get_shape(name)
+        ks[name] = default_att_ks(cfg, default_ring(cfg), {"LLA": default_lla(cfg)})
+    assert ks == {"qwen2.5-0.5b": 0, "qwen2.5-1.5b": 0, "qwen3-8b": 16, "qwen3-32b": 16}
+    # where 16 would not fit beside the ring, the kernel's own 8
+    cfg = get_shape("qwen3-8b")
+    assert default_att_ks(cfg, "6x32768", {"LLA": 0}, limit=shared_bytes(cfg, "6x32768")) == 0
+
+
 def test_timeline_reads_a_synthetic_trace():
     """The trace's arithmetic on the CPU: blocks that wait 200 ns, start 300 ns later, end
     400 ns after that; two attention units, block 0's merge timed."""
