@@ -198,7 +198,9 @@ def default_ring(cfg, q4: bool = False, warps: int | None = None,
     thirds of its bytes in rows of the hidden size and the step reads 2 GB of weights or more,
     so the weight stream dominates (Qwen3-8B: 3.98 instead of 4.06 ms a step; the
     latency-bound Qwen3-0.6B, whose rows fill a 24 KB slot alike, stays faster with 24 KB
-    slots: 0.696 against 0.712 ms).
+    slots: 0.696 against 0.712 ms). Where a row of the widest matrix does not fit such a slot
+    (the 32B's intermediate size 25,600: 51,200 bytes), as many slots of one such row as fit
+    `limit` (the 32B: 4x51200).
 
     int4 (q4): as many slots of (tile, group) units, up to 7, as fit `limit` bytes of shared
     memory (the GPU's: mma._shared_limit; default a Hopper block's) beside the rest, a slot's
@@ -223,7 +225,14 @@ def default_ring(cfg, q4: bool = False, warps: int | None = None,
                 if shared_bytes(cfg, f"{n}x{slot}", q4=True, warps=warps) <= limit]
         return f"{max(fits) if fits else 2}x{slot}"
     filled = _rows_per_chunk(h, 24576) * 2 * h / 24576
-    return "6x32768" if filled < 0.75 and weights >= 2e9 else "8x24576"
+    ring = "6x32768" if filled < 0.75 and weights >= 2e9 else "8x24576"
+    widest = 2 * max(h, qd, inter)  # bytes of the longest row: a slot holds one at least
+    if widest <= _ring(ring)[1]:
+        return ring
+    # slots of a whole widest row (the 32B's 25,600-wide down rows: 50 KB), as many as fit
+    slot = -(-widest // 1024) * 1024
+    fits = [n for n in range(2, 9) if shared_bytes(cfg, f"{n}x{slot}") <= limit]
+    return f"{max(fits) if fits else 2}x{slot}"
 
 
 def default_finish_every(cfg, ring: str, warps: int | None = None,

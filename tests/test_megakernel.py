@@ -327,6 +327,12 @@ def test_default_ring_follows_the_shape(monkeypatch):
     assert megakernel.default_ring(get_shape("qwen2.5-1.5b")) == "8x24576"
     assert megakernel.default_ring(get_shape("qwen3-0.6b")) == "8x24576"
     assert megakernel.default_ring(get_shape("qwen3-8b")) == "6x32768"
+    # a slot holds a row of the widest matrix at least: the 32B's down rows (25,600 inputs,
+    # 51,200 bytes) in as many slots of 50 KB as fit beside the rest
+    big = get_shape("qwen3-32b")
+    assert megakernel.default_ring(big) == "4x51200"
+    assert megakernel.shared_bytes(big, "4x51200") <= megakernel.HOPPER_SHARED
+    assert megakernel.shared_bytes(big, "5x51200") > megakernel.HOPPER_SHARED
     # int4: as many slots as fit beside the rest, up to 7, of 24 units (26,112 bytes: 2 a warp
     # of 12) for small models, of 3 units a warp where the step reads 2 GB of int4 weights or
     # more (the 32B's 51 KB of staged x for its down product leave room for 4 of 36)
