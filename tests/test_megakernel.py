@@ -533,6 +533,27 @@ def test_rings_of_few_or_an_odd_number_of_slots_match_the_model(ring):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("prompt", [5, 700])
+def test_rows_wider_than_the_usual_slot_take_the_default_ring_and_match_the_model(prompt):
+    # down's rows of 13,312 inputs (26,624 bytes) fit no 24 KB slot: the default ring is then
+    # made of slots of one such row (as the bf16 32B's 4x51200), here with 8 kv heads, so
+    # attention stages 16 positions a round as well
+    from flashdraft.megakernel import DecodeMegakernel
+    torch.manual_seed(0)
+    cfg = ModelConfig("qwen3", 1000, 512, 13312, 2, 8, 8, 64, qk_norm=True, rope_theta=1e6)
+    model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    built = []
+
+    def make(cache):
+        built.append(DecodeMegakernel(model, cache))
+        return built[-1]
+    assert _follow_the_model(model, prompt, make) >= 12
+    assert built[0].ring == "8x26624" and built[0].defines["ATT_KS"] == 16
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("flags", [{"LLA": 0}, {"LLA": 7, "LLH": 1}], ids=["counters", "llflags"])
 def test_traced_kernel_gives_the_same_step_and_a_timeline(flags):
     from flashdraft.megakernel import DecodeMegakernel
