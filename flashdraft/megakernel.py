@@ -221,17 +221,21 @@ def default_ring(cfg, q4: bool = False, warps: int | None = None,
         slot = (3 * warps if weights * 17 / 64 >= 2e9 else 24) * Q4_UNIT
         # at most 7: 8 slots of 24 units were slower where they fit (the 0.5B: 0.517 against
         # 0.462 ms a step at 7 with ATT_MIN 8, session 27)
-        fits = [n for n in range(2, 8)
-                if shared_bytes(cfg, f"{n}x{slot}", q4=True, warps=warps) <= limit]
-        return f"{max(fits) if fits else 2}x{slot}"
+        return _most_slots(cfg, slot, 7, limit, q4=True, warps=warps)
     filled = _rows_per_chunk(h, 24576) * 2 * h / 24576
     ring = "6x32768" if filled < 0.75 and weights >= 2e9 else "8x24576"
     widest = 2 * max(h, qd, inter)  # bytes of the longest row: a slot holds one at least
     if widest <= _ring(ring)[1]:
         return ring
     # slots of a whole widest row (the 32B's 25,600-wide down rows: 50 KB), as many as fit
-    slot = -(-widest // 1024) * 1024
-    fits = [n for n in range(2, 9) if shared_bytes(cfg, f"{n}x{slot}") <= limit]
+    return _most_slots(cfg, -(-widest // 1024) * 1024, 8, limit)
+
+
+def _most_slots(cfg, slot: int, most: int, limit: int, **kw) -> str:
+    """The ring of as many `slot`-byte slots, 2 to `most`, as fit `limit` bytes of shared
+    memory beside the rest (shared_bytes; `kw`: its q4 and warps); 2 where none fits (then
+    `unsupported` names the shortfall)."""
+    fits = [n for n in range(2, most + 1) if shared_bytes(cfg, f"{n}x{slot}", **kw) <= limit]
     return f"{max(fits) if fits else 2}x{slot}"
 
 
