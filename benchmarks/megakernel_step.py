@@ -89,6 +89,7 @@ def run_shape(shape: str, variants: list[str], bandwidth: float, context: int = 
     token = torch.randint(0, cfg.vocab_size, (1, 1), device="cuda")
     ref, _ = runner(token, context, cache)
     ref = ref[0, -1].float()
+    first = None  # the first variant's logits: whether each later one gives them bit for bit
     for v in variants:
         opts = parse_variant(v)
         try:
@@ -97,6 +98,9 @@ def run_shape(shape: str, variants: list[str], bandwidth: float, context: int = 
             torch.cuda.synchronize()
             mk.check()
             err = (logits - ref).abs().max().item()
+            same = None if first is None else torch.equal(logits, first)
+            if first is None:
+                first = logits.clone()
             t = megakernel_step_time(mk)
             mk.check()
             d = megakernel_decode(mk, context) if not opts["probe"] else None
@@ -114,6 +118,7 @@ def run_shape(shape: str, variants: list[str], bandwidth: float, context: int = 
             continue
         r = {"t1_ms": t * 1e3, "roofline_t1": need / bandwidth / t, "decode_tok_s": d,
              "roofline_decode": d / roof if d else None, "max_logit_diff": err,
+             "same_logits_as_first": same,
              "ref_logit_absmax": ref.abs().max().item(), "ring": mk.ring,
              "settings": {k: v for k, v in mk.defines.items() if k not in SHAPE_DEFINES}}
         if timeline:
@@ -121,7 +126,8 @@ def run_shape(shape: str, variants: list[str], bandwidth: float, context: int = 
         out["megakernel"][v] = r
         print(f"  {v} ({mk.ring}, {r['settings']}): t1 {t * 1e3:.3f} ms ({r['roofline_t1']:.1%})"
               + (f", decode {d:.1f} tok/s ({d / roof:.1%})" if d else "")
-              + f"; max |logit diff| {err:.4f} (|logit| max {r['ref_logit_absmax']:.3f})",
+              + f"; max |logit diff| {err:.4f} (|logit| max {r['ref_logit_absmax']:.3f})"
+              + ("" if same is None else f"; logits {'=' if same else '!='} the first variant's"),
               flush=True)
         if timeline:
             print(f"    step {timeline['step_us']:.1f} us; a layer, us: " + "; ".join(

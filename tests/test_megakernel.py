@@ -75,27 +75,42 @@ def test_flagged_data_gives_the_kernels_logits_bit_for_bit(shape, prompt, flags)
     # flags change how an op learns that its input is there, never a row's arithmetic or its
     # order, so LLA, LLH and LLX reproduce the counters' kernel exactly, step after step (each
     # step's flags differ: a stale word must never pass); 700 positions: several units a head
-    from flashdraft.megakernel import DecodeMegakernel
-    cfg = SHAPES[shape]
-    model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
     flags = dict(FLAG_SETS[flags])
     if shape == "qwen3-split-rows":
         flags.pop("LLX", None)
+    _same_steps_bit_for_bit(SHAPES[shape], prompt, {"LLA": 0}, flags)  # against the counters
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("groups", [2, 4])
+def test_consumer_groups_give_the_kernels_logits_bit_for_bit(shape, groups):
+    # CG groups of warps take alternate chunks (GU: alternate gate/up pairs), each warp more
+    # rows of a chunk: every row is still one warp's sum in the same order, so the logits, the
+    # token and the cache are the one-group kernel's exactly (ops whose chunks have too few rows
+    # for a group keep every warp on every chunk: the 4,096-wide rows here)
+    _same_steps_bit_for_bit(SHAPES[shape], 700, {}, {"CG": groups})
+
+
+def _same_steps_bit_for_bit(cfg, prompt: int, want_defines: dict, got_defines: dict) -> None:
+    """Six chained steps of two kernels over the same cache: equal logits, tokens, cache."""
+    from flashdraft.megakernel import DecodeMegakernel
+    model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
     caches = [KVCache.for_model(cfg, 1, 1024, torch.bfloat16, "cuda") for _ in range(2)]
     torch.manual_seed(1)
     cached = torch.randn_like(caches[0].kv)  # the same earlier keys and values in both
     for cache in caches:
         cache.kv.copy_(cached)
     with torch.inference_mode():
-        plain = DecodeMegakernel(model, caches[0], defines={"LLA": 0})  # counters
-        flagged = DecodeMegakernel(model, caches[1], defines=flags)
+        reference = DecodeMegakernel(model, caches[0], defines=want_defines)
+        kernel = DecodeMegakernel(model, caches[1], defines=got_defines)
         token = torch.tensor([3], device="cuda")
         for step in range(6):
             pos = torch.tensor([prompt + step], device="cuda")
-            want, want_token = (t.clone() for t in plain.step(token, pos))
-            got, got_token = flagged.step(token, pos)
+            want, want_token = (t.clone() for t in reference.step(token, pos))
+            got, got_token = kernel.step(token, pos)
             torch.cuda.synchronize()
-            flagged.check()
+            kernel.check()
             assert torch.equal(got, want) and int(got_token) == int(want_token), step
             token = want_token.clone()
     assert torch.equal(caches[0].kv, caches[1].kv)
