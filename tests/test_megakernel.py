@@ -81,17 +81,6 @@ def test_flagged_data_gives_the_kernels_logits_bit_for_bit(shape, prompt, flags)
     _same_steps_bit_for_bit(SHAPES[shape], prompt, {"LLA": 0}, flags)  # against the counters
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("groups", [2, 4])
-def test_consumer_groups_give_the_kernels_logits_bit_for_bit(shape, groups):
-    # CG groups of warps take alternate chunks (GU: alternate gate/up pairs), each warp more
-    # rows of a chunk: every row is still one warp's sum in the same order, so the logits, the
-    # token and the cache are the one-group kernel's exactly (ops whose chunks have too few rows
-    # for a group keep every warp on every chunk: the 4,096-wide rows here)
-    _same_steps_bit_for_bit(SHAPES[shape], 700, {}, {"CG": groups})
-
-
 def _same_steps_bit_for_bit(cfg, prompt: int, want_defines: dict, got_defines: dict) -> None:
     """Six chained steps of two kernels over the same cache: equal logits, tokens, cache."""
     from flashdraft.megakernel import DecodeMegakernel

@@ -105,11 +105,6 @@ static_assert(NPROD <= NS, "a producer's wait for its slot assumes its previous 
 #ifndef ACCS
 #define ACCS 1  // independent FMA chains a lane a row (shorter latency a chunk)
 #endif
-#ifndef CG
-#define CG 1  // bfloat16: groups of NCW / CG consumer warps take alternate chunks of an op whose
-              // chunk has rows for every warp of a group (GU: alternate gate/up pairs), so that
-              // a chunk's row chain overlaps the next chunk's; the same rows a warp, the same sums
-#endif
 #ifndef FENCES
 #define FENCES 0  // 1: a fence.sc on each side of a counter (0: its release/acquire alone, as
                   // CUTLASS's grid barrier: bar.sync, then one thread's red.release / ld.acquire)
@@ -314,10 +309,6 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 }
 __device__ __forceinline__ void mbar_arrive(u64* bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u64* bar, u32 count) {  // count arrivals at once
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;"
-                 :: "r"(smem_addr(bar)), "r"(count) : "memory");
 }
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes, u64* bar) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
@@ -734,12 +725,8 @@ template <int K, int KIND>
 __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int layer,
                           int b, int G, u32 step, int wait_j) {
     constexpr int R = rows_per_chunk(K);
-    // CG groups of GW warps take alternate chunks where a chunk has whole rows for each warp of
-    // a group (every ring slot still gets NCW arrivals: a group's warps arrive NG times each)
-    constexpr int NG = CG > 1 && NCW % CG == 0 && R >= NCW / CG && R % (NCW / CG) == 0 ? CG : 1;
-    constexpr int GW = NCW / NG;                  // warps a group
-    constexpr int WPR = R >= GW ? 1 : GW / R;     // warps a row
-    constexpr int RPW = R >= GW ? R / GW : 1;     // rows a warp a chunk
+    constexpr int WPR = R >= NCW ? 1 : NCW / R;   // warps a row
+    constexpr int RPW = R >= NCW ? R / NCW : 1;   // rows a warp a chunk
     constexpr int NVEC = K / 8;                    // 16-byte pieces a row
     constexpr int VS = (NVEC + WPR - 1) / WPR;     // pieces a warp's segment
     constexpr int NV = (VS + 31) / 32;             // pieces a lane
@@ -748,8 +735,7 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
     constexpr bool SPLIT_CHUNK = WPR > 1 && KIND != OP_DOWN;
     static_assert(!LLX || !SPLIT_CHUNK, "LLX takes a warp a row in QKV, O, GU and HEAD");
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int grp = warp / GW, gw = NG > 1 ? warp % GW : warp;  // the group, the warp in it
-    const int seg = gw % WPR, wrow = gw / WPR;
+    const int seg = warp % WPR, wrow = warp / WPR;
     const int v_end = min(NVEC, (seg + 1) * VS);
     const long long tok = layer > 0 ? 0 : *a.token;  // read where the embedding is x
 
@@ -877,14 +863,13 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
 
     for (int i = 0; i < total; i++, c++) {
         const int ci = KIND == OP_GU ? i >> 1 : i;
-        if (NG > 1 && ci % NG != grp) continue;  // the other group's chunk (its slot's arrivals)
         const int nr = min(R, r1 - r0 - ci * R);
         mbar_wait(&s.full[c % NS], (c / NS) & 1);
         if (i == 0) TR(j, 2);
         const u16* w = (const u16*)slot_ptr(ring, c);
 #pragma unroll
         for (int rr = 0; rr < RPW; rr++) {
-            const int r = wrow + GW * rr;
+            const int r = wrow + NCW * rr;
             if (!NOCOMPUTE && r < nr) {
                 const u32x4* row = (const u32x4*)(w + (size_t)r * K);
                 float part[ACCS];  // ACCS independent chains of FMAs, added at the end
@@ -948,10 +933,7 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
             }
         }
         __syncwarp();
-        if (lane == 0) {
-            if (NG > 1) mbar_arrive(&s.empty[c % NS], NG);
-            else mbar_arrive(&s.empty[c % NS]);
-        }
+        if (lane == 0) mbar_arrive(&s.empty[c % NS]);
     }
     if (KIND == OP_DOWN && WPR > 1) {  // DOWN over several warps a row: segments added in order
         consumer_sync();
