@@ -51,12 +51,17 @@ Q4_CONSUMER_WARPS = 12
 TRACE_CONSUMER, TRACE_PRODUCER = 8, 2
 XO_ROWS = 66
 RED_ROWS = 64  # decode_mk.cu's default: rows of x a block writes at most (a define may lower it)
-# bfloat16's LLA by default (default_lla): 4, O polls attention's output by its flags instead
-# of its counter, for hidden sizes up to BF16_LLA_MAX_H. Session 32, one call, each twice (ms a
-# step, LLA 4 against 0): the 1.5B 1.010 / 1.031 at 512 positions and 1.128 / 1.157 at 4,096,
-# the 0.5B 0.561 / 0.585 and 0.656 / 0.675; the 8B (hidden 4,096) 3.852 / 3.846 at 512 and
-# 4.553 / 4.505 at 4,096, so it keeps the counters.
-BF16_LLA, BF16_LLA_MAX_H = 4, 2048
+# bfloat16's flags by default (default_flags), for hidden sizes up to BF16_LLA_MAX_H: LLA 4, O
+# polls attention's output by its flags instead of its counter, and where LLX runs (a warp a
+# row) LLA 1 and LLX too: attention polls q/k/v, and QKV, gate/up and the head poll x. Session
+# 32, one call, each twice (ms a step, LLA 4 against 0): the 1.5B 1.010 / 1.031 at 512 positions
+# and 1.128 / 1.157 at 4,096, the 0.5B 0.561 / 0.585 and 0.656 / 0.675; the 8B (hidden 4,096)
+# 3.852 / 3.846 at 512 and 4.553 / 4.505 at 4,096, so it keeps the counters. Session 35 (H100,
+# one call, each twice, the same logits bit for bit; LLA 5 and LLX against LLA 4): the 1.5B
+# 1.197 / 1.199 against 1.226 / 1.225 at 512 and 1.321 / 1.327 against 1.346 / 1.344 at 4,096,
+# the 0.5B 0.555 / 0.550 against 0.585 / 0.590 and 0.653 / 0.639 against 0.675 / 0.677 (LLX
+# alone took about half of that on the 1.5B; LLA 7 lost at 4,096).
+BF16_LLA, BF16_LLA_MAX_H, BF16_LLA_LLX = 4, 2048, 5
 # bfloat16's attention rounds by default (default_att_ks): BF16_ATT_KS positions a round, not
 # decode_mk.cu's 8, on models of BF16_ATT_KS_MIN_KV kv heads or more, whose units are long (at
 # most a block a unit: 132 / 8 = 16 units a head, 256 positions a unit at 4,096), so two rounds
@@ -174,10 +179,21 @@ def default_warps(q4: bool) -> int:
     return Q4_CONSUMER_WARPS if q4 else CONSUMER_WARPS
 
 
-def default_lla(cfg) -> int:
-    """bfloat16's LLA when the caller names none: BF16_LLA (O polls attention's output by its
-    flags) where the hidden size is at most BF16_LLA_MAX_H, else 0 (attention's counter)."""
-    return BF16_LLA if cfg.hidden_size <= BF16_LLA_MAX_H else 0
+def default_flags(cfg, ring: str) -> dict[str, int]:
+    """bfloat16's flagged dependencies (LLA, LLX) beside `ring`, where the caller names none: BF16_LLA_LLX and LLX where the hidden size is at most BF16_LLA_MAX_H
+    and LLX runs, BF16_LLA alone where it does not, else the counters (LLA 0)."""
+    if cfg.hidden_size > BF16_LLA_MAX_H:
+        return {"LLA": 0}
+    llx = _llx_runs(cfg, _ring(ring)[1])
+    return {"LLA": BF16_LLA_LLX, "LLX": 1} if llx else {"LLA": BF16_LLA}
+
+
+def _llx_runs(cfg, slot: int) -> bool:
+    """LLX takes a warp a row in QKV, O, gate/up and the head: 8 rows of the hidden size and
+    of the query width in a slot."""
+    rows = min(_rows_per_chunk(cfg.hidden_size, slot),
+               _rows_per_chunk(cfg.num_heads * cfg.head_dim, slot))
+    return rows >= CONSUMER_WARPS
 
 
 def default_att_ks(cfg, ring: str, defines: dict[str, int], limit: int = HOPPER_SHARED) -> int:
@@ -407,8 +423,7 @@ class DecodeMegakernel:
         default_warps; other than 8 for int4 only (more warps multiplying, fewer registers a
         thread: 12 give 128)."""
         red_rows = (defines or {}).get("RED_ROWS", RED_ROWS)
-        llx, lla = bool((defines or {}).get("LLX")), (defines or {}).get("LLA", 0)
-        llh = bool((defines or {}).get("LLH"))
+        lla = (defines or {}).get("LLA", 0)
         if lla not in range(8):
             raise ValueError(f"LLA {lla!r}: 0 to 7, bits of what carries its writer's flag "
                              f"(1 q/k/v, 2 attention's partials, 4 its output)")
@@ -429,13 +444,14 @@ class DecodeMegakernel:
             every = default_finish_every(cfg, self.ring, consumer_warps, limit, halves)
             defines = ({"Q4_FINISH_EVERY": every} | ({"Q4_PARTS": 1} if halves else {})
                        | (defines or {}))
-        else:  # O polls attention's output by its flags on small models, unless the caller says
-            defines = {"LLA": default_lla(cfg)} | (defines or {})
+        slots, slot = _ring(self.ring)
+        if not self.q4:  # flagged dependencies on small models, unless the caller says
+            defines = default_flags(cfg, self.ring) | (defines or {})
             ks = "ATT_KS" not in defines and default_att_ks(cfg, self.ring, defines, limit)
             if ks:  # longer rounds of keys and values on models of many kv heads
                 defines["ATT_KS"] = ks
-            lla = defines["LLA"]
-        slots, slot = _ring(self.ring)
+        defines = defines or {}
+        llx, lla, llh = bool(defines.get("LLX")), defines.get("LLA", 0), bool(defines.get("LLH"))
         # a producer waits for its slot's use a ring before, which is sound only while its own
         # previous wait (NPROD chunks earlier) covers the use before that: NPROD <= NS
         producers = producers or min(4, slots)
@@ -493,7 +509,7 @@ class DecodeMegakernel:
                                     for blk in model.layers]).detach().to(**bf16).contiguous()
                        if cfg.qk_norm else torch.zeros(8, **bf16))
         self.inv_freq = model.inv_freq.float().contiguous()
-        if llx and min(_rows_per_chunk(h, slot), _rows_per_chunk(qd, slot)) < CONSUMER_WARPS:
+        if llx and not _llx_runs(cfg, slot):
             raise ValueError(f"LLX: hidden size {h} / q width {qd}: LLX takes a warp a row, "
                              f"8 rows of them in a {slot}-byte slot")
         if llx or lla & 1 or llh:

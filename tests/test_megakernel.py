@@ -78,7 +78,8 @@ def test_flagged_data_gives_the_kernels_logits_bit_for_bit(shape, prompt, flags)
     flags = dict(FLAG_SETS[flags])
     if shape == "qwen3-split-rows":
         flags.pop("LLX", None)
-    _same_steps_bit_for_bit(SHAPES[shape], prompt, {"LLA": 0}, flags)  # against the counters
+    counters = {"LLA": 0, "LLX": 0}  # the defaults' flags off
+    _same_steps_bit_for_bit(SHAPES[shape], prompt, counters, counters | flags)
 
 
 def _same_steps_bit_for_bit(cfg, prompt: int, want_defines: dict, got_defines: dict) -> None:
@@ -558,7 +559,8 @@ def test_rows_wider_than_the_usual_slot_take_the_default_ring_and_match_the_mode
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flags", [{"LLA": 0}, {"LLA": 7, "LLH": 1}], ids=["counters", "llflags"])
+@pytest.mark.parametrize("flags", [{"LLA": 0, "LLX": 0}, {"LLA": 7, "LLH": 1}],
+                         ids=["counters", "llflags"])
 def test_traced_kernel_gives_the_same_step_and_a_timeline(flags):
     from flashdraft.megakernel import DecodeMegakernel
     cfg = SHAPES["hd128-split-down"]
@@ -614,23 +616,37 @@ def test_flagged_data_fits_beside_a_ninth_slot():
     assert shared_bytes(cfg, "8x24576", defines={"LLA": 4}) == shared_bytes(cfg, "8x24576")
 
 
-def test_bfloat16_takes_the_flagged_attention_output_on_small_models():
-    # LLA 4 won on the 0.5B and the 1.5B and lost 1 % on the 8B at 4,096 positions (session 32)
-    from flashdraft.megakernel import default_lla
+def test_bfloat16_takes_flagged_dependencies_on_small_models():
+    # LLA 4 won on the 0.5B and the 1.5B and lost 1 % on the 8B at 4,096 positions (session 32);
+    # LLA 5 and LLX won again on both where LLX runs (session 35); the 0.6B's q width (2,048)
+    # puts 4 rows in a slot, so it keeps LLA 4 alone
+    from flashdraft.megakernel import DecodeMegakernel, default_flags, default_ring
     from flashdraft.shapes import get_shape
-    lla = {name: default_lla(get_shape(name))
-           for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-8b", "qwen3-32b")}
-    assert lla == {"qwen2.5-0.5b": 4, "qwen2.5-1.5b": 4, "qwen3-8b": 0, "qwen3-32b": 0}
+    flags = {}
+    for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-0.6b", "qwen3-8b", "qwen3-32b"):
+        cfg = get_shape(name)
+        flags[name] = default_flags(cfg, default_ring(cfg))
+    assert flags == {"qwen2.5-0.5b": {"LLA": 5, "LLX": 1}, "qwen2.5-1.5b": {"LLA": 5, "LLX": 1},
+                     "qwen3-0.6b": {"LLA": 4}, "qwen3-8b": {"LLA": 0}, "qwen3-32b": {"LLA": 0}}
+    assert default_flags(SHAPES["hd128-split-down"], "8x24576") == {"LLA": 5, "LLX": 1}
+    # a caller's flag replaces the default's and keeps the others
+    if torch.cuda.is_available():
+        cfg = SHAPES["hd64-llama"]
+        model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
+        cache = KVCache.for_model(cfg, 1, 64, torch.bfloat16, "cuda")
+        mk = DecodeMegakernel(model, cache, defines={"LLA": 0})
+        assert mk.defines["LLA"] == 0 and mk.defines["LLX"] == 1
 
 
 def test_bfloat16_takes_longer_attention_rounds_on_models_of_many_kv_heads():
     # 16 positions a round won on the 8B at 4,096 positions and lost on the 1.5B (session 33)
-    from flashdraft.megakernel import default_att_ks, default_lla, default_ring, shared_bytes
+    from flashdraft.megakernel import default_att_ks, default_flags, default_ring, shared_bytes
     from flashdraft.shapes import get_shape
     ks = {}
     for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-8b", "qwen3-32b"):
         cfg = get_shape(name)
-        ks[name] = default_att_ks(cfg, default_ring(cfg), {"LLA": default_lla(cfg)})
+        ring = default_ring(cfg)
+        ks[name] = default_att_ks(cfg, ring, default_flags(cfg, ring))
     assert ks == {"qwen2.5-0.5b": 0, "qwen2.5-1.5b": 0, "qwen3-8b": 16, "qwen3-32b": 16}
     # where 16 would not fit beside the ring, the kernel's own 8
     cfg = get_shape("qwen3-8b")
