@@ -60,7 +60,8 @@ RED_ROWS = 64  # decode_mk.cu's default: rows of x a block writes at most (a def
 # one call, each twice, the same logits bit for bit; LLA 5 and LLX against LLA 4): the 1.5B
 # 1.197 / 1.199 against 1.226 / 1.225 at 512 and 1.321 / 1.327 against 1.346 / 1.344 at 4,096,
 # the 0.5B 0.555 / 0.550 against 0.585 / 0.590 and 0.653 / 0.639 against 0.675 / 0.677 (LLX
-# alone took about half of that on the 1.5B; LLA 7 lost at 4,096).
+# alone took about half of that on the 1.5B; LLA 7 lost at 4,096); on the H200 the 1.5B 1.002 /
+# 1.004 against 1.017 / 1.010 and the 0.5B 0.529 / 0.532 against 0.563 / 0.561 at 512.
 BF16_LLA, BF16_LLA_MAX_H, BF16_LLA_LLX = 4, 2048, 5
 # bfloat16's attention rounds by default (default_att_ks): BF16_ATT_KS positions a round, not
 # decode_mk.cu's 8, on models of BF16_ATT_KS_MIN_KV kv heads or more, whose units are long (at
