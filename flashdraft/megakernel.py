@@ -181,8 +181,9 @@ def default_warps(q4: bool) -> int:
 
 
 def default_flags(cfg, ring: str) -> dict[str, int]:
-    """bfloat16's flagged dependencies (LLA, LLX) beside `ring`, where the caller names none: BF16_LLA_LLX and LLX where the hidden size is at most BF16_LLA_MAX_H
-    and LLX runs, BF16_LLA alone where it does not, else the counters (LLA 0)."""
+    """bfloat16's flagged dependencies (LLA, LLX) beside `ring`, where the caller names none:
+    BF16_LLA_LLX and LLX where the hidden size is at most BF16_LLA_MAX_H and LLX runs,
+    BF16_LLA alone where it does not, else the counters (LLA 0)."""
     if cfg.hidden_size > BF16_LLA_MAX_H:
         return {"LLA": 0}
     llx = _llx_runs(cfg, _ring(ring)[1])

@@ -620,7 +620,7 @@ def test_bfloat16_takes_flagged_dependencies_on_small_models():
     # LLA 4 won on the 0.5B and the 1.5B and lost 1 % on the 8B at 4,096 positions (session 32);
     # LLA 5 and LLX won again on both where LLX runs (session 35); the 0.6B's q width (2,048)
     # puts 4 rows in a slot, so it keeps LLA 4 alone
-    from flashdraft.megakernel import DecodeMegakernel, default_flags, default_ring
+    from flashdraft.megakernel import default_flags, default_ring
     from flashdraft.shapes import get_shape
     flags = {}
     for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-0.6b", "qwen3-8b", "qwen3-32b"):
@@ -629,13 +629,18 @@ def test_bfloat16_takes_flagged_dependencies_on_small_models():
     assert flags == {"qwen2.5-0.5b": {"LLA": 5, "LLX": 1}, "qwen2.5-1.5b": {"LLA": 5, "LLX": 1},
                      "qwen3-0.6b": {"LLA": 4}, "qwen3-8b": {"LLA": 0}, "qwen3-32b": {"LLA": 0}}
     assert default_flags(SHAPES["hd128-split-down"], "8x24576") == {"LLA": 5, "LLX": 1}
-    # a caller's flag replaces the default's and keeps the others
-    if torch.cuda.is_available():
-        cfg = SHAPES["hd64-llama"]
-        model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
-        cache = KVCache.for_model(cfg, 1, 64, torch.bfloat16, "cuda")
-        mk = DecodeMegakernel(model, cache, defines={"LLA": 0})
-        assert mk.defines["LLA"] == 0 and mk.defines["LLX"] == 1
+
+
+@pytest.mark.gpu
+def test_a_callers_flag_replaces_the_defaults_and_keeps_the_others():
+    from flashdraft.megakernel import DecodeMegakernel
+    cfg = SHAPES["hd64-llama"]
+    model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
+    cache = KVCache.for_model(cfg, 1, 64, torch.bfloat16, "cuda")
+    assert {k: DecodeMegakernel(model, cache).defines[k] for k in ("LLA", "LLX")} == \
+        {"LLA": 5, "LLX": 1}
+    mk = DecodeMegakernel(model, cache, defines={"LLA": 0})
+    assert mk.defines["LLA"] == 0 and mk.defines["LLX"] == 1
 
 
 def test_bfloat16_takes_longer_attention_rounds_on_models_of_many_kv_heads():
