@@ -44,6 +44,9 @@ SOURCE = Path(__file__).with_name("csrc") / "decode_mk.cu"
 # measured choices live in benchmarks/RESULTS.md.
 RING = os.environ.get("FLASHDRAFT_MK_RING")
 CONSUMER_WARPS = 8  # bfloat16 takes rows in chunks of 8 warps
+# bfloat16's consumer warps: 8, or 9 for slots of 9 rows (8x27648 on the 1.5B: 12.5 % more ring
+# than 8x24576 with 2 chunks still in flight; decode_mk.cu's rows_per_chunk takes 9, 3 or 1)
+BF16_WARPS = (CONSUMER_WARPS, 9)
 # int4: 12 consumer warps (128 registers a thread); 1-5 % faster a step than 8 warps on the
 # 0.5B, 1.5B, 8B and 32B shapes (benchmarks/RESULTS.md, session 23)
 Q4_CONSUMER_WARPS = 12
@@ -180,22 +183,22 @@ def default_warps(q4: bool) -> int:
     return Q4_CONSUMER_WARPS if q4 else CONSUMER_WARPS
 
 
-def default_flags(cfg, ring: str) -> dict[str, int]:
+def default_flags(cfg, ring: str, warps: int = CONSUMER_WARPS) -> dict[str, int]:
     """bfloat16's flagged dependencies (LLA, LLX) beside `ring`, where the caller names none:
     BF16_LLA_LLX and LLX where the hidden size is at most BF16_LLA_MAX_H and LLX runs,
     BF16_LLA alone where it does not, else the counters (LLA 0)."""
     if cfg.hidden_size > BF16_LLA_MAX_H:
         return {"LLA": 0}
-    llx = _llx_runs(cfg, _ring(ring)[1])
+    llx = _llx_runs(cfg, _ring(ring)[1], warps)
     return {"LLA": BF16_LLA_LLX, "LLX": 1} if llx else {"LLA": BF16_LLA}
 
 
-def _llx_runs(cfg, slot: int) -> bool:
-    """LLX takes a warp a row in QKV, O, gate/up and the head: 8 rows of the hidden size and
-    of the query width in a slot."""
-    rows = min(_rows_per_chunk(cfg.hidden_size, slot),
-               _rows_per_chunk(cfg.num_heads * cfg.head_dim, slot))
-    return rows >= CONSUMER_WARPS
+def _llx_runs(cfg, slot: int, warps: int = CONSUMER_WARPS) -> bool:
+    """LLX takes a warp a row in QKV, O, gate/up and the head: a row of the hidden size and of
+    the query width in a slot for each consumer warp."""
+    rows = min(_rows_per_chunk(cfg.hidden_size, slot, warps),
+               _rows_per_chunk(cfg.num_heads * cfg.head_dim, slot, warps))
+    return rows >= warps
 
 
 def default_att_ks(cfg, ring: str, defines: dict[str, int], limit: int = HOPPER_SHARED) -> int:
@@ -295,10 +298,12 @@ def xo_rows(cfg, sms: int, defines: dict[str, int]) -> int:
         (cfg.intermediate_size, defines.get("LLH", 0))) if on])
 
 
-def _rows_per_chunk(k: int, slot: int) -> int:
-    """decode_mk.cu's rows_per_chunk: rows of k bfloat16 a slot, the largest power of two up
-    to 16 that fits (0: none)."""
-    return next((r for r in (16, 8, 4, 2, 1) if 2 * k * r <= slot), 0)
+def _rows_per_chunk(k: int, slot: int, warps: int = CONSUMER_WARPS) -> int:
+    """decode_mk.cu's rows_per_chunk: rows of k bfloat16 a slot, the most up to 16 that fit
+    and that `warps` consumer warps take evenly (a multiple or a divisor of them: with 8, the
+    powers of two; 0: not one row fits)."""
+    return next((r for r in range(16, 0, -1)
+                 if 2 * k * r <= slot and (r % warps == 0 or warps % r == 0)), 0)
 
 
 def _device_index(device: torch.device) -> int:
@@ -422,8 +427,8 @@ class DecodeMegakernel:
         producers: producer warps (default 4, at most the ring's slots); defines: more of
         decode_mk.cu's compile-time settings (measurement: TRACE, LLX, PU, ATT_MIN, ...; int4
         takes Q4_FINISH_EVERY from default_finish_every unless they set it); consumer_warps:
-        default_warps; other than 8 for int4 only (more warps multiplying, fewer registers a
-        thread: 12 give 128)."""
+        default_warps; for int4 1 to 16 (more warps multiplying, fewer registers a thread: 12
+        give 128), for bfloat16 BF16_WARPS (9 for a ring whose slots hold 9 rows)."""
         red_rows = (defines or {}).get("RED_ROWS", RED_ROWS)
         lla = (defines or {}).get("LLA", 0)
         if lla not in range(8):
@@ -448,7 +453,7 @@ class DecodeMegakernel:
                        | (defines or {}))
         slots, slot = _ring(self.ring)
         if not self.q4:  # flagged dependencies on small models, unless the caller says
-            defines = default_flags(cfg, self.ring) | (defines or {})
+            defines = default_flags(cfg, self.ring, consumer_warps) | (defines or {})
             ks = "ATT_KS" not in defines and default_att_ks(cfg, self.ring, defines, limit)
             if ks:  # longer rounds of keys and values on models of many kv heads
                 defines["ATT_KS"] = ks
@@ -511,9 +516,9 @@ class DecodeMegakernel:
                                     for blk in model.layers]).detach().to(**bf16).contiguous()
                        if cfg.qk_norm else torch.zeros(8, **bf16))
         self.inv_freq = model.inv_freq.float().contiguous()
-        if llx and not _llx_runs(cfg, slot):
+        if llx and not _llx_runs(cfg, slot, consumer_warps):
             raise ValueError(f"LLX: hidden size {h} / q width {qd}: LLX takes a warp a row, "
-                             f"8 rows of them in a {slot}-byte slot")
+                             f"{consumer_warps} rows of them in a {slot}-byte slot")
         if llx or lla & 1 or llh:
             defines = {"XO_ROWS": xo_rows(cfg, self.sms, defines)} | defines
         defines = (("H", h), ("INTER", inter), ("NQ", cfg.num_heads), ("NKV", cfg.num_kv_heads),
@@ -529,9 +534,9 @@ class DecodeMegakernel:
         if self.q4 and (llx or lla or llh or not ldgsts):
             raise ValueError("int4 weights: the producers copy with cp.async (ldgsts), "
                              "no LLX, LLA or LLH")
-        if consumer_warps != CONSUMER_WARPS and not (self.q4 and 1 <= consumer_warps <= 16):
-            raise ValueError(f"consumer_warps {consumer_warps}: {CONSUMER_WARPS} (bfloat16 "
-                             f"takes rows in chunks of 8 warps), or 1 to 16 for int4")
+        if not (1 <= consumer_warps <= 16 if self.q4 else consumer_warps in BF16_WARPS):
+            raise ValueError(f"consumer_warps {consumer_warps}: bfloat16 takes "
+                             f"{' or '.join(map(str, BF16_WARPS))}, int4 1 to 16")
         self.consumer_warps = consumer_warps
         # RED_ROWS (measurement; unsupported() checks it): DOWN's rows a block as decode_mk.cu
         # holds them; fewer make room (the 1.5B's 12 leave room for a 9th slot of 24 KB)

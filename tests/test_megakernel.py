@@ -538,6 +538,41 @@ def test_rings_of_few_or_an_odd_number_of_slots_match_the_model(ring):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_nine_consumer_warps_take_nine_rows_a_slot_and_match_the_model(shape):
+    # 27 KB slots hold 9 rows of 1,536 for 9 warps (a warp a row), 3 rows a slot of wider ones
+    # (3 warps a row), 1 of the widest (9 warps a row); attention's warps a head from 9
+    from flashdraft.megakernel import DecodeMegakernel
+    torch.manual_seed(0)
+    cfg = SHAPES[shape]
+    model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    compared = _follow_the_model(model, 700, lambda cache: DecodeMegakernel(
+        model, cache, ring="8x27648", consumer_warps=9))
+    assert compared >= (12 if cfg.hidden_size < 4096 else 8)
+
+
+def test_rows_a_chunk_are_shared_evenly_by_the_consumer_warps():
+    # decode_mk.cu's rows_per_chunk: the powers of two up to 16 with 8 warps (as before 9 warps
+    # were a choice), 9, 3 or 1 with 9; the 1.5B's 9-row ring fits Hopper with RED_ROWS 12 and
+    # keeps LLX (a warp a row)
+    from flashdraft.megakernel import (HOPPER_SHARED, _rows_per_chunk, default_flags,
+                                       shared_bytes)
+    from flashdraft.shapes import get_shape
+    for k in (256, 384, 896, 1024, 1536, 2048, 4096, 4608, 5120, 8960, 12288, 25600):
+        for slot in (16384, 24576, 26624, 32768, 49152, 51200):
+            power = next((r for r in (16, 8, 4, 2, 1) if 2 * k * r <= slot), 0)
+            assert _rows_per_chunk(k, slot) == power, (k, slot)
+    assert [_rows_per_chunk(k, 27648, 9) for k in (1536, 4096, 8960, 896)] == [9, 3, 1, 9]
+    cfg = get_shape("qwen2.5-1.5b")
+    assert default_flags(cfg, "8x27648", 9) == {"LLA": 5, "LLX": 1}
+    flags = {"LLA": 5, "LLX": 1, "RED_ROWS": 12}
+    assert shared_bytes(cfg, "8x27648", warps=9, defines=flags) <= HOPPER_SHARED
+    assert shared_bytes(cfg, "8x27648", warps=9, defines=flags | {"RED_ROWS": 64}) > HOPPER_SHARED
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("prompt", [5, 700])
 def test_rows_wider_than_the_usual_slot_take_the_default_ring_and_match_the_model(prompt):
     # down's rows of 13,312 inputs (26,624 bytes) fit no 24 KB slot: the default ring is then

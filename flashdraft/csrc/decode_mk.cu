@@ -373,10 +373,17 @@ __device__ __forceinline__ Share q4_share(int T, int NG, int j, int b, int G, bo
 }
 
 // Rows a chunk of a matrix with k columns: the largest power of two up to 16 that fits a slot.
+// Rows of an op of k inputs a chunk: the most up to 16 that fit a slot and that the consumer
+// warps take evenly (a multiple of NCW: rows a warp; a divisor: warps a row). With 8 warps, the
+// powers of two; with 9 (a 27 KB slot: 9 rows of 1,536), 9, 3 or 1. One expression, no loop:
+// next_chunk asks it of a k known only at run time.
+__host__ __device__ constexpr bool rows_even(int r) { return r % NCW == 0 || NCW % r == 0; }
+#define RPC_(r, rest) (rows_even(r) && 2 * k * (r) <= SLOT ? (r) : (rest))
 __host__ __device__ constexpr int rows_per_chunk(int k) {
-    return 2 * k * 16 <= SLOT ? 16 : 2 * k * 8 <= SLOT ? 8 : 2 * k * 4 <= SLOT ? 4
-         : 2 * k * 2 <= SLOT ? 2 : 1;
+    return RPC_(16, RPC_(15, RPC_(14, RPC_(13, RPC_(12, RPC_(11, RPC_(10, RPC_(9, RPC_(8,
+           RPC_(7, RPC_(6, RPC_(5, RPC_(4, RPC_(3, RPC_(2, 1)))))))))))))));
 }
+#undef RPC_
 static_assert(Q4 || (2 * INTER <= SLOT && 2 * H <= SLOT && 2 * QD <= SLOT),
               "a row must fit a slot");
 static_assert(H % 8 == 0 && INTER % 8 == 0 && QD % 8 == 0, "rows are read in 16-byte pieces");
