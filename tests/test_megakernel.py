@@ -82,8 +82,21 @@ def test_flagged_data_gives_the_kernels_logits_bit_for_bit(shape, prompt, flags)
     _same_steps_bit_for_bit(SHAPES[shape], prompt, counters, counters | flags)
 
 
-def _same_steps_bit_for_bit(cfg, prompt: int, want_defines: dict, got_defines: dict) -> None:
-    """Six chained steps of two kernels over the same cache: equal logits, tokens, cache."""
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("warps", [8, 9])
+def test_o_held_in_registers_gives_the_kernels_logits_bit_for_bit(shape, warps):
+    # OREG: O's first chunk read into the consumers' registers before attention instead of
+    # through the ring; the same rows in the same warps, so the same sums (shapes whose O rows
+    # split over warps keep the ring: the same kernel); 9 warps: 27 KB slots of 9 rows
+    ring = {"ring": "8x27648", "consumer_warps": 9} if warps == 9 else {}
+    _same_steps_bit_for_bit(SHAPES[shape], 700, {}, {"OREG": 1}, **ring)
+
+
+def _same_steps_bit_for_bit(cfg, prompt: int, want_defines: dict, got_defines: dict,
+                            **options) -> None:
+    """Six chained steps of two kernels over the same cache: equal logits, tokens, cache
+    (options: both kernels' other arguments, the ring and the consumer warps)."""
     from flashdraft.megakernel import DecodeMegakernel
     model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
     caches = [KVCache.for_model(cfg, 1, 1024, torch.bfloat16, "cuda") for _ in range(2)]
@@ -92,8 +105,8 @@ def _same_steps_bit_for_bit(cfg, prompt: int, want_defines: dict, got_defines: d
     for cache in caches:
         cache.kv.copy_(cached)
     with torch.inference_mode():
-        reference = DecodeMegakernel(model, caches[0], defines=want_defines)
-        kernel = DecodeMegakernel(model, caches[1], defines=got_defines)
+        reference = DecodeMegakernel(model, caches[0], defines=want_defines, **options)
+        kernel = DecodeMegakernel(model, caches[1], defines=got_defines, **options)
         token = torch.tensor([3], device="cuda")
         for step in range(6):
             pos = torch.tensor([prompt + step], device="cuda")

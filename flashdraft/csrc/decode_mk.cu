@@ -105,6 +105,10 @@ static_assert(NPROD <= NS, "a producer's wait for its slot assumes its previous 
 #ifndef ACCS
 #define ACCS 1  // independent FMA chains a lane a row (shorter latency a chunk)
 #endif
+#ifndef OREG
+#define OREG 0  // bfloat16: each layer's first chunk of O read into the consumers' registers before
+                // attention, past the ring (which holds a slot more of gate/up while the chain runs)
+#endif
 #ifndef FENCES
 #define FENCES 0  // 1: a fence.sc on each side of a counter (0: its release/acquire alone, as
                   // CUTLASS's grid barrier: bar.sync, then one thread's red.release / ld.acquire)
@@ -384,6 +388,8 @@ __host__ __device__ constexpr int rows_per_chunk(int k) {
            RPC_(7, RPC_(6, RPC_(5, RPC_(4, RPC_(3, RPC_(2, 1)))))))))))))));
 }
 #undef RPC_
+// OREG where O's rows are whole a warp: O's first chunk goes to registers, not to the ring
+#define O_HELD (OREG && !Q4 && rows_per_chunk(QD) >= NCW)
 static_assert(Q4 || (2 * INTER <= SLOT && 2 * H <= SLOT && 2 * QD <= SLOT),
               "a row must fit a slot");
 static_assert(H % 8 == 0 && INTER % 8 == 0 && QD % 8 == 0, "rows are read in 16-byte pieces");
@@ -429,7 +435,7 @@ __device__ __forceinline__ bool next_chunk(const Args& a, Cursor& c, int b, int 
         int n, k, j;
         const unsigned char *w, *sz;
         op_matrix(a, c.layer, op, n, k, j, w, sz);
-        int total, r = 1, r0, r1;
+        int total, r = 1, r0, r1, skip = 0;
         Share sh;  // Q4: the block's whole tiles, and (Q4_PARTS) its half tile
         int cw = 0, ca = 0;  // chunks of the whole tiles, of the half
         if (Q4) {  // CU units a chunk of the block's tiles; the half's own chunks
@@ -441,7 +447,8 @@ __device__ __forceinline__ bool next_chunk(const Args& a, Cursor& c, int b, int 
             r = rows_per_chunk(k);
             rows_of(n, j, b, G, r0, r1);
             const int chunks = (r1 - r0 + r - 1) / r;
-            total = op == 2 ? 2 * chunks : chunks;
+            skip = O_HELD && op == 1;  // O's first chunk: the consumers' registers (OREG)
+            total = op == 2 ? 2 * chunks : chunks - skip;
         }
         if (c.i < total) {
             if (Q4) {  // the half first, unless the block owns it (then last)
@@ -457,7 +464,7 @@ __device__ __forceinline__ bool next_chunk(const Args& a, Cursor& c, int b, int 
                 out.src2 = sz + at * 64;
                 out.bytes2 = nu * 64;
             } else {
-                const int ci = op == 2 ? c.i >> 1 : c.i;
+                const int ci = (op == 2 ? c.i >> 1 : c.i) + skip;
                 const int row = r0 + ci * r + (op == 2 && (c.i & 1) ? INTER : 0);
                 const int nr = min(r, r1 - r0 - ci * r);
                 out.src = w + (size_t)row * k * 2;
@@ -726,11 +733,35 @@ __device__ __forceinline__ void put_row(const Args& a, Shared& s, int row, int r
     op_output<KIND>(a)[row] = v;
 }
 
+// OREG: this warp's rows of O's first chunk of `layer`, as matrix_op reads them from a slot
+// ([row a warp][piece a lane]; zeros past the block's rows), asked for before attention so
+// that they land while it runs.
+#define O_RPW (rows_per_chunk(QD) >= NCW ? rows_per_chunk(QD) / NCW : 1)
+#define O_NV ((QD / 8 + 31) / 32)
+__device__ __forceinline__ void hold_rows(const Args& a, int layer, int b, int G, u32x4* held) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int r0, r1;
+    rows_of(H, 5 * layer + 2, b, G, r0, r1);
+    const int nr = min(rows_per_chunk(QD), r1 - r0);
+    const u16* w = (const u16*)a.table[TBL * layer + 2];
+#pragma unroll
+    for (int rr = 0; rr < O_RPW; rr++) {
+        const int r = warp + NCW * rr;
+#pragma unroll
+        for (int v = 0; v < O_NV; v++) {
+            const int idx = lane + 32 * v;
+            held[rr * O_NV + v] = {0u, 0u, 0u, 0u};
+            if (r < nr && idx < QD / 8)
+                held[rr * O_NV + v] = ld_cg4(w + (size_t)(r0 + r) * QD + 8 * idx);
+        }
+    }
+}
+
 // One op's products for this block: its rows of W (streamed into the ring) against x (in each
 // lane's registers), with the op's epilogue. c: the consumers' chunk count (the slot sequence).
 template <int K, int KIND>
 __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c, int layer,
-                          int b, int G, u32 step, int wait_j) {
+                          int b, int G, u32 step, int wait_j, const u32x4* held = nullptr) {
     constexpr int R = rows_per_chunk(K);
     constexpr int WPR = R >= NCW ? 1 : NCW / R;   // warps a row
     constexpr int RPW = R >= NCW ? R / NCW : 1;   // rows a warp a chunk
@@ -868,10 +899,12 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
     float best_v = -3.0e38f;
     int best_i = 0x7fffffff;
 
-    for (int i = 0; i < total; i++, c++) {
+    constexpr bool HELD = O_HELD && KIND == OP_O;  // chunk 0 in `held` (hold_rows), not the ring
+    for (int i = 0; i < total; c += !(HELD && i == 0), i++) {  // (a held chunk takes no slot)
         const int ci = KIND == OP_GU ? i >> 1 : i;
         const int nr = min(R, r1 - r0 - ci * R);
-        mbar_wait(&s.full[c % NS], (c / NS) & 1);
+        const bool regs = HELD && i == 0;
+        if (!regs) mbar_wait(&s.full[c % NS], (c / NS) & 1);
         if (i == 0) TR(j, 2);
         const u16* w = (const u16*)slot_ptr(ring, c);
 #pragma unroll
@@ -886,7 +919,7 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
                 for (int v = 0; v < NV; v++) {
                     const int idx = seg * VS + lane + 32 * v;
                     if ((NVEC % (32 * WPR) == 0) || idx < v_end) {
-                        const u32x4 q = row[idx];
+                        const u32x4 q = HELD && regs ? held[rr * NV + v] : row[idx];
                         float& acc = part[v % ACCS];
                         acc = fmaf(lo_f32(q.x), xr[8 * v + 0], acc);
                         acc = fmaf(hi_f32(q.x), xr[8 * v + 1], acc);
@@ -939,6 +972,7 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
                 }
             }
         }
+        if (regs) continue;
         __syncwarp();
         if (lane == 0) mbar_arrive(&s.empty[c % NS]);
     }
@@ -1850,10 +1884,17 @@ decode_step(Args a) {
         OP<H, OP_QKV>(a, s, ring, c, layer, b, G, step, layer > 0 && !LLX ? j - 1 : -1);
         if (LLA & 1) TR(j, 3);  // attention polls q, k and v
         else signal_op(a, j);
+        u32x4 oheld[O_HELD ? O_RPW * O_NV : 1];  // OREG: O's first chunk, this warp's rows
+        if (O_HELD) hold_rows(a, layer, b, G, oheld);
         attention_op(a, s, layer, b, G, step);  // waits for QKV inside, its first loads issued
         if (LLA & 4) { consumer_sync(); TR(j + 1, 3); }  // O polls att (into the merge's space)
         else signal_op(a, j + 1);
+#if Q4
         OP<QD, OP_O>(a, s, ring, c, layer, b, G, step, LLA & 4 ? -1 : j + 1);
+#else
+        OP<QD, OP_O>(a, s, ring, c, layer, b, G, step, LLA & 4 ? -1 : j + 1,
+                     O_HELD ? oheld : nullptr);
+#endif
         if (LLX) TR(j + 2, 3);
         else signal_op(a, j + 2);
         OP<H, OP_GU>(a, s, ring, c, layer, b, G, step, LLX ? -1 : j + 2);
