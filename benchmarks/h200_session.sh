@@ -199,9 +199,10 @@ for phase in "$@"; do
     ;;
   mktests)
     # The decode megakernel's GPU tests (kernel against the model; the engine's plain decoding
-    # through it), the graph tests and the int4 product kernel's (mma's checks of its inputs).
+    # through it), the graph tests and the int4 product kernel's (mma's checks of its inputs);
+    # MK_TESTS: a -k expression for some of them.
     python3 -m pytest -q -p no:cacheprovider tests/test_megakernel.py tests/test_cuda_graphs.py \
-      tests/test_mma.py 2>&1 | tee "$OUT/pytest-megakernel.log" | tail -8
+      tests/test_mma.py ${MK_TESTS:+-k "$MK_TESTS"} 2>&1 | tee "$OUT/pytest-megakernel.log" | tail -8
     ;;
   lltests)
     # Session 31's fixes (units past the position, rings of few or odd slots), then the flags
