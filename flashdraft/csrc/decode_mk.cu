@@ -376,7 +376,6 @@ __device__ __forceinline__ Share q4_share(int T, int NG, int j, int b, int G, bo
     return sh;
 }
 
-// Rows a chunk of a matrix with k columns: the largest power of two up to 16 that fits a slot.
 // Rows of an op of k inputs a chunk: the most up to 16 that fit a slot and that the consumer
 // warps take evenly (a multiple of NCW: rows a warp; a divisor: warps a row). With 8 warps, the
 // powers of two; with 9 (a 27 KB slot: 9 rows of 1,536), 9, 3 or 1. One expression, no loop:
