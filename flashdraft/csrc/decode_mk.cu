@@ -106,8 +106,8 @@ static_assert(NPROD <= NS, "a producer's wait for its slot assumes its previous 
 #define ACCS 1  // independent FMA chains a lane a row (shorter latency a chunk)
 #endif
 #ifndef OREG
-#define OREG 0  // bfloat16: each layer's first chunk of O read into the consumers' registers before
-                // attention, past the ring (which holds a slot more of gate/up while the chain runs)
+#define OREG 0  // bfloat16: each layer's first chunk of O read into the consumers' registers
+                // before attention, past the ring (a slot more of gate/up while the chain runs)
 #endif
 #ifndef FENCES
 #define FENCES 0  // 1: a fence.sc on each side of a counter (0: its release/acquire alone, as
@@ -899,6 +899,8 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
     int best_i = 0x7fffffff;
 
     constexpr bool HELD = O_HELD && KIND == OP_O;  // chunk 0 in `held` (hold_rows), not the ring
+    static_assert(!HELD || (WPR == 1 && RPW == O_RPW && NV == O_NV),
+                  "hold_rows lays O's rows out as this loop reads a slot");
     for (int i = 0; i < total; c += !(HELD && i == 0), i++) {  // (a held chunk takes no slot)
         const int ci = KIND == OP_GU ? i >> 1 : i;
         const int nr = min(R, r1 - r0 - ci * R);
@@ -918,7 +920,7 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
                 for (int v = 0; v < NV; v++) {
                     const int idx = seg * VS + lane + 32 * v;
                     if ((NVEC % (32 * WPR) == 0) || idx < v_end) {
-                        const u32x4 q = HELD && regs ? held[rr * NV + v] : row[idx];
+                        const u32x4 q = regs ? held[rr * NV + v] : row[idx];
                         float& acc = part[v % ACCS];
                         acc = fmaf(lo_f32(q.x), xr[8 * v + 0], acc);
                         acc = fmaf(hi_f32(q.x), xr[8 * v + 1], acc);
