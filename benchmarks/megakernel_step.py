@@ -3,13 +3,13 @@ process, random weights (speed only), 512 positions in the cache (--context).
 
 For each shape: the copy bandwidth and the bytes a step reads (the roofline), the graph step
 (t1, and plain decoding's tokens/s with one host read a step), then for each megakernel variant
-its step time (back-to-back launches timed with events), its decode loop as the engine would
-run it (one launch and one host read a step), and the largest logit difference from the graph
-step at the same position. A variant is the ring (SLOTSxBYTES) and options joined by "+":
-`trace` (the per-op timeline of one more step, DecodeMegakernel.timeline), `bulk` (one
-producer warp's bulk copies instead of 4 warps' cp.async), `prod:N`, `cw:N` (consumer warps,
-int4 only), `ldgsts`, `D:NAME=V` (a
-compile-time setting of decode_mk.cu, e.g. D:LLX=1), and the probes `nowait` (no op waits for
+its step time (back-to-back launches timed with events), its decode loop with one launch and
+one host read a step, the same loop read a step behind (as the engine runs it), and the
+largest logit difference from the graph step at the same position. A variant is the ring
+(SLOTSxBYTES) and options joined by "+": `trace` (the per-op timeline of one more step,
+DecodeMegakernel.timeline), `bulk` (one producer warp's bulk copies instead of 4 warps'
+cp.async), `prod:N`, `cw:N` (consumer warps), `ldgsts`, `D:NAME=V` (a compile-time setting of
+decode_mk.cu, e.g. D:LLX=1), and the probes `nowait` (no op waits for
 the one before: wrong output, the most that faster dependencies could give) and `nocompute`.
 
     PYTHONPATH=. python3 benchmarks/megakernel_step.py --out DIR \
@@ -49,7 +49,7 @@ def parse_variant(v: str) -> dict:
     for o in opts:
         if o.startswith("prod:"):
             out["producers"] = int(o[5:])
-        elif o.startswith("cw:"):  # consumer warps (int4)
+        elif o.startswith("cw:"):  # consumer warps
             out["consumer_warps"] = int(o[3:])
         elif o.startswith("D:"):
             name, value = o[2:].split("=")
@@ -104,6 +104,7 @@ def run_shape(shape: str, variants: list[str], bandwidth: float, context: int = 
             t = megakernel_step_time(mk)
             mk.check()
             d = megakernel_decode(mk, context) if not opts["probe"] else None
+            d_ahead = megakernel_decode(mk, context, ahead=True) if not opts["probe"] else None
             mk.check()
             timeline = None
             if mk.trace is not None:  # one more step at the same position, traced
@@ -117,15 +118,16 @@ def run_shape(shape: str, variants: list[str], bandwidth: float, context: int = 
             print(f"  {v}: FAILED {type(e).__name__}: {e}", flush=True)
             continue
         r = {"t1_ms": t * 1e3, "roofline_t1": need / bandwidth / t, "decode_tok_s": d,
-             "roofline_decode": d / roof if d else None, "max_logit_diff": err,
-             "same_logits_as_first": same,
+             "roofline_decode": d / roof if d else None, "decode_ahead_tok_s": d_ahead,
+             "max_logit_diff": err, "same_logits_as_first": same,
              "ref_logit_absmax": ref.abs().max().item(), "ring": mk.ring,
              "settings": {k: v for k, v in mk.defines.items() if k not in SHAPE_DEFINES}}
         if timeline:
             r["timeline_us"] = timeline
         out["megakernel"][v] = r
         print(f"  {v} ({mk.ring}, {r['settings']}): t1 {t * 1e3:.3f} ms ({r['roofline_t1']:.1%})"
-              + (f", decode {d:.1f} tok/s ({d / roof:.1%})" if d else "")
+              + (f", decode {d:.1f} tok/s ({d / roof:.1%}), {d_ahead:.1f} a step behind"
+                 if d else "")
               + f"; max |logit diff| {err:.4f} (|logit| max {r['ref_logit_absmax']:.3f})"
               + ("" if same is None else f"; logits {'=' if same else '!='} the first variant's"),
               flush=True)

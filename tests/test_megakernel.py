@@ -479,6 +479,55 @@ def test_shape_bench_report_shows_the_megakernel():
                     "megakernel_step_ms": 0.4}
     assert ("drafter step (qwen3-0.6b, bfloat16, int4): 0.500 ms (graphs); 0.400 ms through "
             "the megakernel" in format_shape_bench(r))
+    r["megakernel"]["decode_ahead_tokens_per_s"] = 251.0
+    assert ("249.2 tokens/s = 89.9% of the roofline (251.0 read a step behind, as the engine "
+            "does); its step 3.980 ms" in format_shape_bench(r))
+
+
+class _FakeMegakernel:
+    """launch() computes the next token into token_out, as DecodeMegakernel's chained steps."""
+
+    def __init__(self, log):
+        self.device, self.token_out, self.log = torch.device("cpu"), torch.zeros(1), log
+
+    def start(self, token, position):
+        self.token_out = token.clone()
+
+    def launch(self):
+        self.token_out += 1
+        self.log.append(("launch", int(self.token_out)))
+
+
+class _LoggingReader:
+    """The engine's reader's calls: start when a token's copy is queued, read when it is read."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def start(self, token):
+        self.log.append(("start", int(token)))
+        return int(token)
+
+    def read(self, handle):
+        self.log.append(("read", handle))
+        return handle
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_megakernel_decode_reads_a_step_behind_as_the_engine(ahead, monkeypatch):
+    from flashdraft import shapes
+    log = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(shapes, "_TokenReader", lambda device: _LoggingReader(log))
+    mk = _FakeMegakernel(log)
+    assert shapes.megakernel_decode(mk, 100, steps=4, ahead=ahead) > 0
+    timed = log[log.index(("launch", 5)):]  # after the 4 warm-up steps: tokens 5 .. 8
+    if ahead:  # step n + 1 launched before token n is read; every token read, in order
+        assert timed == [("launch", 5), ("start", 5), ("launch", 6), ("start", 6), ("read", 5),
+                         ("launch", 7), ("start", 7), ("read", 6), ("launch", 8), ("start", 8),
+                         ("read", 7), ("read", 8)]
+    else:  # each step waited for before the next is launched
+        assert timed == [("launch", t) for t in (5, 6, 7, 8)]
 
 
 @pytest.mark.gpu
@@ -501,6 +550,7 @@ def test_shape_bench_runs_the_megakernel_for_bf16_and_int4_and_refuses_it_for_in
                         decode_steps=16, decode_kernel="megakernel")
     m = r["megakernel"]
     assert m["ring"] == "8x24576" and m["decode_tokens_per_s"] > 0
+    assert m["decode_ahead_tokens_per_s"] > 0
     # its step at 512 cached positions, as the graph step's: no faster than the roofline
     assert 0 < m["step_roofline_fraction"] < 1
     assert m["roofline_fraction"] == pytest.approx(
