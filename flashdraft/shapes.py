@@ -367,7 +367,7 @@ def format_shape_bench(r: dict) -> str:
                      f"{100 * m['roofline_fraction']:.1f}% of the roofline"
                      + (f" ({m['decode_ahead_tokens_per_s']:.1f} read a step behind, as the "
                         "engine does)" if "decode_ahead_tokens_per_s" in m else "")
-                     + f"; its step "
+                     + "; its step "
                      f"{m['step_ms']:.3f} ms ({100 * m['step_roofline_fraction']:.1f}%)"
                      + (f"; verifying 16 tokens (graphs) costs {m['verify16_over_step']:.2f}x it"
                         if "verify16_over_step" in m else ""))
