@@ -208,9 +208,9 @@ def megakernel_decode(mk, context: int, steps: int = 256, ahead: bool = False) -
         int(mk.token_out)
     mk.start(mk.token_out, context)
     torch.cuda.synchronize(mk.device)
-    reader = _TokenReader(mk.device)
     began = time.perf_counter()
     if ahead:
+        reader = _TokenReader(mk.device)
         mk.launch()
         pending = reader.start(mk.token_out)
         for _ in range(steps - 1):
