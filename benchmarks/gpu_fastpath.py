@@ -8,7 +8,7 @@
    reference (dequantize + matmul) on random inputs;
 3. quantized matmul micro-benchmark for 1 … 32 rows (bf16 / int8 Triton / int4 Triton / int4
    tinygemm), and decode attention over the static cache (masked SDPA at several kv_len);
-4. synthetic shapes with random weights (flashdraft.shapes): plain decode tokens/s and
+4. synthetic shapes with random weights (flashdraft.tools.shapes): plain decode tokens/s and
    roofline fraction, step cost curve, drafter step — bf16 / int8 / int4, graphs on and off,
    and torch.compile where the budget allows.
 Results go to OUT/gpu_fastpath.json (rewritten after every item, so a run cut short keeps what
@@ -28,8 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flashdraft import quant, shapes  # noqa: E402
-from flashdraft.cuda_graphs import StepRunner  # noqa: E402
+from flashdraft.backends import quant
+from flashdraft.tools import shapes  # noqa: E402
+from flashdraft.backends.cuda_graphs import StepRunner  # noqa: E402
 from flashdraft.kv_cache import KVCache  # noqa: E402
 
 RESULTS: dict = {"items": {}, "errors": {}, "skipped": []}

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flashdraft.kv_cache import KVCache  # noqa: E402
 from flashdraft.loading import load_model  # noqa: E402
-from flashdraft.shapes import get_shape  # noqa: E402
+from flashdraft.tools.shapes import get_shape  # noqa: E402
 
 GB = 1e9
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # (cpu: a dry run, no memory figures)

@@ -1,4 +1,4 @@
-"""The decode megakernel (flashdraft.megakernel) against the model's CUDA-graph step, in one
+"""The decode megakernel (flashdraft.backends.megakernel) against the model's CUDA-graph step, in one
 process, random weights (speed only), 512 positions in the cache (--context).
 
 For each shape: the copy bandwidth and the bytes a step reads (the roofline), the graph step
@@ -27,10 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flashdraft.cuda_graphs import StepRunner  # noqa: E402
+from flashdraft.backends.cuda_graphs import StepRunner  # noqa: E402
 from flashdraft.kv_cache import KVCache  # noqa: E402
-from flashdraft.megakernel import DecodeMegakernel  # noqa: E402
-from flashdraft.shapes import (_decode_loop, _time_steps, build_random_model,  # noqa: E402
+from flashdraft.backends.megakernel import DecodeMegakernel  # noqa: E402
+from flashdraft.tools.shapes import (decode_loop, time_steps, build_random_model,  # noqa: E402
                                get_shape, measure_copy_bandwidth, megakernel_decode,
                                megakernel_step_time, step_bytes)
 
@@ -79,8 +79,8 @@ def run_shape(shape: str, variants: list[str], bandwidth: float, context: int = 
     need = step_bytes(model, cfg, context, 1, torch.bfloat16)["bytes"]
     roof = bandwidth / need
     runner = StepRunner(model, "cuda")
-    t1 = _time_steps(runner, cache, 1, context, cfg.vocab_size, 30)
-    tps = _decode_loop(runner, cache, context, cfg.vocab_size, 128)
+    t1 = time_steps(runner, cache, 1, context, cfg.vocab_size, 30)
+    tps = decode_loop(runner, cache, context, cfg.vocab_size, 128)
     out = {"shape": shape, "context": context, "bytes_per_step": need, "roofline_tok_s": roof,
            "graph": {"t1_ms": t1 * 1e3, "roofline_t1": need / bandwidth / t1, "decode_tok_s": tps,
                      "roofline_decode": tps / roof}, "megakernel": {}}

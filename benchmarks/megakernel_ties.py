@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flashdraft import LLM, SamplingParams  # noqa: E402
 from benchmarks.same_tokens import first_difference  # noqa: E402
-from flashdraft.bench import load_prompts, prompt_ids  # noqa: E402
+from flashdraft.tools.bench import load_prompts, prompt_ids  # noqa: E402
 
 
 def top2(logits: torch.Tensor) -> dict:

@@ -16,7 +16,7 @@ import re
 import sys
 from pathlib import Path
 
-SOURCE = Path(__file__).resolve().parents[1] / "flashdraft" / "csrc" / "int4_mma.cu"
+SOURCE = Path(__file__).resolve().parents[1] / "flashdraft" / "backends" / "csrc" / "int4_mma.cu"
 COMMON = SOURCE.with_name("common.cuh")  # what NVRTC compiles first (mma.cuda_source)
 
 # name: (NB, TN, WK, GMAX, MIN_BLOCKS, GATED, STREAM), as mma.linear picks them

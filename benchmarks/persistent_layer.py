@@ -40,8 +40,8 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flashdraft import kernels  # noqa: E402
-from flashdraft.shapes import get_shape  # noqa: E402
+from flashdraft.backends import kernels  # noqa: E402
+from flashdraft.tools.shapes import get_shape  # noqa: E402
 
 INTERPRETED = kernels.INTERPRET  # Triton's interpreter runs programs one after another
 

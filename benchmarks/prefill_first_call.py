@@ -26,10 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flashdraft import kernels  # noqa: E402
+from flashdraft.backends import kernels  # noqa: E402
 from flashdraft import model as model_module  # noqa: E402
 from flashdraft.kv_cache import KVCache  # noqa: E402
-from flashdraft.shapes import build_random_model, get_shape  # noqa: E402
+from flashdraft.tools.shapes import build_random_model, get_shape  # noqa: E402
 
 
 def wall_ms(fn) -> float:
@@ -92,7 +92,7 @@ def _median_wall(model, cache, tokens: torch.Tensor, context) -> float:
 def _graph_replay(model, cache, tokens: torch.Tensor) -> float:
     """The same prefill captured as one CUDA graph (StepRunner's, at the prompt's own length,
     unpadded) and replayed: the time without the host's launches."""
-    from flashdraft.cuda_graphs import StepRunner
+    from flashdraft.backends.cuda_graphs import StepRunner
 
     n = tokens.shape[1]
     runner = StepRunner(model, "cuda")
@@ -104,7 +104,7 @@ def graph_prefills(model, cache, vocab: int, lengths: int) -> dict:
     """The engine's prefill (`cuda_graphs.prefill`: padded to `prefill_length`, one CUDA graph
     per padded length): new lengths of 150-217 tokens (one padded length, 256), the first (which
     captures that length's graph the first time) and again; and 200 tokens, again."""
-    from flashdraft.cuda_graphs import StepRunner, prefill
+    from flashdraft.backends.cuda_graphs import StepRunner, prefill
 
     runner = StepRunner(model, "cuda")
 

@@ -4,9 +4,9 @@ For each shape: the official figures (`run_shape_bench`: step cost curve, roofli
 drafter step) with the default fast path, then the same target under each setting, a fresh
 StepRunner each (graphs captured under the setting):
   torch                the PyTorch path (FLASHDRAFT_KERNELS=torch): cuBLAS + PyTorch ops
-  fused                flashdraft.kernels for norms, rope + cache write, attention, SiLU·up;
+  fused                flashdraft.backends.kernels for norms, rope + cache write, attention, SiLU·up;
                        cuBLAS products
-  fused+skinny         and products of up to 32 rows through kernels._skinny_kernel (norm and
+  fused+skinny         and products of up to 32 rows through kernels.skinny_kernel (norm and
                        SiLU·up fused into them)
   +pdl                 the Triton kernels launched with programmatic dependent launch
   +pdl+prefetch        and the products' first weight tiles loaded before the PDL wait (the
@@ -38,11 +38,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flashdraft import kernels, tune  # noqa: E402
-from flashdraft.tune import dram_ring, graph_us, matrices  # noqa: E402
-from flashdraft.cuda_graphs import StepRunner  # noqa: E402
+from flashdraft.backends import kernels
+from flashdraft.backends import tune  # noqa: E402
+from flashdraft.backends.tune import dram_ring, graph_us, matrices  # noqa: E402
+from flashdraft.backends.cuda_graphs import StepRunner  # noqa: E402
 from flashdraft.kv_cache import KVCache  # noqa: E402
-from flashdraft.shapes import (_decode_loop, _time_steps, build_random_model,  # noqa: E402
+from flashdraft.tools.shapes import (decode_loop, time_steps, build_random_model,  # noqa: E402
                                format_shape_bench, get_shape, measure_copy_bandwidth,
                                run_shape_bench, step_bytes)
 
@@ -88,9 +89,9 @@ def time_decode(model, cache, cfg, context: int) -> tuple[StepRunner, float, flo
     """A fresh StepRunner (graphs captured under the current settings) and its t1, t16 (s)
     and plain decoding tokens/s over 128 steps."""
     runner = StepRunner(model, "cuda")
-    t1 = _time_steps(runner, cache, 1, context, cfg.vocab_size, 30)
-    t16 = _time_steps(runner, cache, 16, context, cfg.vocab_size, 30)
-    return runner, t1, t16, _decode_loop(runner, cache, context, cfg.vocab_size, 128)
+    t1 = time_steps(runner, cache, 1, context, cfg.vocab_size, 30)
+    t16 = time_steps(runner, cache, 16, context, cfg.vocab_size, 30)
+    return runner, t1, t16, decode_loop(runner, cache, context, cfg.vocab_size, 128)
 
 
 @torch.inference_mode()
@@ -121,7 +122,7 @@ def variants(shape: str, context: int, bandwidth: float) -> dict:
 
 def _set(key: str, value) -> None:
     if key.startswith("MMA_"):  # the int4 kernel's launch rule; launch shapes are cached
-        from flashdraft import mma
+        from flashdraft.backends import mma
         setattr(mma, key[4:], value)
         mma.config.cache_clear()
     else:
@@ -190,7 +191,7 @@ def compare(shape: str, quant: str | None, context: int, bandwidth: float) -> di
         row = {"cublas": graph_us(lambda: ref(x)), "cublas_9rows": graph_us(lambda: ref(x9))}
         for rule in ("v1", "v2"):
             c = kernels.skinny_config(n, k, gated, rule)
-            ours = lambda x: kernels._skinny(x, next(ring)[0], None, gated, c)
+            ours = lambda x: kernels.skinny_linear(x, next(ring)[0], None, gated, c)
             row[rule] = graph_us(lambda: ours(x))
             row[rule + "_9rows"] = graph_us(lambda: ours(x9))
             row[rule + "_config"] = c
@@ -201,7 +202,7 @@ def compare(shape: str, quant: str | None, context: int, bandwidth: float) -> di
 
 
 def sweep(shape: str, budget_s: float, match: str = "") -> dict:
-    """flashdraft.tune.sweep over the shape's matrices, default path (PDL, prefetch)."""
+    """flashdraft.backends.tune.sweep over the shape's matrices, default path (PDL, prefetch)."""
     set_path(DEFAULT)
     return tune.sweep(get_shape(shape), budget_s, match, label=shape,
                       log=lambda s: print(s, flush=True))
@@ -270,7 +271,7 @@ def quant_products(shape: str, budget_s: float) -> dict:
     warps, weight layout and code conversion (one row, S seconds a matrix), torch's tinygemm
     int4 and cuBLAS bf16; with the error against the dequantized weight in float64 and the
     bytes read."""
-    from flashdraft import quant
+    from flashdraft.backends import quant
     set_path(DEFAULT)
     result = {}
     for lin in _one_layer_linears(shape):
@@ -356,13 +357,14 @@ MMA_SWEEP = ((4, 2, 8, None, None), (4, 1, 4, None, None), (4, 2, 24, 6, 2),
 
 @torch.inference_mode()
 def mma_products(shape: str, sweep: bool, probes: tuple[int, ...] = ()) -> dict:
-    """The int4 tensor-core kernel (flashdraft.mma) on each matrix of the shape, weights from
+    """The int4 tensor-core kernel (flashdraft.backends.mma) on each matrix of the shape, weights from
     DRAM: µs for 1, 4, 16 and 32 rows at the default launch shape, error against the
     dequantized weight, TB/s for one row; the Triton int4 kernel, tinygemm and cuBLAS bf16 for
     one and 16 rows beside it; with sweep, one row under each of MMA_SWEEP's launch shapes;
     probes: one and 16 rows at the default launch under each of mma.PROBE's measurement
     variants (wrong output; 1: the weights loaded only)."""
-    from flashdraft import mma, quant
+    from flashdraft.backends import mma
+    from flashdraft.backends import quant
     set_path(DEFAULT)
     result = {}
     for lin in _one_layer_linears(shape):
@@ -460,7 +462,7 @@ def breakdown(shape: str, quant: str | None, context: int, bandwidth: float,
              "stream0": none, session 13's launch rule)
       wkN    int4 products' one-shot splits with N warps along K a tile (mma.WK)
     Switches joined by "+" (e.g. "early+nopdl") are toggled together in one run."""
-    from flashdraft import mma
+    from flashdraft.backends import mma
     set_path(DEFAULT)
     saved = {"GATED": kernels.GATED, "EARLY_LAUNCH": kernels.EARLY_LAUNCH, "PDL": kernels.PDL,
              "ROPE_ATTENTION": kernels.ROPE_ATTENTION, "rms_norm": kernels.rms_norm,
@@ -556,7 +558,7 @@ def convert_probe(shape: str, converts: list[str]) -> dict:
     """int4 products of each matrix of the shape under each code conversion of
     kernels.quant_linear, at the default launch parameters: µs for 1 and 16 rows (weights from
     DRAM) and the error against the dequantized weight in float64."""
-    from flashdraft import quant
+    from flashdraft.backends import quant
     result = {}
     for lin in _one_layer_linears(shape):
         rows, k = lin.weight.shape

@@ -20,11 +20,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flashdraft import kernels  # noqa: E402
+from flashdraft.backends import kernels  # noqa: E402
 from flashdraft.api import DTYPES  # noqa: E402
 from flashdraft.kv_cache import KVCache  # noqa: E402
 from flashdraft.loading import load_model  # noqa: E402
-from flashdraft.quant import quality_report, quantize_model  # noqa: E402
+from flashdraft.backends.quant import quality_report, quantize_model  # noqa: E402
 
 TEXT = '''def merge_sorted(a, b):
     """Merge two sorted lists into one sorted list in linear time."""

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flashdraft.bench import load_prompts, table as table_lines
+from flashdraft.tools.bench import load_prompts, table as table_lines
 from flashdraft.drafters.ngram import NgramDrafter, lookup
 from flashdraft.engine import AdaptiveSpeculation
 from flashdraft.loading import read_model

@@ -144,7 +144,7 @@ def cmd_chat(args) -> None:
 
 
 def cmd_models(args) -> None:
-    from . import models
+    from .loading import examples
 
     if args.models_cmd == "pull":
         for name in args.names:
@@ -157,10 +157,10 @@ def cmd_models(args) -> None:
 def cmd_bench(args) -> None:
     import shlex
 
-    from .bench import BenchSettings, run_bench
+    from .tools.bench import BenchSettings, run_bench
 
     if args.random_weights:
-        from .shapes import SHAPES, format_shape_bench, run_shape_bench
+        from .tools.shapes import SHAPES, format_shape_bench, run_shape_bench
 
         if args.shape not in SHAPES:
             raise SystemExit(f"error: --random-weights needs --shape, one of {', '.join(SHAPES)}")
@@ -197,7 +197,7 @@ def cmd_bench(args) -> None:
 def cmd_serve(args) -> None:
     import os
 
-    from .server import ServerSettings, serve
+    from .serving.server import ServerSettings, serve
 
     settings = ServerSettings(served_model_name=args.served_model_name or args.model,
                               api_key=args.api_key or os.environ.get("FLASHDRAFT_API_KEY") or None,
@@ -206,13 +206,13 @@ def cmd_serve(args) -> None:
 
 
 def cmd_tune(args) -> None:
-    from .tune import run_tune
+    from .backends.tune import run_tune
 
     run_tune(args.model, args.shape, args.seconds, args.output)
 
 
 def cmd_demo(args) -> None:
-    from .demo import DemoSettings, run_demo
+    from .tools.demo import DemoSettings, run_demo
 
     run_demo(DemoSettings(
         num_speculative_tokens=parse_ints(args.num_speculative_tokens, "--num-speculative-tokens"),
@@ -337,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    from .models import ModelError
+    from .loading.examples import ModelError
 
     try:
         args.func(args)

@@ -127,7 +127,7 @@ class SamplingParams:
 
 
 DRAFT_NGRAM = "ngram"
-# how greedy one-token steps run: CUDA graphs of the model's kernels, or flashdraft.megakernel
+# how greedy one-token steps run: CUDA graphs of the model's kernels, or flashdraft.backends.megakernel
 # ("auto": a draft model's through the megakernel where it runs, plain decoding's on the graphs)
 DECODE_KERNELS = ("auto", "graph", "megakernel")
 
@@ -158,7 +158,7 @@ class EngineConfig:
     # step drafts up to num_speculative_tokens
     adaptive_speculation: bool = True
     # greedy one-token steps of plain decoding and of a draft model: "graph" (CUDA graphs of the
-    # model's kernels), "megakernel" (one persistent kernel a token; flashdraft.megakernel), or
+    # model's kernels), "megakernel" (one persistent kernel a token; flashdraft.backends.megakernel), or
     # "auto": a draft model's through the megakernel where it can run (drafts only propose, so
     # the output is the same), plain decoding's on the graphs (the reference)
     decode_kernel: str = "auto"

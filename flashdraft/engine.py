@@ -12,7 +12,7 @@ draft come back together in one transfer. Plain decoding runs one step ahead and
 for the GPU: each token is read while the step after it runs.
 
 Plain decoding's steps are CUDA graphs of the model's kernels, or, with
-`decode_kernel="megakernel"`, one persistent kernel a token (`flashdraft.megakernel`: Hopper,
+`decode_kernel="megakernel"`, one persistent kernel a token (`flashdraft.backends.megakernel`: Hopper,
 Qwen2 / Qwen3 / Llama in bfloat16 or int4) for greedy requests without a drafter. Its tokens
 can differ from the graphs' where two logits nearly tie; speculative requests (their plain
 stretches included) stay on the graphs, so their output is the graph path's plain decoding. (A
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import kernels
+from .backends import kernels
 from .config import SamplingParams, check_decode_kernel
-from .cuda_graphs import StepRunner, eager_step, prefill
+from .backends.cuda_graphs import StepRunner, eager_step, prefill
 from .drafters.base import Draft, DraftContext, Drafter
 from .kv_cache import KVCache, grow_cache
 from .model import Transformer
@@ -176,7 +176,7 @@ class Engine:
                        if cuda_graphs and torch.device(device).type == "cuda" else None)
         check_decode_kernel(decode_kernel)
         if decode_kernel == "megakernel":
-            from .megakernel import refuse_unsupported
+            from .backends.megakernel import refuse_unsupported
             refuse_unsupported(model, device)
         self.decode_kernel = decode_kernel
         self.megakernel = None  # built with each cache (ensure_capacity)
@@ -187,7 +187,7 @@ class Engine:
         length = min(-(-length // 256) * 256, self.max_model_len + 64)
         grow_cache(self, length)
         if self.decode_kernel == "megakernel" and self.megakernel is None:
-            from .megakernel import DecodeMegakernel  # compiled once a shape (NVRTC)
+            from .backends.megakernel import DecodeMegakernel  # compiled once a shape (NVRTC)
             self.megakernel = DecodeMegakernel(self.model, self.cache)
         if drafter is not None and hasattr(drafter, "ensure_capacity"):
             drafter.ensure_capacity(length)
@@ -373,7 +373,7 @@ class _Request:
         # Drafters that read the target's hidden states need every step to be theirs.
         self.policy = (AdaptiveSpeculation(drafter) if drafter is not None and adaptive
                        and not drafter.hidden_layers else None)
-        self.reader = _TokenReader(device)  # plain decoding's, kept for every stretch
+        self.reader = TokenReader(device)  # plain decoding's, kept for every stretch
         self.megakernel = None  # plain decoding's steps, where the engine uses one
 
     @property
@@ -398,7 +398,7 @@ class _Request:
         return StepOutput(new)
 
 
-class _TokenReader:
+class TokenReader:
     """Reads device tokens on the host without waiting for the work queued after them: each
     token is copied to pinned memory as soon as it is computed, with an event behind the copy
     (two buffers in turn: a token is read before the buffer is reused)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels
+from .backends import kernels
 
 
 class KVCache:

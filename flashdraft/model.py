@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import kernels
+from .backends import kernels
 from .config import ModelConfig
 from .kv_cache import KVCache
 

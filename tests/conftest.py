@@ -13,7 +13,7 @@ if platform.machine() == "x86_64":
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# Without a GPU, the Triton kernels (flashdraft.kernels) are tested through Triton's
+# Without a GPU, the Triton kernels (flashdraft.backends.kernels) are tested through Triton's
 # interpreter, which must be chosen before Triton is first imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -9,7 +9,7 @@ import zlib
 import pytest
 
 from flashdraft import cli
-from flashdraft.bench import (HUMANEVAL_TEMPLATE, PLOTS, BenchSettings, configurations,
+from flashdraft.tools.bench import (HUMANEVAL_TEMPLATE, PLOTS, BenchSettings, configurations,
                               format_markdown, load_prompts, parse_jsonl, run_bench, spread,
                               token_accounting)
 from flashdraft.engine import RequestMetrics
@@ -364,7 +364,7 @@ def test_settings_refuse_bad_values():
 def test_warmup_covers_every_graph_shape_the_timed_requests_meet():
     """Warm-up runs the first --warmup prompts, then whichever others reach a kv bucket (or an
     attention split) no earlier warm-up reached, so no graph is captured while timing."""
-    from flashdraft.bench import warmup_indices
+    from flashdraft.tools.bench import warmup_indices
 
     ids = [[0] * n for n in (100, 120, 300, 90, 600)]
     s = BenchSettings(model="m", max_tokens=128, warmup=1)

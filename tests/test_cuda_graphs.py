@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from flashdraft.config import ModelConfig
-from flashdraft.cuda_graphs import (PREFILL_GRAPH_MAX, StepRunner, eager_step, prefill,
+from flashdraft.backends.cuda_graphs import (PREFILL_GRAPH_MAX, StepRunner, eager_step, prefill,
                                     prefill_length)
 from flashdraft.kv_cache import KVCache
-from flashdraft.shapes import build_random_model
+from flashdraft.tools.shapes import build_random_model
 
 from .tiny import build_model
 

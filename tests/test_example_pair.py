@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flashdraft import LLM, SamplingParams
-from flashdraft.models import ModelError, resolve
+from flashdraft.loading.examples import ModelError, resolve
 
 pytestmark = pytest.mark.example_pair
 HUMANEVAL_IDS = ["HumanEval/0", "HumanEval/2"]

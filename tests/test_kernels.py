@@ -1,4 +1,4 @@
-"""The fused kernels (flashdraft.kernels) against their PyTorch references.
+"""The fused kernels (flashdraft.backends.kernels) against their PyTorch references.
 
 On a GPU they run compiled, in float32, float16 and bfloat16; without one they run through
 Triton's interpreter (conftest sets TRITON_INTERPRET=1), in float32 and float16 (the
@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from flashdraft import kernels
+from flashdraft.backends import kernels
 from flashdraft.config import ModelConfig
 from flashdraft.kv_cache import KVCache
 from flashdraft.model import Transformer
@@ -225,8 +225,8 @@ def test_silu_inside_the_down_product_changes_no_bit(monkeypatch, dtype):
     model.fold_norms()
     tokens = torch.randint(0, CFG.vocab_size, (1, 6), device=DEVICE)
     fused = []  # the products' silu_x flags: the down products must take the fused path
-    real = kernels._skinny
-    monkeypatch.setattr(kernels, "_skinny",
+    real = kernels.skinny_linear
+    monkeypatch.setattr(kernels, "skinny_linear",
                         lambda *a, **kw: fused.append(kw.get("silu_x", False)) or real(*a, **kw))
     out = {}
     for silu_down in (False, True):
@@ -521,7 +521,7 @@ def test_verify_pass_gives_the_decode_logits_bit_for_bit_in_bf16(folded):
     position, exactly the logits (and cache entries) that decoding them one at a time yields,
     eager or graph-replayed. Random weights: near-uniform logits, so any difference in
     arithmetic would show, and would flip argmaxes."""
-    from flashdraft.cuda_graphs import StepRunner, eager_step
+    from flashdraft.backends.cuda_graphs import StepRunner, eager_step
     cfg = ModelConfig(arch="qwen2", vocab_size=4096, hidden_size=256, intermediate_size=704,
                       num_layers=3, num_heads=8, num_kv_heads=2, head_dim=32, qkv_bias=True)
     torch.manual_seed(0)
@@ -562,11 +562,11 @@ def test_gated_auto_puts_silu_in_the_product_of_wide_mlps_only(monkeypatch):
 
 def test_gated_for_decides_which_gate_up_products_fuse_silu(monkeypatch):
     """gated_linear, scaled_linear and tune.matrices all follow gated_for: the fused product
-    (one `_skinny` call with gated) for widths at or above GATED_MIN_N, else the plain one."""
-    from flashdraft import tune
+    (one `skinny_linear` call with gated) for widths at or above GATED_MIN_N, else the plain one."""
+    from flashdraft.backends import tune
     calls = []
-    real = kernels._skinny
-    monkeypatch.setattr(kernels, "_skinny", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
+    real = kernels.skinny_linear
+    monkeypatch.setattr(kernels, "skinny_linear", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
     monkeypatch.setattr(kernels, "GATED", None)
     monkeypatch.setattr(kernels, "FOLD_NORMS", True)
     layers = {n: torch.nn.Linear(64, 2 * n, bias=False).to(DEVICE) for n in (32, 48)}
@@ -586,6 +586,6 @@ def test_gated_for_decides_which_gate_up_products_fuse_silu(monkeypatch):
 
 
 def test_gated_setting_other_than_auto_1_or_0_is_refused():
-    run = subprocess.run([sys.executable, "-c", "import flashdraft.kernels"], capture_output=True,
+    run = subprocess.run([sys.executable, "-c", "import flashdraft.backends.kernels"], capture_output=True,
                          text=True, env={**os.environ, "FLASHDRAFT_GATED": "yes"})
     assert run.returncode != 0 and "FLASHDRAFT_GATED='yes': use auto, 1 or 0" in run.stderr

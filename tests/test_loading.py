@@ -42,7 +42,8 @@ def test_quantized_while_loading_equals_quantized_after(tiny_models, arch, monke
     the full-precision model); the result is quantize_model's of the model loaded in full
     (int8: the tiny models are too narrow for int4's groups of 128), with its norms not folded
     (a quantized load does not fold them)."""
-    from flashdraft import kernels, quant
+    from flashdraft.backends import kernels
+    from flashdraft.backends import quant
     from flashdraft.loading import load_model
 
     monkeypatch.setattr(kernels, "FOLD_NORMS", False)
@@ -70,7 +71,8 @@ def test_unknown_quantization_is_refused_before_loading(tiny_models):
 def test_draft_model_is_quantized_as_asked(tiny_models, draft_quantization, expected):
     """A draft model takes the target's quantization unless told otherwise; either way greedy
     speculation returns the tokens of plain decoding."""
-    from flashdraft import SamplingParams, quant
+    from flashdraft import SamplingParams
+    from flashdraft.backends import quant
 
     llm = LLM(tiny_models["qwen2"], draft=tiny_models["qwen2"], device="cpu",
               quantization="int8" if draft_quantization != "int8" else None,

@@ -1,11 +1,11 @@
-"""The decode megakernel (flashdraft.megakernel): logits, tokens and cache writes against
+"""The decode megakernel (flashdraft.backends.megakernel): logits, tokens and cache writes against
 Transformer.forward on the GPU; a clear refusal elsewhere."""
 import pytest
 import torch
 
 from flashdraft.config import ModelConfig
 from flashdraft.kv_cache import KVCache
-from flashdraft.shapes import build_random_model, get_shape
+from flashdraft.tools.shapes import build_random_model, get_shape
 
 # Tiny shapes that take every path of the kernel: head dim 128 and 64; an MLP whose rows are
 # split over several warps (4,608 features: 2 rows a 24 KB slot) and one whose are not; Qwen3's
@@ -28,7 +28,7 @@ def test_refused_without_cuda_with_the_reason():
     cfg = SHAPES["hd64-llama"]
     model = build_random_model(cfg, torch.bfloat16, "cpu")
     cache = KVCache.for_model(cfg, 1, 64, torch.bfloat16, "cpu")
-    from flashdraft import megakernel
+    from flashdraft.backends import megakernel
     assert megakernel.unsupported(model, cache) == "it needs CUDA"
     with pytest.raises(ValueError, match="cannot run this model: it needs CUDA"):
         megakernel.DecodeMegakernel(model, cache)
@@ -40,7 +40,7 @@ def test_refused_without_cuda_with_the_reason():
 @pytest.mark.parametrize("ring", ["8x24576", "4x49152", "8x24576+bulk", "8x24576+llx",
                                   "8x24576+llattn", "8x24576+llh", "8x24576+llx+llattn+llh"])
 def test_megakernel_matches_the_model(shape, prompt, ring):
-    from flashdraft.megakernel import DecodeMegakernel
+    from flashdraft.backends.megakernel import DecodeMegakernel
     torch.manual_seed(0)
     cfg = SHAPES[shape]
     if shape == "qwen3-split-rows" and "+llx" in ring:
@@ -97,7 +97,7 @@ def _same_steps_bit_for_bit(cfg, prompt: int, want_defines: dict, got_defines: d
                             **options) -> None:
     """Six chained steps of two kernels over the same cache: equal logits, tokens, cache
     (options: both kernels' other arguments, the ring and the consumer warps)."""
-    from flashdraft.megakernel import DecodeMegakernel
+    from flashdraft.backends.megakernel import DecodeMegakernel
     model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
     caches = [KVCache.for_model(cfg, 1, 1024, torch.bfloat16, "cuda") for _ in range(2)]
     torch.manual_seed(1)
@@ -127,7 +127,7 @@ def test_megakernel_staging_keys_in_several_rounds_matches_the_model(shape, pu):
     # units of 64 positions (ATT_MIN) take 8 rounds of 8 staged keys and values, each round
     # asked for while the one before it is scored; PU positions a warp's batch (8, the default;
     # 4 and 2: the lanes' sums of 4 and 2 scores at once)
-    from flashdraft.megakernel import DecodeMegakernel
+    from flashdraft.backends.megakernel import DecodeMegakernel
     torch.manual_seed(0)
     model = build_random_model(SHAPES[shape], torch.bfloat16, "cuda", seed=3)
     with torch.no_grad():
@@ -178,7 +178,7 @@ def _follow_the_model(model, prompt: int, make_kernel, steps: int = 24) -> int:
     return compared
 
 
-# int4 shapes (flashdraft.mma's layout; vocabularies in 16-row tiles): Qwen2's biases with
+# int4 shapes (flashdraft.backends.mma's layout; vocabularies in 16-row tiles): Qwen2's biases with
 # an MLP of 22 groups; Qwen3's head norms with 8 query heads a kv head (as the 32B's) and head
 # dim 64; a hidden size of 7 groups, fewer than the consumer warps (as the 0.5B's 896).
 Q4_SHAPES = {
@@ -194,8 +194,8 @@ Q4_SHAPES = {
 def _int4_model(cfg, monkeypatch):
     """A random int4 model (mma layout) with norms other than 1, which the kernel applies
     itself (int4 weights keep them unfolded), and sharper logits."""
-    from flashdraft import kernels
-    from flashdraft.quant import quantize_model
+    from flashdraft.backends import kernels
+    from flashdraft.backends.quant import quantize_model
     monkeypatch.setattr(kernels, "FOLD_NORMS", False)
     model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -212,7 +212,7 @@ def _int4_model(cfg, monkeypatch):
 @pytest.mark.parametrize("prompt", [5, 100, 700])
 @pytest.mark.parametrize("warps", [8, 12])  # 12 consumer warps: int4's default
 def test_int4_megakernel_matches_the_model(shape, prompt, warps, monkeypatch):
-    from flashdraft.megakernel import DecodeMegakernel, is_int4
+    from flashdraft.backends.megakernel import DecodeMegakernel, is_int4
     torch.manual_seed(0)
     model = _int4_model(Q4_SHAPES[shape], monkeypatch)
     assert is_int4(model)
@@ -251,7 +251,7 @@ def test_int4_megakernel_with_tiles_split_in_halves_matches_the_model(prompt, pa
     # with the step's flag, over 24 steps (a stale word from an earlier step or layer would
     # give wrong logits; gate/up's and O's words of a layer carry the same flag, apart in
     # Args.xpart)
-    from flashdraft.megakernel import DecodeMegakernel
+    from flashdraft.backends.megakernel import DecodeMegakernel
     torch.manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     h, inter = _halves_hidden(sms), _halves_intermediate(sms) if parts == 3 else 1024
@@ -271,7 +271,7 @@ def _positions_past_a_unit(cfg, q4: bool, sms: int, below: int) -> list[int]:
     """Positions p < below where a unit of attention starts past p by less than a round of
     staged keys (where (p - j0) / KS, rounded toward zero, made a row of round 0 before the
     fix)."""
-    from flashdraft.megakernel import attention_ks, attention_units
+    from flashdraft.backends.megakernel import attention_ks, attention_units
     ks = attention_ks(cfg, q4)
     return [p for p in range(below)
             if any(p < j0 < p + ks for j0, _ in attention_units(cfg, p, sms, q4))]
@@ -284,7 +284,7 @@ def test_megakernel_where_units_start_past_the_position_matches_the_model(shape,
     # (the 1.5B on 132 blocks from p = 1,064, its int4 from 1,056, the 0.5B int4 from 528):
     # their step's own key and value row went below their staging buffer, over the int4 tile
     # sums that must stay zero; 24 steps across such positions, int4 and bf16
-    from flashdraft.megakernel import DecodeMegakernel
+    from flashdraft.backends.megakernel import DecodeMegakernel
     torch.manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     q4 = shape in Q4_SHAPES
@@ -306,7 +306,7 @@ def test_megakernel_where_units_start_past_the_position_matches_the_model(shape,
 
 def test_attention_units_cover_the_positions_and_some_start_past_them():
     # the Python mirror of decode_mk.cu's attention_split that the test above relies on
-    from flashdraft.megakernel import attention_units
+    from flashdraft.backends.megakernel import attention_units
     cfg = get_shape("qwen2.5-1.5b")
     for p in (0, 5, 511, 1063, 1064, 4095):
         units = attention_units(cfg, p, 132)
@@ -319,7 +319,7 @@ def test_attention_units_cover_the_positions_and_some_start_past_them():
 
 
 def test_the_halves_hidden_size_leaves_a_remainder_to_split():
-    from flashdraft.megakernel import splits_tiles_in_halves
+    from flashdraft.backends.megakernel import splits_tiles_in_halves
     assert _halves_hidden(132) == 2688  # 168 tiles: 1 each, 36 split in halves on 72 blocks
     assert _halves_intermediate(132) == 1408  # 176 gate/up tiles: 1 each, 44 split
     assert 28 <= (_halves_hidden(114) // 16) % 114 <= 57
@@ -329,16 +329,16 @@ def test_the_halves_hidden_size_leaves_a_remainder_to_split():
 
 
 def test_more_consumer_warps_take_more_shared_memory_and_still_fit_the_32b():
-    from flashdraft.megakernel import HOPPER_SHARED, shared_bytes
-    from flashdraft.shapes import get_shape
+    from flashdraft.backends.megakernel import HOPPER_SHARED, shared_bytes
+    from flashdraft.tools.shapes import get_shape
     cfg = get_shape("qwen3-32b")
     eight = shared_bytes(cfg, "6x26112", q4=True, warps=8)
     assert eight < shared_bytes(cfg, "6x26112", q4=True) <= HOPPER_SHARED  # int4's 12 warps
 
 
 def test_default_ring_follows_the_shape(monkeypatch):
-    from flashdraft import megakernel
-    from flashdraft.shapes import get_shape
+    from flashdraft.backends import megakernel
+    from flashdraft.tools.shapes import get_shape
     monkeypatch.setattr(megakernel, "RING", None)
     # 24 KB slots where rows of the hidden size fill them (1.5B) or the model is small (0.6B);
     # 32 KB slots for the 8B, whose 8 KB rows fill a 24 KB slot to two thirds
@@ -373,8 +373,8 @@ def test_default_ring_follows_the_shape(monkeypatch):
 
 
 def test_int4_tiles_are_added_as_rarely_as_shared_memory_allows():
-    from flashdraft import megakernel
-    from flashdraft.shapes import get_shape
+    from flashdraft.backends import megakernel
+    from flashdraft.tools.shapes import get_shape
     every = megakernel.default_finish_every
     # the 32B's ring leaves room for 8 chunks' tiles (measured 6.94-6.98 ms a step against
     # 7.33-7.43 at 1); the 8B's ring fills the block, so it keeps 1; the 1.5B's leaves room
@@ -396,8 +396,8 @@ def test_int4_tiles_are_added_as_rarely_as_shared_memory_allows():
 
 
 def test_int4_ring_and_tile_room_fit_a_gpu_with_less_shared_memory():
-    from flashdraft import megakernel
-    from flashdraft.shapes import get_shape
+    from flashdraft.backends import megakernel
+    from flashdraft.tools.shapes import get_shape
     limit = 160 * 1024  # a block's shared memory on a GPU smaller than Hopper's 227 KB
     for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-8b", "qwen3-32b"):
         cfg = get_shape(name)
@@ -410,8 +410,8 @@ def test_int4_ring_and_tile_room_fit_a_gpu_with_less_shared_memory():
 
 
 def test_shared_memory_fits_hopper_for_the_shapes_we_run_and_the_32b_rows():
-    from flashdraft.megakernel import HOPPER_SHARED as hopper, shared_bytes
-    from flashdraft.shapes import get_shape
+    from flashdraft.backends.megakernel import HOPPER_SHARED as hopper, shared_bytes
+    from flashdraft.tools.shapes import get_shape
     for shape, ring in (("qwen2.5-1.5b", "8x24576"), ("qwen3-8b", "6x32768"),
                         ("qwen3-0.6b", "8x24576")):
         assert 8 * 24576 <= shared_bytes(get_shape(shape), ring) <= hopper, shape
@@ -429,7 +429,7 @@ def test_shared_memory_fits_hopper_for_the_shapes_we_run_and_the_32b_rows():
 
 
 def test_auto_drafts_on_graphs_where_the_kernel_fails_to_build(monkeypatch):
-    from flashdraft import megakernel
+    from flashdraft.backends import megakernel
     from flashdraft.drafters.draft_model import DraftModelDrafter
     cfg = SHAPES["hd64-llama"]
     model = build_random_model(cfg, torch.float32, "cpu")
@@ -450,7 +450,7 @@ def test_auto_drafts_on_graphs_where_the_kernel_fails_to_build(monkeypatch):
 
 
 def test_shape_bench_report_shows_the_megakernel():
-    from flashdraft.shapes import format_shape_bench
+    from flashdraft.tools.shapes import format_shape_bench
     curve = {1: {"ms": 4.0, "bandwidth_fraction": 0.85, "tflops": 0.1},
              16: {"ms": 4.6, "bandwidth_fraction": 0.75, "tflops": 1.4}}
     r = {"shape": "qwen3-8b", "dtype": "bfloat16", "quant": "none", "cuda_graphs": True,
@@ -515,10 +515,10 @@ class _LoggingReader:
 
 @pytest.mark.parametrize("ahead", [False, True])
 def test_megakernel_decode_reads_a_step_behind_as_the_engine(ahead, monkeypatch):
-    from flashdraft import shapes
+    from flashdraft.tools import shapes
     log = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(shapes, "_TokenReader", lambda device: _LoggingReader(log))
+    monkeypatch.setattr(shapes, "TokenReader", lambda device: _LoggingReader(log))
     mk = _FakeMegakernel(log)
     assert shapes.megakernel_decode(mk, 100, steps=4, ahead=ahead) > 0
     timed = log[log.index(("launch", 5)):]  # after the 4 warm-up steps: tokens 5 .. 8
@@ -532,7 +532,7 @@ def test_megakernel_decode_reads_a_step_behind_as_the_engine(ahead, monkeypatch)
 
 @pytest.mark.gpu
 def test_shape_bench_times_the_drafter_through_the_megakernel_unless_graphs_are_asked():
-    from flashdraft.shapes import run_shape_bench
+    from flashdraft.tools.shapes import run_shape_bench
     for kernel in ("auto", "graph"):
         d = run_shape_bench("qwen2.5-1.5b", step_tokens=(1,), repeats=3, decode_steps=8,
                             decode_kernel=kernel)["drafter"]
@@ -545,7 +545,7 @@ def test_shape_bench_times_the_drafter_through_the_megakernel_unless_graphs_are_
 
 @pytest.mark.gpu
 def test_shape_bench_runs_the_megakernel_for_bf16_and_int4_and_refuses_it_for_int8():
-    from flashdraft.shapes import run_shape_bench
+    from flashdraft.tools.shapes import run_shape_bench
     r = run_shape_bench("qwen2.5-0.5b", step_tokens=(1, 16), draft=False, repeats=3,
                         decode_steps=16, decode_kernel="megakernel")
     m = r["megakernel"]
@@ -568,7 +568,7 @@ def test_shape_bench_runs_the_megakernel_for_bf16_and_int4_and_refuses_it_for_in
 
 @pytest.mark.gpu
 def test_llx_refuses_rows_split_over_warps():
-    from flashdraft.megakernel import DecodeMegakernel
+    from flashdraft.backends.megakernel import DecodeMegakernel
     cfg = SHAPES["qwen3-split-rows"]
     model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
     cache = KVCache.for_model(cfg, 1, 64, torch.bfloat16, "cuda")
@@ -583,7 +583,7 @@ def test_rings_of_few_or_an_odd_number_of_slots_match_the_model(ring):
     # slot's use before the last (NPROD <= NS: with 3 slots and 4 producers, chunk 7 could
     # overwrite slot 1 while chunk 1 was read); and its wait for chunk c - INFLIGHT only where
     # INFLIGHT divides NS (5 slots: 1, 9: 3; with 2 the parity could name the slot's next use)
-    from flashdraft.megakernel import DecodeMegakernel
+    from flashdraft.backends.megakernel import DecodeMegakernel
     torch.manual_seed(0)
     model = build_random_model(SHAPES["hd64-llama"], torch.bfloat16, "cuda", seed=3)
     with torch.no_grad():
@@ -605,7 +605,7 @@ def test_rings_of_few_or_an_odd_number_of_slots_match_the_model(ring):
 def test_nine_consumer_warps_take_nine_rows_a_slot_and_match_the_model(shape):
     # 27 KB slots hold 9 rows of 1,536 for 9 warps (a warp a row), 3 rows a slot of wider ones
     # (3 warps a row), 1 of the widest (9 warps a row); attention's warps a head from 9
-    from flashdraft.megakernel import DecodeMegakernel
+    from flashdraft.backends.megakernel import DecodeMegakernel
     torch.manual_seed(0)
     cfg = SHAPES[shape]
     model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
@@ -620,14 +620,14 @@ def test_rows_a_chunk_are_shared_evenly_by_the_consumer_warps():
     # decode_mk.cu's rows_per_chunk: the powers of two up to 16 with 8 warps (as before 9 warps
     # were a choice), 9, 3 or 1 with 9; the 1.5B's 9-row ring fits Hopper with RED_ROWS 12 and
     # keeps LLX (a warp a row)
-    from flashdraft.megakernel import (HOPPER_SHARED, _rows_per_chunk, default_flags,
+    from flashdraft.backends.megakernel import (HOPPER_SHARED, rows_per_chunk, default_flags,
                                        shared_bytes)
-    from flashdraft.shapes import get_shape
+    from flashdraft.tools.shapes import get_shape
     for k in (256, 384, 896, 1024, 1536, 2048, 4096, 4608, 5120, 8960, 12288, 25600):
         for slot in (16384, 24576, 26624, 32768, 49152, 51200):
             power = next((r for r in (16, 8, 4, 2, 1) if 2 * k * r <= slot), 0)
-            assert _rows_per_chunk(k, slot) == power, (k, slot)
-    assert [_rows_per_chunk(k, 27648, 9) for k in (1536, 4096, 8960, 896)] == [9, 3, 1, 9]
+            assert rows_per_chunk(k, slot) == power, (k, slot)
+    assert [rows_per_chunk(k, 27648, 9) for k in (1536, 4096, 8960, 896)] == [9, 3, 1, 9]
     cfg = get_shape("qwen2.5-1.5b")
     assert default_flags(cfg, "8x27648", 9) == {"LLA": 5, "LLX": 1}
     flags = {"LLA": 5, "LLX": 1, "RED_ROWS": 12}
@@ -641,7 +641,7 @@ def test_rows_wider_than_the_usual_slot_take_the_default_ring_and_match_the_mode
     # down's rows of 13,312 inputs (26,624 bytes) fit no 24 KB slot: the default ring is then
     # made of slots of one such row (as the bf16 32B's 4x51200), here with 8 kv heads, so
     # attention stages 16 positions a round as well
-    from flashdraft.megakernel import DecodeMegakernel
+    from flashdraft.backends.megakernel import DecodeMegakernel
     torch.manual_seed(0)
     cfg = ModelConfig("qwen3", 1000, 512, 13312, 2, 8, 8, 64, qk_norm=True, rope_theta=1e6)
     model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
@@ -660,7 +660,7 @@ def test_rows_wider_than_the_usual_slot_take_the_default_ring_and_match_the_mode
 @pytest.mark.parametrize("flags", [{"LLA": 0, "LLX": 0}, {"LLA": 7, "LLH": 1}],
                          ids=["counters", "llflags"])
 def test_traced_kernel_gives_the_same_step_and_a_timeline(flags):
-    from flashdraft.megakernel import DecodeMegakernel
+    from flashdraft.backends.megakernel import DecodeMegakernel
     cfg = SHAPES["hd128-split-down"]
     model = build_random_model(cfg, torch.bfloat16, "cuda", seed=5)
     cache = KVCache.for_model(cfg, 1, 256, torch.bfloat16, "cuda")
@@ -687,7 +687,7 @@ def test_traced_kernel_gives_the_same_step_and_a_timeline(flags):
 
 def test_flag_settings_are_checked_before_anything_else():
     # LLA is a set of bits; a wrong value is named before the GPU is looked for
-    from flashdraft.megakernel import DecodeMegakernel
+    from flashdraft.backends.megakernel import DecodeMegakernel
     cfg = SHAPES["hd64-llama"]
     model = build_random_model(cfg, torch.bfloat16, "cpu")
     cache = KVCache.for_model(cfg, 1, 64, torch.bfloat16, "cpu")
@@ -700,8 +700,8 @@ def test_flagged_data_fits_beside_a_ninth_slot():
     # the polled att (LLA 4) shares attention's space and the rows going out with their flags
     # take XO_ROWS: the 1.5B's 9th slot (RED_ROWS 12) still fits with every flag on; h's rows
     # (LLH: 8,960 in pairs on 132 blocks, 68) set XO_ROWS past its default 66
-    from flashdraft.megakernel import HOPPER_SHARED, shared_bytes, xo_rows
-    from flashdraft.shapes import get_shape
+    from flashdraft.backends.megakernel import HOPPER_SHARED, shared_bytes, xo_rows
+    from flashdraft.tools.shapes import get_shape
     cfg = get_shape("qwen2.5-1.5b")
     assert xo_rows(cfg, 132, {"LLX": 1, "LLA": 7}) == 66  # 12 rows of x, 16 of q/k/v
     assert xo_rows(cfg, 132, {"LLH": 1}) == 68 and xo_rows(cfg, 132, {"LLA": 6}) == 66
@@ -718,8 +718,8 @@ def test_bfloat16_takes_flagged_dependencies_on_small_models():
     # LLA 4 won on the 0.5B and the 1.5B and lost 1 % on the 8B at 4,096 positions (session 32);
     # LLA 5 and LLX won again on both where LLX runs (session 35); the 0.6B's q width (2,048)
     # puts 4 rows in a slot, so it keeps LLA 4 alone
-    from flashdraft.megakernel import default_flags, default_ring
-    from flashdraft.shapes import get_shape
+    from flashdraft.backends.megakernel import default_flags, default_ring
+    from flashdraft.tools.shapes import get_shape
     flags = {}
     for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-0.6b", "qwen3-8b", "qwen3-32b"):
         cfg = get_shape(name)
@@ -731,7 +731,7 @@ def test_bfloat16_takes_flagged_dependencies_on_small_models():
 
 @pytest.mark.gpu
 def test_a_callers_flag_replaces_the_defaults_and_keeps_the_others():
-    from flashdraft.megakernel import DecodeMegakernel
+    from flashdraft.backends.megakernel import DecodeMegakernel
     cfg = SHAPES["hd64-llama"]
     model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
     cache = KVCache.for_model(cfg, 1, 64, torch.bfloat16, "cuda")
@@ -743,8 +743,8 @@ def test_a_callers_flag_replaces_the_defaults_and_keeps_the_others():
 
 def test_bfloat16_takes_longer_attention_rounds_on_models_of_many_kv_heads():
     # 16 positions a round won on the 8B at 4,096 positions and lost on the 1.5B (session 33)
-    from flashdraft.megakernel import default_att_ks, default_flags, default_ring, shared_bytes
-    from flashdraft.shapes import get_shape
+    from flashdraft.backends.megakernel import default_att_ks, default_flags, default_ring, shared_bytes
+    from flashdraft.tools.shapes import get_shape
     ks = {}
     for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-8b", "qwen3-32b"):
         cfg = get_shape(name)
@@ -759,7 +759,7 @@ def test_bfloat16_takes_longer_attention_rounds_on_models_of_many_kv_heads():
 def test_timeline_reads_a_synthetic_trace():
     """The trace's arithmetic on the CPU: blocks that wait 200 ns, start 300 ns later, end
     400 ns after that; two attention units, block 0's merge timed."""
-    from flashdraft.megakernel import TRACE_CONSUMER, TRACE_PRODUCER, DecodeMegakernel
+    from flashdraft.backends.megakernel import TRACE_CONSUMER, TRACE_PRODUCER, DecodeMegakernel
     mk = DecodeMegakernel.__new__(DecodeMegakernel)  # no GPU: only the trace is needed
     mk.cfg, mk.sms = SHAPES["hd128-split-down"], 4
     nops = 5 * mk.cfg.num_layers + 1
@@ -954,7 +954,7 @@ def test_engine_routes_greedy_plain_steps_through_the_kernel_and_chains_them(mon
     """On the CPU, with the kernel stood in for by the model's own step: greedy plain requests
     start the kernel's chain once each at their prompt's end and then only launch, and give
     exactly the engine's plain tokens; speculative and sampled requests never touch it."""
-    from flashdraft import megakernel
+    from flashdraft.backends import megakernel
     from flashdraft.config import SamplingParams
     from flashdraft.drafters.ngram import NgramDrafter
     from flashdraft.engine import Engine

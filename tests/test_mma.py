@@ -1,4 +1,4 @@
-"""The int4 tensor-core kernel (flashdraft.mma): its weight layout on the CPU, through an
+"""The int4 tensor-core kernel (flashdraft.backends.mma): its weight layout on the CPU, through an
 emulation of the kernel's fragments; the kernel itself on a GPU."""
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from flashdraft import kernels, mma, quant
+from flashdraft.backends import kernels
+from flashdraft.backends import mma
+from flashdraft.backends import quant
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -32,13 +34,13 @@ def test_a_weight_that_does_not_match_its_shape_is_refused():
     # larger n or a bias of another dtype would read past the tensors or misread them
     qweight, scales = mma.pack_int4(*_quantized(48, 384))
     bias = torch.zeros(48, dtype=torch.bfloat16)
-    mma._check_packed(qweight, scales, 48, 384, bias)  # pack_int4's own: accepted
+    mma.check_packed(qweight, scales, 48, 384, bias)  # pack_int4's own: accepted
     for n, k, b in ((48, 512, bias), (64, 384, None), (48, 320, None),
                     (48, 384, bias.float()), (48, 384, bias[:40])):
         with pytest.raises(ValueError, match=rf"int4 mma weight of {n} x {k} needs qweight"):
-            mma._check_packed(qweight, scales, n, k, b)
+            mma.check_packed(qweight, scales, n, k, b)
     with pytest.raises(ValueError, match=r"got qweight \[3, 3, 2, 32, 4\] torch.int64"):
-        mma._check_packed(qweight.long(), scales, 48, 384)
+        mma.check_packed(qweight.long(), scales, 48, 384)
 
 
 def _emulate(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -147,7 +149,7 @@ def test_kernel_matches_the_reference_and_is_batch_invariant():
             # batch invariance: each row's bits do not depend on the rows beside it
             assert torch.equal(y[:1], layer(x[:1])), (k, n, m)
             assert torch.equal(y[-1:], layer(x[m - 1:m])), (k, n, m)
-        assert not kernels._counters(x.device, 1).any()  # counters back to zero
+        assert not kernels.tile_counters(x.device, 1).any()  # counters back to zero
         # prefill: more rows than the kernel takes go through the dequantized weight
         xs = torch.randn(40, k, device="cuda", dtype=torch.bfloat16)
         ref = xs.double() @ w.double().t() + (lin.bias.double() if bias else 0)
@@ -186,7 +188,7 @@ def test_streamed_splits_match_the_reference_and_are_batch_invariant(monkeypatch
             torch.testing.assert_close(y, run(x[:m], one_shot), rtol=2e-2, atol=2e-2)
             assert torch.equal(y[:1], run(x[:1], cfg)), (k, gps, wk, m)
             assert torch.equal(y[-1:], run(x[m - 1:m], cfg)), (k, gps, wk, m)
-    assert not kernels._counters(x.device, 1).any()
+    assert not kernels.tile_counters(x.device, 1).any()
 
 
 def test_gate_up_order_pairs_each_gate_with_its_up():
@@ -240,4 +242,4 @@ def test_gated_kernel_is_silu_times_up_and_batch_invariant(monkeypatch):
                 assert torch.equal(y[-1:], layer.forward_gated(x[m - 1:m])), (k, n, m)
             else:
                 torch.testing.assert_close(layer(x[:m]), plain(x[:m]))
-        assert not kernels._counters(x.device, 1).any()
+        assert not kernels.tile_counters(x.device, 1).any()

@@ -5,10 +5,11 @@ import pytest
 import torch
 from torch import nn
 
-from flashdraft import kernels, quant
+from flashdraft.backends import kernels
+from flashdraft.backends import quant
 from flashdraft.config import ModelConfig
 from flashdraft.kv_cache import KVCache
-from flashdraft.shapes import build_random_model
+from flashdraft.tools.shapes import build_random_model
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -130,7 +131,7 @@ def _check_through_the_interpreter(mode, convert, k, steps):
         torch.testing.assert_close(kernels.quant_linear(x, flipped, *parts), y, rtol=0, atol=0)
         # batch-invariant: each row alone gives the same bits
         assert torch.equal(quant.triton_matmul(x[:1], layer, cfg, convert), y[:1])
-    assert not kernels._counters(x.device, 1).any()  # every tile counter back to zero
+    assert not kernels.tile_counters(x.device, 1).any()  # every tile counter back to zero
 
 
 @gpu

@@ -26,7 +26,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from flashdraft import LLM, SamplingParams  # noqa: E402
-from flashdraft.server import ServerSettings, create_app  # noqa: E402
+from flashdraft.serving.server import ServerSettings, create_app  # noqa: E402
 from tests.tiny import build_model  # noqa: E402
 
 NAME = "tiny-chat"

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from flashdraft import LLM, cli
-from flashdraft.bench import load_prompts, prompt_ids
+from flashdraft.tools.bench import load_prompts, prompt_ids
 from tests.test_bench import PROMPTS, write_jsonl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

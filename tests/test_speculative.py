@@ -205,7 +205,7 @@ def test_plain_decoding_equals_recomputing_the_whole_sequence(target):
     the whole sequence through a fresh cache for every token; a stop token ends it early."""
     import torch
 
-    from flashdraft.cuda_graphs import eager_step
+    from flashdraft.backends.cuda_graphs import eager_step
     from flashdraft.kv_cache import KVCache
     model, cfg = target.engine.model, target.engine.model.cfg
     _, ids = target.encode(PROMPTS[2])
@@ -231,7 +231,7 @@ def test_attention_splits_follow_the_request_not_the_cache_or_k(tmp_path, device
     """How attention splits the cache fixes the order of its sums: it must come from the request
     alone. A cache grown by an earlier long request, or drafting k more positions, leaves it
     (and so the greedy tokens) as a fresh engine has them."""
-    from flashdraft import kernels
+    from flashdraft.backends import kernels
     from tests.tiny import build_model
 
     model = build_model(tmp_path / "long", "qwen2", seed=3, max_positions=8192)

@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from flashdraft import kernels, tune
+from flashdraft.backends import kernels
+from flashdraft.backends import tune
 from flashdraft.config import ModelConfig
 
 CUDA = torch.cuda.is_available()
@@ -33,7 +34,7 @@ def test_every_candidate_is_a_launch_the_kernels_accept(n, k, gated):
     found = list(tune.candidates(n, k, gated))
     assert found and len(found) == len(set(found))
     for c in found:
-        kernels._check_entry(kernels.table_key(n, k, gated), c)
+        kernels.check_entry(kernels.table_key(n, k, gated), c)
 
 
 def _swept(best, best_us, default_us):

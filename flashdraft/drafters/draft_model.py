@@ -9,7 +9,7 @@ the rest of the committed sequence (one or two tokens) before drafting again.
 
 With `decode_kernel="megakernel"` (or "auto", the engine's default, where the kernel can run
 the draft model and CUDA graphs are on), greedy proposals feed one token at a time through
-`flashdraft.megakernel` (one kernel a token, each step chained on the one before) wherever a
+`flashdraft.backends.megakernel` (one kernel a token, each step chained on the one before) wherever a
 step feeds one token. The drafts are only proposals, so this changes how fast the target's
 output comes, never what it is.
 """
@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from ..cuda_graphs import StepRunner, eager_step, prefill
+from ..backends.cuda_graphs import StepRunner, eager_step, prefill
 from ..kv_cache import KVCache, grow_cache
 from ..model import Transformer
 from ..sampling import probs_from_logits, sample
@@ -43,7 +43,7 @@ class DraftModelDrafter:
             decode_kernel = "graph"
         why = None  # why the megakernel cannot run the draft model, where it was asked for
         if decode_kernel != "graph":
-            from ..megakernel import why_not
+            from ..backends.megakernel import why_not
             why = why_not(model, device)
             if not why and model.cfg.vocab_size > target_vocab:  # its argmax: a row cut off?
                 why = (f"its {model.cfg.vocab_size} logits would need cutting to the target's "
@@ -61,7 +61,7 @@ class DraftModelDrafter:
     def ensure_capacity(self, max_len: int) -> None:
         grow_cache(self, max_len)
         if self.use_megakernel and self.megakernel is None:
-            from ..megakernel import DecodeMegakernel  # compiled once a shape (NVRTC)
+            from ..backends.megakernel import DecodeMegakernel  # compiled once a shape (NVRTC)
             try:
                 self.megakernel = DecodeMegakernel(self.model, self.cache)
             except (RuntimeError, ValueError) as err:  # e.g. NVRTC on a GPU it does not know

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import kernels
+from ..backends import kernels
 from ..config import ModelConfig
 from ..model import Transformer, rope_frequencies
 from .hf import load_tokenizer, our_sources, read_hf, resolve_hf, to_ours
@@ -34,7 +34,7 @@ def read_model(ref: str, dtype: torch.dtype = torch.float32, device: torch.devic
     """The model `ref` names, as read from its files: (its config, with every id that ends a
     generation among eos_token_ids; its state dict in the checkpoint's names, each value a
     function that reads the tensor if lazy; its tokenizer; the file or directory read)."""
-    from ..models import resolve
+    from .examples import resolve
 
     ref = resolve(ref)
     if str(ref).endswith(".gguf"):
@@ -64,7 +64,7 @@ def load_model(ref: str, dtype: torch.dtype, device: torch.device,
     """The model `ref` names, in dtype on device; with quantization ("int8", "int4") its
     matrices weight-only quantized as they load (see `_load_quantized`)."""
     if quantization is not None:
-        from ..quant import MODES
+        from ..backends.quant import MODES
 
         if quantization not in MODES:
             raise ValueError(f"quantization {quantization!r} is not one of {', '.join(MODES)}")
@@ -100,7 +100,7 @@ def _load_quantized(model: Transformer, config: ModelConfig, state: dict, device
     loads. A tied output head gets its own quantized copy; the embedding stays as it is. The
     result is `quant.quantize_model(mode)` of the model loaded in full, its norms not folded
     (`Transformer.fold_norms`: unquantized models only)."""
-    from ..quant import quantize_linear
+    from ..backends.quant import quantize_linear
 
     sources = our_sources(state, config.num_layers)
     if config.tie_word_embeddings:

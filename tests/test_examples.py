@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from flashdraft import models
-from flashdraft.models import ExampleModel, ModelError
+from flashdraft.loading import examples as models
+from flashdraft.loading.examples import ExampleModel, ModelError
 
 
 @pytest.fixture
@@ -100,7 +100,7 @@ def test_second_pull_downloads_nothing_and_does_not_hash(fake, monkeypatch):
 def test_missing_stamp_is_rehashed_not_downloaded(fake):
     model, data, calls = fake
     [path] = models.pull("tiny", progress=False)
-    models._stamp_path(path).unlink()
+    models.stamp_path(path).unlink()
     models.pull("tiny", progress=False)
     assert calls == ["tiny-q4"]
     assert models.list_cached()[0]["verified"]

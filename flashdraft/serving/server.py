@@ -47,10 +47,10 @@ from prometheus_client import generate_latest
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import __version__
-from .config import SamplingParams
+from .. import __version__
+from ..config import SamplingParams
 
-log = logging.getLogger("flashdraft.server")
+log = logging.getLogger("flashdraft.serving.server")
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
 
 

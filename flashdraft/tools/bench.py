@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .config import DRAFT_NGRAM, SamplingParams, check_decode_kernel
+from ..config import DRAFT_NGRAM, SamplingParams, check_decode_kernel
 
 PROMPT_SETS = ("humaneval", "seed")
 PEERS = ("transformers",)
@@ -392,8 +392,8 @@ class GpuMonitor:
 
 def weights_location(ref: str) -> Path:
     """The file (.gguf) or directory the weights of `ref` are read from."""
-    from .loading.hf import resolve_hf
-    from .models import resolve
+    from ..loading.hf import resolve_hf
+    from ..loading.examples import resolve
 
     path = resolve(ref)
     return Path(path).resolve() if str(path).endswith(".gguf") else resolve_hf(path).resolve()
@@ -416,7 +416,7 @@ def model_files(ref: str, role: str) -> dict:
 
 
 def git_commit() -> tuple[str | None, bool | None]:
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     try:
         head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
                               text=True, timeout=10)
@@ -448,7 +448,7 @@ def device_name(device: torch.device) -> str:
 def environment(s: BenchSettings, llm, monitor: GpuMonitor) -> dict:
     import transformers
 
-    from . import __version__
+    from .. import __version__
 
     commit, dirty = git_commit()
     models = [model_files(s.model, "target")]
@@ -504,7 +504,7 @@ def warmup_indices(ids: list[list[int]], s: BenchSettings, k: int, bucket: int =
     chosen = list(range(min(s.warmup, len(ids))))
     if not chosen:
         return chosen
-    from .kernels import split_length
+    from ..backends.kernels import split_length
 
     def shapes(j: int) -> set:
         n, split = len(ids[j]), split_length(len(ids[j]) + s.max_tokens)
@@ -714,7 +714,7 @@ def run_bench(s: BenchSettings, out=None) -> dict:
     is raised again."""
     from tqdm import tqdm
 
-    from .api import LLM
+    from ..api import LLM
 
     out = out or sys.stdout
     log = lambda msg: tqdm.write(msg, file=sys.stderr)

@@ -1,7 +1,7 @@
 """Fixed-shape forward steps captured as CUDA graphs and replayed.
 
 One decode step of a 1.5B model launches hundreds of kernels (~9 a layer with the fused
-kernels of `flashdraft.kernels`, ~28 with the PyTorch path); launched one by one from Python
+kernels of `flashdraft.backends.kernels`, ~28 with the PyTorch path); launched one by one from Python
 they take several times longer than the GPU needs to stream the weights. A CUDA graph records
 the launches of one step once and replays them with one call, so the step costs what its
 kernels cost.
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_cache import KVCache
+from ..kv_cache import KVCache
 
 
 # Prompts up to this many tokens are prefilled padded (`prefill_length`), as CUDA graphs on a

@@ -129,20 +129,20 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
-def _stamp_path(path: Path) -> Path:
+def stamp_path(path: Path) -> Path:
     return path.with_name(path.name + ".verified")
 
 
 def _stamp_ok(model: ExampleModel, path: Path, st: os.stat_result) -> bool:
     try:
-        stamp = json.loads(_stamp_path(path).read_text())
+        stamp = json.loads(stamp_path(path).read_text())
     except (OSError, ValueError):
         return False
     return stamp == {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": model.sha256}
 
 
 def _write_stamp(path: Path, st: os.stat_result, digest: str) -> None:
-    stamp = _stamp_path(path)
+    stamp = stamp_path(path)
     tmp = stamp.with_name(stamp.name + ".tmp")
     tmp.write_text(json.dumps({"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}))
     os.replace(tmp, stamp)
@@ -233,7 +233,7 @@ def download_parts(model: ExampleModel, workdir: Path, progress: bool = True) ->
 def _fetch(model: ExampleModel, path: Path, progress: bool) -> None:
     """Download, join into ``<name>.gguf.partial`` while hashing, verify, rename into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    _stamp_path(path).unlink(missing_ok=True)
+    stamp_path(path).unlink(missing_ok=True)
     path.unlink(missing_ok=True)  # a bad copy: free its space before downloading
     partial = path.with_name(path.name + ".partial")
     h = hashlib.sha256()

@@ -16,13 +16,13 @@ Formats (one place, shared by every path):
 Paths, chosen per layer at run time (`QuantLinear.backend`):
 - "reference": dequantize the whole weight in PyTorch, then F.linear. Works everywhere (CPU);
   the definition the fast paths are tested against.
-- "triton": `kernels._skinny_quant_kernel` for up to 64 rows: the bf16 products' kernel with
+- "triton": `kernels.skinny_quant_kernel` for up to 64 rows: the bf16 products' kernel with
   the weights dequantized in registers for the tensor cores (int4: a bit-or makes each code a
   float, then (q - 8) · s + z in paired FMAs; see `kernels.quant_linear` for the variants), K
   split by the weight's shape alone, the slices added by the last program of a tile;
   batch-invariant, so quantized speculative decoding returns the tokens of quantized plain
   decoding. More rows (prefill) dequantize the weight and use cuBLAS.
-- "mma" (int4, bfloat16 only): `flashdraft.mma`, a CUDA kernel compiled at run time (NVRTC)
+- "mma" (int4, bfloat16 only): `flashdraft.backends.mma`, a CUDA kernel compiled at run time (NVRTC)
   for up to 32 rows, with the weights shuffled at load into the tensor-core operand layout so
   each thread turns 32 weights into operands from one 16-byte load; batch-invariant. Stores
   only that layout (prefill dequantizes it with a second kernel, then cuBLAS).
@@ -39,10 +39,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels, mma
+from .formats import (GROUP, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8,
+                      unpack_int4)
 
 triton = kernels.triton  # None where Triton is not installed: the reference path serves
 
-GROUP = 128
 MODES = ("int8", "int4")
 BACKENDS = ("auto", "reference", "triton", "mma", "tinygemm", "hybrid")
 # hybrid (int4): tinygemm up to this many rows, Triton above. Measured on an H200 against the
@@ -50,89 +51,12 @@ BACKENDS = ("auto", "reference", "triton", "mma", "tinygemm", "hybrid")
 HYBRID_MAX_ROWS = 2
 
 
-# -- quantize / dequantize (reference definitions) -------------------------------------------
-
-# Weights are quantized in slices of rows of at most this many elements: each row is quantized
-# on its own, so slicing changes no bit, and the float32 temporaries stay small (a 27B model's
-# 2.5 GB output head would otherwise need ~15 GB of them on the GPU it is loaded onto).
-_CHUNK_ELEMENTS = 1 << 26
-
-
-def _by_rows(fn, w: torch.Tensor, dims: tuple[int, ...]):
-    """fn(w) computed on slices of w's rows, the results of each joined along `dims` (one
-    per output of fn: the dimension that runs over w's rows)."""
-    rows = max(1, _CHUNK_ELEMENTS // max(1, w.shape[1]))
-    if w.shape[0] <= rows:
-        return fn(w)
-    parts = [fn(w[i:i + rows]) for i in range(0, w.shape[0], rows)]
-    return tuple(torch.cat(p, dim=d) for p, d in zip(zip(*parts), dims))
-
-
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [out, in] float -> q [out, in] int8, scale [out] float32."""
-    return _by_rows(_quantize_int8, w, (0, 0))
-
-
-def _quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    w = w.float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scale
-
-
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
-    """q [out, in] int8, scale [out] -> w [out, in] of dtype."""
-    return (q.float() * scale[:, None]).to(dtype)
-
-
-def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [out, in] float (in a multiple of 128) -> packed [in/2, out] uint8,
-    scale [in/128, out] bf16, zero [in/128, out] bf16.
-
-    Scales and zeros are bf16 (as in tinygemm): 4 bytes per 128 weights instead of 8, and the
-    codes are computed from the rounded values, so dequantization is exactly what was meant.
-    """
-    if w.shape[1] % GROUP:
-        raise ValueError(f"int4 needs input features in multiples of {GROUP}, got {w.shape[1]}")
-    return _by_rows(_quantize_int4, w, (1, 1, 1))
-
-
-def _quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    out_f, in_f = w.shape
-    g = w.float().reshape(out_f, in_f // GROUP, GROUP)
-    lo, hi = g.amin(-1), g.amax(-1)  # [out, groups]
-    scale = ((hi - lo) / 15.0).clamp_min(1e-6).to(torch.bfloat16).float()
-    zero = (lo + 8 * scale).to(torch.bfloat16).float()  # q = 8 sits at the range's middle
-    q = torch.round((g - (zero - 8 * scale)[..., None]) / scale[..., None]).clamp_(0, 15)
-    q = q.to(torch.uint8).permute(1, 2, 0)  # [groups, 128, out]
-    packed = q[:, :GROUP // 2] | (q[:, GROUP // 2:] << 4)  # [groups, 64, out]
-    return (packed.reshape(in_f // 2, out_f).contiguous(),
-            scale.t().to(torch.bfloat16).contiguous(), zero.t().to(torch.bfloat16).contiguous())
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """packed [in/2, out] uint8 -> q [out, in] uint8 in [0, 15]."""
-    half, out_f = packed.shape
-    p = packed.reshape(half * 2 // GROUP, GROUP // 2, out_f)
-    q = torch.cat([p & 0xF, p >> 4], dim=1)  # [groups, 128, out]
-    return q.reshape(half * 2, out_f).t()
-
-
-def dequantize_int4(packed, scale, zero, dtype) -> torch.Tensor:
-    """-> w [out, in] of dtype."""
-    q = unpack_int4(packed).float()  # [out, in]
-    out_f, in_f = q.shape
-    s, z = scale.t().float()[..., None], zero.t().float()[..., None]
-    w = (q.reshape(out_f, in_f // GROUP, GROUP) - 8) * s + z
-    return w.reshape(out_f, in_f).to(dtype)
-
-
 # -- the Triton path ---------------------------------------------------------------------------
 
 def triton_matmul(x: torch.Tensor, layer: "QuantLinear", cfg=None, convert: str | None = None
                   ) -> torch.Tensor:
     """x [M, K] (M <= kernels.QUANT_MAX_ROWS, contiguous rows) -> x @ W^T + bias [M, N] in x's
-    dtype, through `kernels._skinny_quant_kernel` (launch parameters cfg, else
+    dtype, through `kernels.skinny_quant_kernel` (launch parameters cfg, else
     `kernels.quant_config`'s; convert: see there)."""
     return kernels.quant_linear(x, layer.qweight, layer.scale, layer.zero, layer.bias,
                                 layer.out_features, cfg, convert)
@@ -168,7 +92,7 @@ class QuantLinear(nn.Module):
                 self.register_buffer("qweight", q.t().contiguous())  # [in, out] int8
                 self.register_buffer("scale", scale)  # [out] float32
                 self.zero = None
-            elif backend == "mma":  # only the kernel's own layout (see flashdraft.mma)
+            elif backend == "mma":  # only the kernel's own layout (see flashdraft.backends.mma)
                 # [gate; up] rows in the gated kernel's order (mma.gate_up_order)
                 self.gated_layout = gate_up and linear.bias is None and mma.GATED
                 rows = (mma.gate_up_order(self.out_features, w.device) if self.gated_layout
@@ -302,7 +226,7 @@ def quantize_model(model: nn.Module, mode: str, backend: str = "auto",
                          "folds unquantized models), which would change what int4/int8 round; "
                          "quantize as it loads (load_model(..., quantization=...), "
                          "LLM(..., quantization=...)) or, to pick a backend, load it unfolded "
-                         "(FLASHDRAFT_FOLD_NORMS=0, or flashdraft.kernels.FOLD_NORMS = False "
+                         "(FLASHDRAFT_FOLD_NORMS=0, or flashdraft.backends.kernels.FOLD_NORMS = False "
                          "before load_model)")
     # Names first, modules one at a time: each full-precision weight is freed as soon as its
     # replacement exists, so the peak is the model plus one layer, not two models.

@@ -22,7 +22,7 @@ are not folded (quantized models, FLASHDRAFT_FOLD_NORMS=0):
   q rotated in registers, the step's keys and values written to the cache by the attention
   programs whose split holds them, before they read it (FLASHDRAFT_ROPE_ATTENTION=0: two).
 - `silu_mul(gate_up)`: SiLU(gate) · up.
-- `linear(x, module)`: products of up to 32 rows (`_skinny_kernel`, tensor cores, K split in a
+- `linear(x, module)`: products of up to 32 rows (`skinny_kernel`, tensor cores, K split in a
   fixed way per weight shape, the slices added by the last program of a tile to finish).
   `gated_linear` (SiLU · up inside the gate/up product) is the same kernel with more work in
   it where `gated_for` says (by default MLPs at least 12,288 wide), else `silu_mul` after
@@ -33,7 +33,7 @@ are not folded (quantized models, FLASHDRAFT_FOLD_NORMS=0):
   the next product, whose weight has the RMSNorm's weight folded in, scaling each row by the
   1 / rms those sums give. The norm then costs no kernel (`model.Residual`).
 - `quant_linear(x, ...)`: the same for weight-only int8 / int4 weights, dequantized in
-  registers (`_skinny_quant_kernel`).
+  registers (`skinny_quant_kernel`).
 
 With programmatic dependent launch (Hopper on) each kernel starts while its predecessor
 finishes, and the products load their first weight tiles before waiting for it: weights never
@@ -481,7 +481,7 @@ if triton is not None:
         return tl.load(ptrs, mask=ok, other=0.0)
 
     @triton.jit
-    def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, ss_ptr, ss_out_ptr, eps,
+    def skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, ss_ptr, ss_out_ptr, eps,
                        m, n, k, stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr,
                        GATED: tl.constexpr, SPLIT: tl.constexpr, K_STEPS: tl.constexpr,
                        PRE_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -620,7 +620,7 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _skinny_quant_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, count_ptr,
+    def skinny_quant_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, count_ptr,
                              m, n, k, stride_xm, stride_wn, stride_wk, stride_om,
                              BITS: tl.constexpr,
                              MAGIC: tl.constexpr, SCALED: tl.constexpr, ASM_LO: tl.constexpr,
@@ -630,9 +630,9 @@ if triton is not None:
                              BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
                              PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
                              EARLY_LAUNCH: tl.constexpr = False):
-        # out [m, n] = x [m, k] @ W^T for weight-only int4 / int8 W (flashdraft.quant's formats:
+        # out [m, n] = x [m, k] @ W^T for weight-only int4 / int8 W (flashdraft.backends.quant's formats:
         # w [k/2, n] packed int4 with s, z [k/128, n]; or w [k, n] int8 with s [n]), as
-        # `_skinny_kernel`: program (n block, K slice, row block), K walked one group of 128 at
+        # `skinny_kernel`: program (n block, K slice, row block), K walked one group of 128 at
         # a time, slices added by the last program of a tile; batch-invariant.
         pid_n = tl.program_id(0)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -735,7 +735,7 @@ PREFETCH = os.environ.get("FLASHDRAFT_PREFETCH", "1") != "0"
 _CAPABILITY: dict[int, int] = {}
 
 
-def _pdl(x: torch.Tensor) -> dict:
+def pdl_options(x: torch.Tensor) -> dict:
     """Launch options (and the kernels' USE_PDL flag) for a kernel on x's device."""
     if not (PDL and x.is_cuda):
         return {"USE_PDL": False}
@@ -755,7 +755,7 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _N_COUNTERS = 1 << 16
 
 
-def _counters(device: torch.device, needed: int) -> torch.Tensor:
+def tile_counters(device: torch.device, needed: int) -> torch.Tensor:
     if needed > _N_COUNTERS:
         raise ValueError(f"{needed} output tiles exceed the {_N_COUNTERS} tile counters")
     buf = _COUNTERS.get(device)
@@ -780,7 +780,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, n, eps, x2.stride(0), r2.stride(0),
                                      out.stride(0), HAS_RESIDUAL=residual is not None,
                                      BLOCK=triton.next_power_of_2(n),
-                                     num_warps=4 if n <= 4096 else 8, **_pdl(x))
+                                     num_warps=4 if n <= 4096 else 8, **pdl_options(x))
     return out.view(x.shape)
 
 
@@ -803,7 +803,7 @@ def rope_and_cache_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         qkv, cos, sin, positions, cache_layer, q_norm if qk_norm else qkv,
         k_norm if qk_norm else qkv, eps, t, qkv.stride(1), cos.stride(1), positions.stride(0),
         cache_layer.stride(0), cache_layer.stride(1), cache_layer.stride(2), cache_layer.stride(3),
-        N_HEADS=n_heads, N_KV=n_kv, HALF=d // 2, QK_NORM=qk_norm, num_warps=1, **_pdl(qkv))
+        N_HEADS=n_heads, N_KV=n_kv, HALF=d // 2, QK_NORM=qk_norm, num_warps=1, **pdl_options(qkv))
 
 
 def attention(q: torch.Tensor, cache_layer: torch.Tensor, positions: torch.Tensor, kv_len: int,
@@ -863,7 +863,7 @@ def _attention(q: torch.Tensor, heads: int, cache_layer: torch.Tensor, positions
     else:
         part_o = torch.empty(b * n_kv * n_splits * n_rows, d, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(b * n_kv * n_splits * n_rows, 2, dtype=torch.float32, device=q.device)
-        counters = _counters(q.device, grid[0] * grid[2])
+        counters = tile_counters(q.device, grid[0] * grid[2])
     cos, sin, q_norm, k_norm, eps = rope or (q, q, None, None, 0.0)
     _attention_kernel[grid](
         q, cache_layer, positions, out, part_o, part_ml, counters, cos, sin,
@@ -875,12 +875,12 @@ def _attention(q: torch.Tensor, heads: int, cache_layer: torch.Tensor, positions
         cos.stride(1), GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=64, SPLIT=split_len,
         MAX_SPLITS=max_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         ROPE=rope is not None, QK_NORM=q_norm is not None, T_MAX=ROPE_MAX_T, num_warps=4,
-        **_pdl(q))
+        **pdl_options(q))
     return out.view(b, t, heads * d)
 
 
 # Products of up to SKINNY_MAX_ROWS rows (decode, verification, draft steps) go through
-# `_skinny_kernel` when it is on: faster than cuBLAS for so few rows (benchmarks/NOTES-gpu.md),
+# `skinny_kernel` when it is on: faster than cuBLAS for so few rows (benchmarks/NOTES-gpu.md),
 # and batch-invariant, which is what makes greedy speculative decoding give exactly the tokens
 # of plain decoding in bf16 too. FLASHDRAFT_SKINNY=0 turns it off (cuBLAS everywhere).
 SKINNY = os.environ.get("FLASHDRAFT_SKINNY", "1") != "0"
@@ -921,7 +921,7 @@ class SkinnyConfig(NamedTuple):
 # leaves the input alone: the norm's weight is in the product's weight and 1 / rms scales the
 # product's rows.)
 SKINNY_RULE = os.environ.get("FLASHDRAFT_SKINNY_RULE", "tuned")
-_SHIPPED_TABLE = str(Path(__file__).with_name("data") / "skinny_tuned.json")
+_SHIPPED_TABLE = str(Path(__file__).parent.parent / "data" / "skinny_tuned.json")
 SKINNY_TABLE = os.environ.get("FLASHDRAFT_SKINNY_TABLE", _SHIPPED_TABLE)
 SPLIT_REDUCE = os.environ.get("FLASHDRAFT_SPLIT_REDUCE", "last")
 _GATED_SETTINGS = {"auto": None, "1": True, "0": False}
@@ -941,7 +941,7 @@ def table_key(n: int, k: int, gated: bool) -> str:
     return f"{n}x{k}{' gated' if gated else ''}"
 
 
-def _check_entry(key: str, c: SkinnyConfig) -> SkinnyConfig:
+def check_entry(key: str, c: SkinnyConfig) -> SkinnyConfig:
     """c, if it is a launch that covers the weight of `key` exactly and that the kernel can
     compile (tiles of at least 16 for the tensor cores, powers of two where it takes ranges);
     else ValueError."""
@@ -965,7 +965,7 @@ def device_name() -> str:
 
 def user_table() -> Path:
     """The table `flashdraft tune` writes, read over the shipped one: in the model cache."""
-    from .models import cache_dir
+    from ..loading.examples import cache_dir
 
     return cache_dir() / "skinny_tuned.json"
 
@@ -973,7 +973,7 @@ def user_table() -> Path:
 def _read_table(path: Path, gpu: str, required: bool) -> dict[str, SkinnyConfig]:
     try:
         table = json.loads(path.read_text()).get(gpu, {})
-        return {key: _check_entry(key, SkinnyConfig(*v)) for key, v in table.items()}
+        return {key: check_entry(key, SkinnyConfig(*v)) for key, v in table.items()}
     except FileNotFoundError:
         if required:
             raise ValueError(f"FLASHDRAFT_SKINNY_TABLE={str(path)!r}: no such file; name a "
@@ -1037,13 +1037,13 @@ def _split_buffers(out: torch.Tensor, grid: tuple, split: int, width: int):
     if split == 1:
         return out, out
     parts = torch.empty(split * out.shape[0] * width, dtype=torch.float32, device=out.device)
-    return parts, _counters(out.device, grid[0] * grid[2])
+    return parts, tile_counters(out.device, grid[0] * grid[2])
 
 
-def _skinny(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated: bool,
+def skinny_linear(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated: bool,
             cfg: SkinnyConfig, ss: torch.Tensor | None = None, eps: float = 0.0,
             residual: torch.Tensor | None = None, silu_x: bool = False) -> torch.Tensor:
-    """x2 [rows, k] @ w^T through `_skinny_kernel` with launch parameters cfg (see there for
+    """x2 [rows, k] @ w^T through `skinny_kernel` with launch parameters cfg (see there for
     gated). ss [rows, tiles] (float32, from a product with a residual): each row of the product
     scaled by the row's 1 / rms (eps inside the root), the RMSNorm whose weight is folded into w.
     residual [rows, n] (contiguous rows): the product is added into it instead, and the result's
@@ -1059,7 +1059,7 @@ def _skinny(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated:
     parts, counters = _split_buffers(out, grid, cfg.split, 2 * n if gated else n)
     ss_out = (torch.empty(rows, grid[0], dtype=torch.float32, device=x2.device)
               if residual is not None else out)
-    _skinny_kernel[grid](
+    skinny_kernel[grid](
         x2, w, bias if bias is not None else w, out, parts, counters,
         ss if ss is not None else out, ss_out, eps, rows, n, k, x2.stride(0),
         w.stride(0), out.stride(0), HAS_BIAS=bias is not None and (last or cfg.split == 1),
@@ -1068,17 +1068,17 @@ def _skinny(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated:
         BLOCK_K=cfg.block_k, BLOCK_M=16, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         PREFETCH=PREFETCH, LAST_REDUCE=last, SCALE_TILES=0 if ss is None else ss.shape[1],
         ADD_RESIDUAL=residual is not None, SILU_X=silu_x, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **_pdl(x2))
+        num_stages=cfg.num_stages, **pdl_options(x2))
     if cfg.split > 1 and not last:
         total = rows * n
         _sum_slices_kernel[(triton.cdiv(total, 1024),)](
             parts, bias if bias is not None else parts, out, total, n, SPLIT=cfg.split,
-            HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4, **_pdl(x2))
+            HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4, **pdl_options(x2))
     return ss_out if residual is not None else out
 
 
-# Weight-only int4 / int8 products of up to QUANT_MAX_ROWS rows (flashdraft.quant's formats):
-# `_skinny_quant_kernel`, launched like the bf16 products but with the K tile fixed to a group
+# Weight-only int4 / int8 products of up to QUANT_MAX_ROWS rows (flashdraft.backends.quant's formats):
+# `skinny_quant_kernel`, launched like the bf16 products but with the K tile fixed to a group
 # of 128 and wider column blocks (an int4 tile of 64 × 128 is only 4 KB). Defaults measured on
 # an H200 (benchmarks/profile_step.py --quant-products, NOTES-gpu.md): 256 columns, 4 warps,
 # ~256 programs, int4 weights dequantized in full in PTX; FLASHDRAFT_QUANT_BLOCK_N, _WARPS,
@@ -1113,7 +1113,7 @@ def _nibble_asm(magic: int, high: bool, scaled: bool = False) -> str:
 
 @functools.cache
 def quant_config(n: int, k: int, block_n: int = 0, programs: int = 0) -> SkinnyConfig:
-    """Launch parameters of `_skinny_quant_kernel` for an [n, k] weight (int4: k a multiple of
+    """Launch parameters of `skinny_quant_kernel` for an [n, k] weight (int4: k a multiple of
     128): a function of the shape only, as `skinny_config`."""
     block_n = block_n or QUANT_BLOCK_N
     groups, tiles_n = triton.cdiv(k, 128), triton.cdiv(n, block_n)
@@ -1152,7 +1152,7 @@ def quant_linear(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split, triton.cdiv(rows, 16))
     parts, counters = _split_buffers(out, grid, cfg.split, n)
-    _skinny_quant_kernel[grid](
+    skinny_quant_kernel[grid](
         x2, qweight, scale, zero if zero is not None else scale,
         bias if bias is not None else scale, out, parts, counters, rows, n, k, x2.stride(0),
         qweight.stride(1), qweight.stride(0), out.stride(0), BITS=bits,
@@ -1162,7 +1162,7 @@ def quant_linear(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         HAS_BIAS=bias is not None, SPLIT=cfg.split, K_STEPS=cfg.k_steps,
         BLOCK_N=cfg.block_n, BLOCK_M=16,
         PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", PREFETCH=PREFETCH,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl(x2))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(x2))
     return out
 
 
@@ -1195,17 +1195,17 @@ def _gates(w: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
-    """module(x); for a plain nn.Linear and at most SKINNY_MAX_ROWS rows, `_skinny_kernel`."""
+    """module(x); for a plain nn.Linear and at most SKINNY_MAX_ROWS rows, `skinny_kernel`."""
     if not _skinny_serves(x, module):
         return module(x)
     w = module.weight
-    out = _skinny(_rows(x), w, module.bias, False, _launch(w, False))
+    out = skinny_linear(_rows(x), w, module.bias, False, _launch(w, False))
     return out.view(*x.shape[:-1], w.shape[0])
 
 
 def gated_linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     """SiLU(gate) · up of module(x) = [gate, up] (the MLP's first product and its activation);
-    for a plain nn.Linear and at most SKINNY_MAX_ROWS rows, one `_skinny_kernel` where
+    for a plain nn.Linear and at most SKINNY_MAX_ROWS rows, one `skinny_kernel` where
     `gated_for` the width, else `linear` then `silu_mul`; a layer with its own
     (`forward_gated`: quant.QuantLinear) computes it."""
     fused = getattr(module, "forward_gated", None)
@@ -1214,7 +1214,7 @@ def gated_linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     if not (_skinny_serves(x, module) and _gates(module.weight)):
         return silu_mul(linear(x, module))
     w = module.weight
-    out = _skinny(_rows(x), w, module.bias, True, _launch(w, True))
+    out = skinny_linear(_rows(x), w, module.bias, True, _launch(w, True))
     return out.view(*x.shape[:-1], w.shape[0] // 2)
 
 
@@ -1266,13 +1266,13 @@ def scaled_linear(x: torch.Tensor, ss: torch.Tensor, eps: float, module: torch.n
     """module(RMSNorm(x)), or with `gated` SiLU(gate) · up of it, for a module whose weight has
     the norm's weight folded in (so the norm is a scale of each row by 1 / rms, applied to the
     product). ss: the rows' sums of squares of x, [rows, tiles] float32 added along tiles
-    (`add_linear`). One `_skinny_kernel` where `folds_norm` (then `silu_mul` with gated,
+    (`add_linear`). One `skinny_kernel` where `folds_norm` (then `silu_mul` with gated,
     unless `gated_for` the width)."""
     if not folds_norm(x, module):
         return scaled_linear_reference(x, ss, eps, module, gated)
     w = module.weight
     fused = gated and _gates(w)
-    out = _skinny(_rows(x), w, module.bias, fused, _launch(w, fused), ss=ss, eps=eps)
+    out = skinny_linear(_rows(x), w, module.bias, fused, _launch(w, fused), ss=ss, eps=eps)
     out = out.view(*x.shape[:-1], out.shape[-1])
     if gated and not fused:
         return SiluPending(out) if SILU_DOWN else silu_mul(out)
@@ -1283,12 +1283,12 @@ def add_linear(x: torch.Tensor | SiluPending, module: torch.nn.Module,
                residual: torch.Tensor) -> torch.Tensor:
     """residual += module(x), in place (rounded as the separate add would be); returns the
     sums of squares of residual's rows, [rows, tiles] float32, for `scaled_linear`. One
-    `_skinny_kernel` where `folds_norm`, which computes a SiluPending x as it loads it."""
+    `skinny_kernel` where `folds_norm`, which computes a SiluPending x as it loads it."""
     silu = isinstance(x, SiluPending)
     if not (folds_norm(x.gate_up if silu else x, module) and residual.is_contiguous()):
         return add_linear_reference(x.value() if silu else x, module, residual)
     w = module.weight
-    return _skinny(_rows(x.gate_up if silu else x), w, module.bias, False, _launch(w, False),
+    return skinny_linear(_rows(x.gate_up if silu else x), w, module.bias, False, _launch(w, False),
                    residual=residual.view(-1, w.shape[0]), silu_x=silu)
 
 
@@ -1302,5 +1302,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = 1024
     _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, n, x2.stride(0), out.stride(0),
                                                            BLOCK=block, num_warps=4,
-                                                           **_pdl(gate_up))
+                                                           **pdl_options(gate_up))
     return out.view(*gate_up.shape[:-1], n)

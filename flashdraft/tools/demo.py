@@ -4,7 +4,7 @@ Loads Qwen2.5-Coder-1.5B-Instruct (target) and -0.5B-Instruct (draft) from the e
 (pulling them if needed), then runs plain decoding, the draft model and n-gram lookup over a
 few HumanEval prompts and the seed prompts, and prints per prompt and in total: plain
 tokens/s, speculative tokens/s, speedup, τ, acceptance rate and whether the output is
-identical to plain decoding. The timing logic is the benchmark's (`flashdraft.bench`).
+identical to plain decoding. The timing logic is the benchmark's (`flashdraft.tools.bench`).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class DemoSettings:
 def run_demo(s: DemoSettings, out=None) -> dict:
     from tqdm import tqdm
 
-    from .api import LLM, pick_device_dtype
+    from ..api import LLM, pick_device_dtype
     from .bench import (BenchSettings, Configuration, GpuMonitor, load_prompts, prompt_ids,
                         run_configuration, write_json)
 

@@ -19,12 +19,12 @@ import time
 
 import torch
 
-from . import kernels
-from .config import ModelConfig
-from .cuda_graphs import StepRunner
-from .engine import _TokenReader
-from .kv_cache import KVCache
-from .model import Transformer, rope_frequencies
+from ..backends import kernels
+from ..config import ModelConfig
+from ..backends.cuda_graphs import StepRunner
+from ..engine import TokenReader
+from ..kv_cache import KVCache
+from ..model import Transformer, rope_frequencies
 
 RANDOM_WEIGHTS_NOTE = ("random weights: these figures measure speed only; acceptance (tau, "
                        "acceptance rate) is not measured and means nothing with random weights")
@@ -81,7 +81,7 @@ def build_random_model(cfg: ModelConfig, dtype: torch.dtype, device, seed: int =
     if kernels.FOLD_NORMS and not quant:
         model.fold_norms()
     if quant:  # "int8", "int4", or "MODE-BACKEND" (e.g. "int4-hybrid")
-        from .quant import quantize_model
+        from ..backends.quant import quantize_model
         mode, _, backend = quant.partition("-")
         quantize_model(model, mode, backend or "auto")
     return model.eval()
@@ -105,7 +105,7 @@ def measure_copy_bandwidth(device, nbytes: int = 2 << 30, repeats: int = 20) -> 
 
 def step_bytes(model: Transformer, cfg: ModelConfig, context: int, t: int, kv_dtype) -> dict:
     """What a step over t tokens at `context` cached positions must read, and its flops."""
-    from .quant import weight_bytes
+    from ..backends.quant import weight_bytes
     weights = weight_bytes(model)
     kv_elem = torch.tensor([], dtype=kv_dtype).element_size()
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (context + t) * kv_elem
@@ -141,7 +141,7 @@ def graph_replay_us(fn, calls: int = 10, repeats: int = 50, warmup: int = 3) -> 
     return statistics.median(times)
 
 
-def _time_steps(runner: StepRunner, cache: KVCache, t: int, context: int, vocab: int,
+def time_steps(runner: StepRunner, cache: KVCache, t: int, context: int, vocab: int,
                 repeats: int) -> float:
     """Median seconds of one target pass over t tokens at `context`, graph replays included."""
     tokens = torch.randint(0, vocab, (1, t), device=runner.device)
@@ -159,7 +159,7 @@ def _time_steps(runner: StepRunner, cache: KVCache, t: int, context: int, vocab:
     return statistics.median(times)
 
 
-def _decode_loop(runner: StepRunner, cache: KVCache, context: int, vocab: int,
+def decode_loop(runner: StepRunner, cache: KVCache, context: int, vocab: int,
                  steps: int) -> float:
     """Plain greedy decoding as the engine runs it: one pass, argmax, one host read a step.
     Returns tokens/s over `steps` steps after a warm-up."""
@@ -210,7 +210,7 @@ def megakernel_decode(mk, context: int, steps: int = 256, ahead: bool = False) -
     torch.cuda.synchronize(mk.device)
     began = time.perf_counter()
     if ahead:
-        reader = _TokenReader(mk.device)
+        reader = TokenReader(mk.device)
         mk.launch()
         pending = reader.start(mk.token_out)
         for _ in range(steps - 1):
@@ -229,7 +229,7 @@ def megakernel_decode(mk, context: int, steps: int = 256, ahead: bool = False) -
 def _megakernel_at(model, cache: KVCache, context: int):
     """A DecodeMegakernel for `model` whose launches run at position `context` (one step
     there sets it), as the graph steps it is compared with."""
-    from .megakernel import DecodeMegakernel
+    from ..backends.megakernel import DecodeMegakernel
     mk = DecodeMegakernel(model, cache)
     dev = model.embed.weight.device
     mk.step(torch.zeros(1, dtype=torch.int64, device=dev), torch.tensor([context], device=dev))
@@ -269,7 +269,7 @@ def run_shape_bench(shape: str, dtype: str = "bfloat16", quant: str | None = Non
     torch.cuda.synchronize(dev)
     out["build_s"] = time.perf_counter() - began
     if decode_kernel == "megakernel":  # refused before anything is measured
-        from .megakernel import refuse_unsupported
+        from ..backends.megakernel import refuse_unsupported
         refuse_unsupported(model, dev, f"the {shape} shape ({out['dtype']}, quant {out['quant']})")
     max_t = max(step_tokens)
     cache = KVCache.for_model(cfg, 1, -(-(context + decode_steps + max_t + 8) // 256) * 256,
@@ -280,7 +280,7 @@ def run_shape_bench(shape: str, dtype: str = "bfloat16", quant: str | None = Non
     curve = {}
     for t in step_tokens:
         began = time.perf_counter()
-        seconds = _time_steps(runner, cache, t, context, cfg.vocab_size, repeats)
+        seconds = time_steps(runner, cache, t, context, cfg.vocab_size, repeats)
         need = step_bytes(model, cfg, context, t, torch_dtype)
         curve[t] = {"ms": seconds * 1e3, "tokens_per_pass_s": t / seconds,
                     "bytes": need["bytes"], "flops": need["flops"],
@@ -293,7 +293,7 @@ def run_shape_bench(shape: str, dtype: str = "bfloat16", quant: str | None = Non
     out.update(weight_bytes=need1["weight_bytes"], kv_bytes_per_step=need1["kv_bytes"],
                bytes_per_step=need1["bytes"], flops_per_step=need1["flops"])
     out["roofline_tokens_per_s"] = bandwidth / need1["bytes"]
-    out["decode_tokens_per_s"] = _decode_loop(runner, cache, context, cfg.vocab_size, decode_steps)
+    out["decode_tokens_per_s"] = decode_loop(runner, cache, context, cfg.vocab_size, decode_steps)
     out["roofline_fraction"] = out["decode_tokens_per_s"] / out["roofline_tokens_per_s"]
     if 1 in curve:
         out["graph_step_roofline_fraction"] = curve[1]["bandwidth_fraction"]
@@ -325,10 +325,10 @@ def run_shape_bench(shape: str, dtype: str = "bfloat16", quant: str | None = Non
         dcache.v.normal_()
         drunner = StepRunner(dmodel, dev, enabled=cuda_graphs, compile=False)
         out["drafter"] = {"shape": dname, "dtype": out["dtype"], "quant": out["quant"],
-                          "step_ms": _time_steps(drunner, dcache, 1, context, dcfg.vocab_size,
+                          "step_ms": time_steps(drunner, dcache, 1, context, dcfg.vocab_size,
                                                  repeats) * 1e3}
         if decode_kernel != "graph":  # auto and megakernel run a draft model's steps through it
-            from .megakernel import why_not
+            from ..backends.megakernel import why_not
             why = why_not(dmodel, dev)
             if why:
                 out["drafter"]["megakernel_refused"] = why

@@ -1,6 +1,6 @@
 """int4 weight-only products on the tensor cores, in CUDA compiled at run time (NVRTC).
 
-`csrc/int4_mma.cu` holds the kernels and the layout; this module packs flashdraft.quant's int4
+`csrc/int4_mma.cu` holds the kernels and the layout; this module packs flashdraft.backends.quant's int4
 format into that layout (once, at load), compiles the kernels on first use (torch's NVRTC
 wrapper: no compiler, headers or build step beyond torch's CUDA build) and launches them.
 
@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 
 from . import kernels
+from . import formats
+from .formats import GROUP
 
-GROUP = 128
 MAX_ROWS = 32  # rows of x in blocks of 8: 1, 2 or 4 blocks
 TN = 4  # 16-feature tiles a block
 GMAX = 4  # groups a warp holds in registers, all loaded before the wait for the previous kernel
@@ -137,10 +138,9 @@ def _as_int32(v: torch.Tensor) -> torch.Tensor:
 
 def pack_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
               chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    """flashdraft.quant's int4 (packed [k/2, n] uint8, scale and zero [k/128, n] bf16) ->
+    """flashdraft.backends.quant's int4 (packed [k/2, n] uint8, scale and zero [k/128, n] bf16) ->
     (qweight [n/16, k/128, 2, 32, 4] int32, scales [n/16, k/128, 8, 2] int32)."""
-    from . import quant  # (quant imports this module)
-    q = quant.unpack_int4(packed)  # [n, k]
+    q = formats.unpack_int4(packed)  # [n, k]
     n, k = q.shape
     if n % 16 or k % GROUP:
         raise ValueError(f"the mma layout needs out features in multiples of 16 and in features "
@@ -219,12 +219,12 @@ def _shared_bytes(rows: int, cfg: MmaConfig) -> int:
 
 
 # A block's dynamic shared memory on sm_90, 227 KB, less 1 KB for the static (sm_80: 163 KB, sm_86
-# and sm_89: 99 KB; `linear` passes the GPU's own through _shared_limit).
+# and sm_89: 99 KB; `linear` passes the GPU's own through shared_limit).
 SHARED_LIMIT = 226 * 1024
 
 
 @functools.cache
-def _shared_limit(device: int) -> int:
+def shared_limit(device: int) -> int:
     """The dynamic shared memory a block of ours may opt in to on `device` (the kernel's static
     shared memory is a few bytes; 1 KB is kept for it)."""
     props = torch.cuda.get_device_properties(device)
@@ -270,7 +270,7 @@ def _row_blocks(rows: int) -> int:
     return 1 if rows <= 8 else 2 if rows <= 16 else 4
 
 
-def _check_packed(qweight: torch.Tensor, scales: torch.Tensor, n: int, k: int,
+def check_packed(qweight: torch.Tensor, scales: torch.Tensor, n: int, k: int,
                   bias: torch.Tensor | None = None) -> None:
     """The kernels index the packed weight (pack_int4's layout) and the bias by n and k alone:
     a mismatch would read past them, so it is refused here."""
@@ -299,15 +299,15 @@ def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if rows > MAX_ROWS or x2.dtype != torch.bfloat16:
         raise ValueError(f"the int4 mma kernel takes up to {MAX_ROWS} bfloat16 rows, "
                          f"got {rows} of {x2.dtype}")
-    _check_packed(qweight, scales, n, k, bias)
+    check_packed(qweight, scales, n, k, bias)
     if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
         x2 = x2.clone(memory_format=torch.contiguous_format)  # rows read in 16-byte chunks
-    cfg = cfg or config(n, k, shared_limit=_shared_limit(_device_index(x2)))
+    cfg = cfg or config(n, k, shared_limit=shared_limit(_device_index(x2)))
     nb = _row_blocks(rows)
     out = torch.empty(rows, n // 2 if gated else n, dtype=x2.dtype, device=x2.device)
     if cfg.splits > 1:
         parts = torch.empty(cfg.splits * rows * n, dtype=torch.float32, device=x2.device)
-        counters = kernels._counters(x2.device, cfg.blocks_n)
+        counters = kernels.tile_counters(x2.device, cfg.blocks_n)
     else:
         parts, counters = out, out
     shared = _shared_bytes(rows, cfg)
@@ -317,12 +317,12 @@ def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     resident = (STREAM_RESIDENT if stream else DECODE_RESIDENT) if nb == 1 else 1
     fn = _kernel("int4_mma", device, nb, cfg.tn, cfg.wk, STREAM_SLOTS if stream else per_warp,
                  gated, resident, stream, PROBE)
-    _allow_shared(fn, shared)
+    allow_shared(fn, shared)
     _launch(fn, (cfg.blocks_n, cfg.splits, 1), (threads, 1, 1), shared,
             [qweight, scales, x2, bias if bias is not None else x2, out, parts, counters,
              rows, n, k, x2.stride(0), out.stride(0), cfg.groups_per_split,
              int(bias is not None)],
-            "launch_pdl" in kernels._pdl(x2), device)
+            "launch_pdl" in kernels.pdl_options(x2), device)
     return out
 
 
@@ -331,7 +331,7 @@ class _Attribute(ctypes.Structure):  # CUlaunchAttribute
                 ("rest", ctypes.c_char * 60)]
 
 
-class _Launch(ctypes.Structure):  # CUlaunchConfig
+class Launch(ctypes.Structure):  # CUlaunchConfig
     _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
                 ("shared", ctypes.c_uint), ("stream", ctypes.c_void_p),
                 ("attrs", ctypes.POINTER(_Attribute)), ("num_attrs", ctypes.c_uint)]
@@ -341,7 +341,7 @@ _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_...
 
 
 @functools.cache
-def _launch_kernel_ex():
+def launch_kernel_ex():
     fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     return fn
@@ -356,19 +356,19 @@ def _launch(fn, grid, block, shared: int, args: list, pdl: bool, device: int) ->
     pointers = (ctypes.c_void_p * len(values))(
         *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
     attribute = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-    config = _Launch((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared,
+    config = Launch((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared,
                      torch.cuda.current_stream(device).cuda_stream,
                      ctypes.pointer(attribute) if pdl else None, int(pdl))
     if device == torch.cuda.current_device():
-        err = _launch_kernel_ex()(ctypes.byref(config), fn.func, pointers, None)
+        err = launch_kernel_ex()(ctypes.byref(config), fn.func, pointers, None)
     else:  # the driver launches in the current context: the tensors' device's
         with torch.cuda.device(device):
-            err = _launch_kernel_ex()(ctypes.byref(config), fn.func, pointers, None)
+            err = launch_kernel_ex()(ctypes.byref(config), fn.func, pointers, None)
     if err:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUDA error {err}")
 
 
-def _allow_shared(fn, nbytes: int) -> None:
+def allow_shared(fn, nbytes: int) -> None:
     """Raise the kernel's dynamic shared-memory limit to nbytes where it is past 48 KB."""
     if nbytes >= 48 * 1024 and nbytes > getattr(fn, "_max_shared_mem_bytes", 0):
         fn.set_shared_memory_config(nbytes)
@@ -376,7 +376,7 @@ def _allow_shared(fn, nbytes: int) -> None:
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """W [n, k] bfloat16, each weight as the product kernel computes it."""
-    _check_packed(qweight, scales, n, k)
+    check_packed(qweight, scales, n, k)
     out = torch.empty(n, k, dtype=torch.bfloat16, device=qweight.device)
     words = qweight.numel() // 4
     fn = _kernel("int4_dequant", _device_index(qweight))

@@ -8,7 +8,7 @@ the weight stream never waits for the activations. `benchmarks/megakernel_step.p
 against the model's CUDA-graph step in one process; `tests/test_megakernel.py` checks its
 logits and tokens against `Transformer.forward` on the GPU.
 
-Weights: bfloat16 with the block norms folded into the products, or int4 in flashdraft.mma's
+Weights: bfloat16 with the block norms folded into the products, or int4 in flashdraft.backends.mma's
 layout (every product and the head, `is_int4`; `quantization="int4"` on a Hopper GPU), whose
 norms the kernel applies itself (decode_mk.cu's Q4).
 
@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 
 from . import mma
-from .kv_cache import KVCache
-from .model import Transformer
+from ..kv_cache import KVCache
+from ..model import Transformer
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_mk.cu"
 # Ring of shared-memory slots a block (FLASHDRAFT_MK_RING="slots x bytes", else default_ring);
@@ -76,7 +76,7 @@ BF16_LLA, BF16_LLA_MAX_H, BF16_LLA_LLX = 4, 2048, 5
 BF16_ATT_KS, BF16_ATT_KS_MIN_KV = 16, 8
 ATT_SPLITS = 64  # decode_mk.cu's: units a kv head whose partials attention's merge space holds
 Q4_UNIT, SIDE_MAX = 1088, 256  # Q4: bytes a (tile, group) unit; bias/residual rows a block
-HOPPER_SHARED = 227 * 1024 - 1024  # mma._shared_limit on an H100 / H200
+HOPPER_SHARED = 227 * 1024 - 1024  # mma.shared_limit on an H100 / H200
 
 
 def _nops(cfg) -> int:
@@ -90,7 +90,7 @@ def _products(model: Transformer) -> list:
 
 
 def is_int4(model: Transformer) -> bool:
-    """Whether the model's products and head are int4 in flashdraft.mma's layout (Q4)."""
+    """Whether the model's products and head are int4 in flashdraft.backends.mma's layout (Q4)."""
     return all(getattr(lin, "mode", None) == "int4" and getattr(lin, "backend", None) == "mma"
                for lin in _products(model) + [model.lm_head])
 
@@ -113,7 +113,7 @@ def unsupported(model: Transformer, cache: KVCache | None = None,
         return (f"hidden size {h}, intermediate size {inter}: the kernel reads rows in "
                 f"16-byte pieces (multiples of 8)")
     q4 = is_int4(model)
-    limit = mma._shared_limit(_device_index(device))
+    limit = mma.shared_limit(_device_index(device))
     ring = ring or default_ring(cfg, q4, limit=limit)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if sms < cfg.num_kv_heads:  # attention: a block at least a kv head
@@ -196,8 +196,8 @@ def default_flags(cfg, ring: str, warps: int = CONSUMER_WARPS) -> dict[str, int]
 def _llx_runs(cfg, slot: int, warps: int = CONSUMER_WARPS) -> bool:
     """LLX takes a warp a row in QKV, O, gate/up and the head: a row of the hidden size and of
     the query width in a slot for each consumer warp."""
-    rows = min(_rows_per_chunk(cfg.hidden_size, slot, warps),
-               _rows_per_chunk(cfg.num_heads * cfg.head_dim, slot, warps))
+    rows = min(rows_per_chunk(cfg.hidden_size, slot, warps),
+               rows_per_chunk(cfg.num_heads * cfg.head_dim, slot, warps))
     return rows >= warps
 
 
@@ -224,7 +224,7 @@ def default_ring(cfg, q4: bool = False, warps: int | None = None,
     `limit` (the 32B: 4x51200).
 
     int4 (q4): as many slots of (tile, group) units, up to 7, as fit `limit` bytes of shared
-    memory (the GPU's: mma._shared_limit; default a Hopper block's) beside the rest, a slot's
+    memory (the GPU's: mma.shared_limit; default a Hopper block's) beside the rest, a slot's
     units a multiple of the consumer warps (`warps`, default_warps), so that none idles while
     the slot is held (session 22, 8 warps: 24 units 8.11 ms a Qwen3-32B step,
     22 units 8.61). 3 units a warp where the step reads 2 GB of int4 weights or more (session
@@ -243,7 +243,7 @@ def default_ring(cfg, q4: bool = False, warps: int | None = None,
         # at most 7: 8 slots of 24 units were slower where they fit (the 0.5B: 0.517 against
         # 0.462 ms a step at 7 with ATT_MIN 8, session 27)
         return _most_slots(cfg, slot, 7, limit, q4=True, warps=warps)
-    filled = _rows_per_chunk(h, 24576) * 2 * h / 24576
+    filled = rows_per_chunk(h, 24576) * 2 * h / 24576
     ring = "6x32768" if filled < 0.75 and weights >= 2e9 else "8x24576"
     widest = 2 * max(h, qd, inter)  # bytes of the longest row: a slot holds one at least
     if widest <= _ring(ring)[1]:
@@ -298,7 +298,7 @@ def xo_rows(cfg, sms: int, defines: dict[str, int]) -> int:
         (cfg.intermediate_size, defines.get("LLH", 0))) if on])
 
 
-def _rows_per_chunk(k: int, slot: int, warps: int = CONSUMER_WARPS) -> int:
+def rows_per_chunk(k: int, slot: int, warps: int = CONSUMER_WARPS) -> int:
     """decode_mk.cu's rows_per_chunk: rows of k bfloat16 a slot, the most up to 16 that fit
     and that `warps` consumer warps take evenly (a multiple or a divisor of them: with 8, the
     powers of two; 0: not one row fits)."""
@@ -444,7 +444,7 @@ class DecodeMegakernel:
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self.q4 = is_int4(model)
         consumer_warps = consumer_warps or default_warps(self.q4)
-        limit = mma._shared_limit(_device_index(dev))
+        limit = mma.shared_limit(_device_index(dev))
         self.ring = ring or default_ring(cfg, self.q4, consumer_warps, limit)
         if self.q4:
             halves = splits_tiles_in_halves(cfg, self.sms)
@@ -545,7 +545,7 @@ class DecodeMegakernel:
             raise ValueError(f"the megakernel needs {self.shared} bytes of shared memory a block, "
                              f"the GPU allows {limit}: use a smaller FLASHDRAFT_MK_RING")
         self.fn = _kernel(defines, self.fn_device)
-        mma._allow_shared(self.fn, self.shared)
+        mma.allow_shared(self.fn, self.shared)
         head = model.lm_head.qweight if self.q4 else model.lm_head.weight
         self.args = _Args(
             self.table.data_ptr(), model.embed.weight.data_ptr(), head.data_ptr(),
@@ -569,11 +569,11 @@ class DecodeMegakernel:
         token_out (and, chained since `start`, leaving token_out and pos_in + 1 in token_in and
         pos_in). Capturable in a CUDA graph: every address is fixed."""
         params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(self.args), ctypes.c_void_p))
-        config = mma._Launch((ctypes.c_uint * 3)(self.sms, 1, 1),
+        config = mma.Launch((ctypes.c_uint * 3)(self.sms, 1, 1),
                              (ctypes.c_uint * 3)(32 * (self.consumer_warps + self.producers), 1, 1),
                              self.shared,
                              torch.cuda.current_stream(self.device).cuda_stream, None, 0)
-        err = mma._launch_kernel_ex()(ctypes.byref(config), self.fn.func, params, None)
+        err = mma.launch_kernel_ex()(ctypes.byref(config), self.fn.func, params, None)
         if err:
             raise RuntimeError(f"cuLaunchKernelEx failed with CUDA error {err}")
 

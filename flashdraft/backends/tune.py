@@ -1,6 +1,6 @@
 """`flashdraft tune`: the product kernel's launch parameters, measured on this GPU.
 
-Products of up to 32 rows (decode, verification, draft steps) run `kernels._skinny_kernel`,
+Products of up to 32 rows (decode, verification, draft steps) run `kernels.skinny_kernel`,
 launched by a rule of the weight's shape unless the tuned table names the launch measured
 fastest for that shape on this GPU model (`kernels.SKINNY_TABLE`). The package ships a table
 for the H200; `flashdraft tune --model M` measures the matrices of M on the GPU at hand and
@@ -33,7 +33,7 @@ MARGIN = 0.01  # a launch enters the table where it is this much faster (repeats
 
 def graph_us(fn) -> float:
     """µs per call of fn: 20 back-to-back calls in one graph, median of 20 replays."""
-    from .shapes import graph_replay_us
+    from ..tools.shapes import graph_replay_us
 
     return graph_replay_us(fn, calls=20, repeats=20, warmup=1)
 
@@ -94,7 +94,7 @@ def sweep(cfg, budget_s: float, match: str = "", label: str = "", log=print) -> 
     layer of random bf16 weights on the GPU), by kernels.table_key, holding only those whose
     key contains `match`: per matrix the best launch, its µs and TB/s at one row, the current
     launch's (SKINNY_RULE: the tuned table's where it has one) and both at 16 rows."""
-    from .shapes import build_random_model
+    from ..tools.shapes import build_random_model
 
     model = build_random_model(dataclasses.replace(cfg, num_layers=1), torch.bfloat16, "cuda")
     result = {}
@@ -104,7 +104,7 @@ def sweep(cfg, budget_s: float, match: str = "", label: str = "", log=print) -> 
         x1 = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
         x16 = torch.randn(16, k, dtype=torch.bfloat16, device="cuda")
         ring = dram_ring(w)
-        run = lambda x, c: kernels._skinny(x, next(ring)[0], None, gated, c)
+        run = lambda x, c: kernels.skinny_linear(x, next(ring)[0], None, gated, c)
         timed = []
         default = kernels.skinny_config(n, k, gated, kernels.SKINNY_RULE)
         for c in [default, *candidates(n, k, gated)]:
@@ -197,11 +197,11 @@ def run_tune(model: str | None, shape: str | None, seconds: float, output: str |
     if seconds <= 0:
         raise SystemExit(f"error: --seconds must be > 0, got {seconds}")
     if model is not None:
-        from .loading import load_config
+        from ..loading import load_config
 
         cfg, label = load_config(model), model
     else:
-        from .shapes import get_shape
+        from ..tools.shapes import get_shape
 
         cfg, label = get_shape(shape), shape
     path = Path(output) if output else kernels.user_table()

@@ -1,0 +1,1 @@
+"""Tools around the engine: the benchmark (`bench`), the demo, and random-weight model shapes (`shapes`)."""
