@@ -126,6 +126,37 @@ class SamplingParams:
         return self.temperature == 0
 
 
+KERNEL_BACKENDS = ("triton", "torch")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """How the model's steps run on the GPU; the defaults are the fastest measured.
+
+    Passed explicitly from `LLM(...)` or the CLI down to the model and its layers
+    (`Transformer.kernels`), never read from the environment."""
+    # "triton": the fused kernels (flashdraft.backends.kernels) wherever CUDA and Triton are
+    # present; "torch": PyTorch ops everywhere (for comparisons and debugging: slower, and
+    # greedy speculation then need not return plain decoding's tokens bit for bit)
+    backend: str = "triton"
+    # programmatic dependent launch between consecutive kernels on Hopper and later GPUs
+    pdl: bool = True
+    # the product kernel's launch parameters: None, the package's measured table with the
+    # user's (`flashdraft tune`) over it; "off", the rule of the weight's shape; or a JSON file
+    tuned_table: str | None = None
+    # the Triton kernels on CPU tensors too, through Triton's interpreter (TRITON_INTERPRET=1
+    # set before Triton is imported): for tests
+    interpret: bool = False
+
+    def __post_init__(self):
+        if self.backend not in KERNEL_BACKENDS:
+            raise ValueError(f"kernel backend {self.backend!r} is not one of "
+                             f"{', '.join(KERNEL_BACKENDS)}")
+        if self.tuned_table is not None and not isinstance(self.tuned_table, str):
+            raise ValueError(f"tuned_table must be a path, 'off' or None, "
+                             f"got {self.tuned_table!r}")
+
+
 DRAFT_NGRAM = "ngram"
 # how greedy one-token steps run: CUDA graphs of the model's kernels, or flashdraft.backends.megakernel
 # ("auto": a draft model's through the megakernel where it runs, plain decoding's on the graphs)

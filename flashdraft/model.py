@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -21,16 +20,14 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .backends import kernels
-from .config import ModelConfig
+from .config import KernelConfig, ModelConfig
 from .kv_cache import KVCache
 
 # Up to this many tokens per forward (decode, verification, drafting: the steps CUDA graphs
 # replay) attention is `grouped_attention`; longer inputs (prefill) take SDPA.
 SMALL_T = 32
 # A prefill from position 0 (the whole prompt) attends causally over exactly its own keys: SDPA
-# with is_causal and no mask tensor, which the flash kernel takes (it takes no mask tensor);
-# FLASHDRAFT_CAUSAL_PREFILL=0: the explicit mask.
-CAUSAL_PREFILL = os.environ.get("FLASHDRAFT_CAUSAL_PREFILL", "1") != "0"
+# with is_causal and no mask tensor, which the flash kernel takes (it takes no mask tensor).
 # SDPA's backends for prefill, in order of preference: not cuDNN's, which builds a plan for
 # every new prompt length and cache size (~70-100 ms on the first prefill of each length on an
 # H200: benchmarks/prefill_first_call.py), and a server meets new lengths all the time.
@@ -73,10 +70,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                kc: KernelConfig = kernels.DEFAULT) -> torch.Tensor:
         """RMSNorm of x; given residual, of residual + x, which is stored into residual (the
         residual add of the previous sublayer and this norm run as one kernel on the GPU)."""
-        return kernels.rms_norm(x, self.weight, self.eps, residual)
+        return kernels.rms_norm(x, self.weight, self.eps, residual, kc)
 
 
 def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -110,7 +108,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, qkv, cos, sin, positions, mask, cache: KVCache, layer: int, kv_len: int):
+    def forward(self, qkv, cos, sin, positions, mask, cache: KVCache, layer: int, kv_len: int,
+                kc: KernelConfig):
         # qkv: [batch, seq, q_dim + 2 kv_dim], the output of wqkv (run with the norm before it,
         # `Block`); positions: [batch, seq]; cos, sin: [batch, seq, head_dim / 2];
         # mask: None where kernels.attention serves (the GPU, seq <= SMALL_T), else additive
@@ -127,10 +126,10 @@ class Attention(nn.Module):
         if mask is None:
             # One kernel on the GPU: (Qwen3's head norms,) rope, the step's keys and values
             # into the cache, attention.
-            return kernels.rope_attention(qkv, *rope, kv_len, cache.split_len)
+            return kernels.rope_attention(qkv, *rope, kv_len, cache.split_len, kc)
         # (Qwen3's head norms,) rope on the q and k heads in place, the keys and values into
         # the cache at their positions (one kernel on the GPU).
-        kernels.rope_and_cache_write(qkv, *rope)
+        kernels.rope_and_cache_write(qkv, *rope, kc)
         q = qkv[:, :, :self.n_heads]  # [batch, seq, heads, head_dim]
         if t <= SMALL_T:
             keys, values = cache.read(layer, b, kv_len)
@@ -172,12 +171,13 @@ class Residual:
       products measured no faster, sessions 15-16, and were removed in session 17).
     """
 
-    def __init__(self, x: torch.Tensor, folded: bool):
+    def __init__(self, x: torch.Tensor, folded: bool, kc: KernelConfig):
         self.x = x  # [batch, seq, hidden]: the stream, but for delta
         self.delta: torch.Tensor | None = None  # [batch, seq, hidden]: an output not added yet
         # [batch * seq, tiles] float32: x's rows' sums of squares by column tile, when known
         self.ss: torch.Tensor | None = None
         self.folded = folded  # the model's norm weights are folded into the products after them
+        self.kc = kc
 
     def normed(self, norm: RMSNorm, module: nn.Module, gated: bool = False,
                folded: bool = True) -> torch.Tensor:
@@ -185,8 +185,8 @@ class Residual:
         `kernels.SiluPending` for `add` to hand to the down product); folded: whether the
         model's norm weights were folded into module."""
         if self.ss is not None and folded and self.folded:
-            return kernels.scaled_linear(self.x, self.ss, norm.eps, module, gated)
-        out, self.x = kernels.norm_linear(self.delta, self.x, norm, module, gated)
+            return kernels.scaled_linear(self.x, self.ss, norm.eps, module, gated, self.kc)
+        out, self.x = kernels.norm_linear(self.delta, self.x, norm, module, gated, self.kc)
         self.delta = self.ss = None
         return out
 
@@ -195,10 +195,11 @@ class Residual:
         may be an MLP's activation not computed yet (`kernels.SiluPending`), which the product
         then computes."""
         pending = isinstance(x, kernels.SiluPending)
-        if self.folded and kernels.folds_norm(x.gate_up if pending else x, module):
-            self.ss = kernels.add_linear(x, module, self.x)
+        if self.folded and kernels.folds_norm(x.gate_up if pending else x, module, self.kc):
+            self.ss = kernels.add_linear(x, module, self.x, self.kc)
         else:
-            self.delta, self.ss = kernels.linear(x.value() if pending else x, module), None
+            self.delta = kernels.linear(x.value() if pending else x, module, self.kc)
+            self.ss = None
 
     def value(self) -> torch.Tensor:
         """The stream as a new tensor."""
@@ -208,7 +209,7 @@ class Residual:
         """The stream at positions `index` along seq only (int64 indices, or a slice)."""
         pick = ((lambda t: t.index_select(1, index)) if isinstance(index, torch.Tensor)
                 else (lambda t: t[:, index]))
-        picked = Residual(pick(self.x), self.folded)
+        picked = Residual(pick(self.x), self.folded, self.kc)
         if self.delta is not None:
             picked.delta = pick(self.delta)
         return picked
@@ -228,15 +229,17 @@ class Block(nn.Module):
     def forward(self, stream: Residual, cos, sin, positions, mask, cache, layer, kv_len) -> None:
         """Advance `stream` (the block's input) through the block, in place."""
         qkv = stream.normed(self.attn_norm, self.attn.wqkv)
-        stream.add(self.attn(qkv, cos, sin, positions, mask, cache, layer, kv_len), self.attn.wo)
+        stream.add(self.attn(qkv, cos, sin, positions, mask, cache, layer, kv_len, stream.kc),
+                   self.attn.wo)
         act = stream.normed(self.mlp_norm, self.mlp.w_gate_up, gated=True)
         stream.add(act, self.mlp.w_down)
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kernel_config: KernelConfig = kernels.DEFAULT):
         super().__init__()
         self.cfg = cfg
+        self.kernel_config = kernel_config  # how its steps run on the GPU
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -295,9 +298,9 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(positions, self.inv_freq, residual.dtype)
         small = tokens.shape[1] <= SMALL_T
         mask = None  # kernels.attention needs positions only
-        if not small and CAUSAL_PREFILL and kv_len == tokens.shape[1]:  # positions 0 .. seq - 1
+        if not small and kv_len == tokens.shape[1]:  # positions 0 .. seq - 1
             mask = "causal"
-        elif not (small and kernels.use_triton(residual)):
+        elif not (small and kernels.use_triton(residual, self.kernel_config)):
             key_pos = torch.arange(kv_len, device=tokens.device)
             visible = key_pos <= positions.unsqueeze(-1)  # [batch, seq, kv_len]
             if small:
@@ -305,7 +308,7 @@ class Transformer(nn.Module):
             else:
                 mask = visible.unsqueeze(1)
         hidden = [residual.clone()] if 0 in hidden_layers else []
-        stream = Residual(residual, self.norms_folded)
+        stream = Residual(residual, self.norms_folded, self.kernel_config)
         for i, block in enumerate(self.layers):
             block(stream, cos, sin, positions, mask, cache, i, kv_len)
             if i + 1 in hidden_layers:

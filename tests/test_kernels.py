@@ -5,15 +5,12 @@ Triton's interpreter (conftest sets TRITON_INTERPRET=1), in float32 and float16 
 interpreter's bfloat16 rounding is not the GPU's, so bfloat16 is checked on the GPU only).
 """
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from flashdraft.backends import kernels
-from flashdraft.config import ModelConfig
+from flashdraft.config import KernelConfig, ModelConfig
 from flashdraft.kv_cache import KVCache
 from flashdraft.model import Transformer
 
@@ -26,17 +23,9 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
-def run_kernels():
-    """Inside: the Triton path, also on CPU tensors (interpreter)."""
-    return kernels.forced() if not CUDA else _nothing()
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+# The Triton path, also on CPU tensors (interpreter); the PyTorch path, also on CUDA.
+KC = KernelConfig(interpret=not CUDA)
+TORCH = KernelConfig(backend="torch")
 
 
 def close(a, b, dtype):
@@ -55,8 +44,7 @@ def test_rms_norm(dtype, with_residual):
     w = torch.randn(384, generator=g).to(DEVICE, dtype)
     r_ref, r_k = res.clone(), res.clone()
     ref = kernels.rms_norm_reference(x, w, 1e-6, r_ref if with_residual else None)
-    with run_kernels():
-        out = kernels.rms_norm(x, w, 1e-6, r_k if with_residual else None)
+    out = kernels.rms_norm(x, w, 1e-6, r_k if with_residual else None, kc=KC)
     close(out, ref, dtype)
     # the stored sum is the rounded sum, exactly as the unfused add stores it
     assert torch.equal(r_k, r_ref)
@@ -78,8 +66,7 @@ def test_rope_and_cache_write(dtype, qk_norm):
     c_k = c_ref.clone()
     a, k = qkv.clone(), qkv.clone()
     kernels.rope_and_cache_write_reference(a, cos, sin, positions, c_ref, heads, n_kv, qn, kn, 1e-6)
-    with run_kernels():
-        kernels.rope_and_cache_write(k, cos, sin, positions, c_k, heads, n_kv, qn, kn, 1e-6)
+    kernels.rope_and_cache_write(k, cos, sin, positions, c_k, heads, n_kv, qn, kn, 1e-6, kc=KC)
     close(k[:, :, :heads], a[:, :, :heads], dtype)  # q rotated in place
     close(c_k, c_ref, dtype)  # keys rotated, values as they were, other positions untouched
     assert (c_k[:, :, :, :3] == 7.0).all() and (c_k[:, 0, :, 8:20] == 7.0).all()
@@ -102,12 +89,11 @@ def test_attention_matches_reference_and_ignores_kv_len(dtype, t, kv_len, group)
     ref = kernels.attention_reference(q, cache.nan_to_num(0.0), positions, kv_len)
     split = kernels.split_length(max_len)
     assert split == 128
-    with run_kernels():
-        out = kernels.attention(q, cache, positions, kv_len, split)
-        # a graph replay attends over a rounded-up kv_len: bit for bit the same result
-        bucketed = kernels.attention(q, cache, positions, max_len, split)
-        # and the last token alone (a decode step) gets the same bits as within the step
-        last = kernels.attention(q[:, -1:], cache, positions[:, -1:], kv_len, split)
+    out = kernels.attention(q, cache, positions, kv_len, split, kc=KC)
+    # a graph replay attends over a rounded-up kv_len: bit for bit the same result
+    bucketed = kernels.attention(q, cache, positions, max_len, split, kc=KC)
+    # and the last token alone (a decode step) gets the same bits as within the step
+    last = kernels.attention(q[:, -1:], cache, positions[:, -1:], kv_len, split, kc=KC)
     close(out, ref, dtype)
     assert torch.equal(out, bucketed)
     last_token_gets_its_bits_within_the_step(last, out, dtype)
@@ -122,8 +108,7 @@ def test_attention_over_a_cache_of_one_split(dtype):
     q = torch.randn(1, 3, 4, 32, generator=g).to(DEVICE, dtype)
     positions = torch.arange(50, 53, device=DEVICE).unsqueeze(0)
     split = kernels.split_length(96)
-    with run_kernels():
-        out = kernels.attention(q, cache, positions, 53, split)
+    out = kernels.attention(q, cache, positions, 53, split, kc=KC)
     close(out, kernels.attention_reference(q, cache, positions, 53), dtype)
 
 
@@ -149,13 +134,12 @@ def test_rope_attention_is_rope_then_attention(dtype, t, qk_norm):
     kernels.rope_and_cache_write_reference(q_ref, cos, sin, positions, c_ref, heads, n_kv, qn,
                                            kn, 1e-6)
     ref = kernels.attention_reference(q_ref[:, :, :heads], c_ref, positions, kv_len)
-    with run_kernels():
-        args = (heads, n_kv, qn, kn, 1e-6)
-        out = kernels.rope_attention(qkv, cos, sin, positions, c_k, *args, kv_len, split)
-        bucketed = kernels.rope_attention(qkv, cos, sin, positions, c_bucket, *args, max_len,
-                                          split)
-        last = kernels.rope_attention(qkv[:, -1:], cos[:, -1:], sin[:, -1:], positions[:, -1:],
-                                      c_k.clone(), *args, kv_len, split)
+    args = (heads, n_kv, qn, kn, 1e-6)
+    out = kernels.rope_attention(qkv, cos, sin, positions, c_k, *args, kv_len, split, kc=KC)
+    bucketed = kernels.rope_attention(qkv, cos, sin, positions, c_bucket, *args, max_len,
+                                      split, kc=KC)
+    last = kernels.rope_attention(qkv[:, -1:], cos[:, -1:], sin[:, -1:], positions[:, -1:],
+                                  c_k.clone(), *args, kv_len, split, kc=KC)
     close(out, ref, dtype)
     close(c_k, c_ref, dtype)
     assert torch.equal(c_k[:, 0, :, :125], cache[:, 0, :, :125])  # nothing else written
@@ -169,8 +153,7 @@ def test_rope_attention_is_rope_then_attention(dtype, t, qk_norm):
 def test_silu_mul(dtype):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(3, 2 * 1100, generator=g).to(DEVICE, dtype)
-    with run_kernels():
-        out = kernels.silu_mul(x)
+    out = kernels.silu_mul(x, kc=KC)
     close(out, kernels.silu_mul_reference(x), dtype)
 
 
@@ -185,9 +168,9 @@ CFG = ModelConfig(arch="qwen3", vocab_size=96, hidden_size=128, intermediate_siz
 def test_model_forward_with_kernels_equals_pytorch_path(monkeypatch, t, gated, folded):
     """The whole model, fused kernels vs the PyTorch path (float32): same logits, same cache,
     same hidden states. t=40 is a prefill (SDPA attention, fused norms, rope and cache write).
-    gated: SiLU · up inside the gate/up product (FLASHDRAFT_GATED). folded: the norms folded
+    gated: SiLU · up inside the gate/up product (`gated_for`). folded: the norms folded
     into the products (`Transformer.fold_norms`; t <= 32: no norm kernels, `model.Residual`)."""
-    monkeypatch.setattr(kernels, "GATED", gated)
+    monkeypatch.setattr(kernels, "GATED_MIN_N", 0 if gated else 1 << 30)
     torch.manual_seed(0)
     model = Transformer(CFG).to(DEVICE)
     for p in model.parameters():
@@ -201,8 +184,8 @@ def test_model_forward_with_kernels_equals_pytorch_path(monkeypatch, t, gated, f
         cache = KVCache.for_model(CFG, 1, 64, torch.float32, DEVICE)
         cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(4)))
         # (positions 0..9: an earlier prefix)
-        ctx = (run_kernels() if use else kernels.disabled())
-        with ctx, torch.inference_mode():
+        model.kernel_config = KC if use else TORCH
+        with torch.inference_mode():
             logits, hidden = model(tokens, positions, cache, kv_len=10 + t, hidden_layers=(0, 1, 2))
         results.append((logits, hidden, cache.kv[:, :, :, :, :10 + t]))
     (l0, h0, c0), (l1, h1, c1) = results
@@ -214,26 +197,28 @@ def test_model_forward_with_kernels_equals_pytorch_path(monkeypatch, t, gated, f
 
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float16])
 def test_silu_inside_the_down_product_changes_no_bit(monkeypatch, dtype):
-    """FLASHDRAFT_SILU_DOWN: an MLP's SiLU · up computed by the down product as it loads its
-    input (`SiluPending`, `_x_tile`) gives the bits the silu_mul kernel gives, decoding and
-    verifying (folded norms, an MLP narrower than `gated_for`'s)."""
-    monkeypatch.setattr(kernels, "GATED", False)
+    """An MLP's SiLU · up computed by the down product as it loads its input (`SiluPending`,
+    `_x_tile`) gives the bits the silu_mul kernel gives, decoding and verifying (folded norms,
+    an MLP narrower than `gated_for`'s)."""
     torch.manual_seed(0)
-    model = Transformer(CFG).to(DEVICE, dtype)
+    model = Transformer(CFG, KC).to(DEVICE, dtype)
     for p in model.parameters():
         p.data.normal_(0, 0.2)
     model.fold_norms()
     tokens = torch.randint(0, CFG.vocab_size, (1, 6), device=DEVICE)
     fused = []  # the products' silu_x flags: the down products must take the fused path
-    real = kernels.skinny_linear
+    real, real_add = kernels.skinny_linear, kernels.add_linear
     monkeypatch.setattr(kernels, "skinny_linear",
                         lambda *a, **kw: fused.append(kw.get("silu_x", False)) or real(*a, **kw))
     out = {}
     for silu_down in (False, True):
-        monkeypatch.setattr(kernels, "SILU_DOWN", silu_down)
+        # without: the activation computed by the silu_mul kernel before the down product
+        monkeypatch.setattr(kernels, "add_linear", real_add if silu_down else (
+            lambda x, module, residual, kc: real_add(
+                x.value() if isinstance(x, kernels.SiluPending) else x, module, residual, kc)))
         fused.clear()
         cache = KVCache.for_model(CFG, 1, 64, dtype, DEVICE)
-        with run_kernels(), torch.inference_mode():
+        with torch.inference_mode():
             model(tokens[:, :1], torch.tensor([[0]], device=DEVICE), cache, kv_len=16)
             out[silu_down] = model(tokens[:, 1:], torch.arange(1, 6, device=DEVICE)[None], cache,
                                    kv_len=16)[0]
@@ -250,10 +235,10 @@ def test_skinny_linear_matches_and_is_batch_invariant(dtype, n, k, bias):
     with torch.no_grad():
         layer.weight.copy_(torch.randn(n, k, generator=g) * 0.05)
     x = torch.randn(1, 20, k, generator=g).to(DEVICE, dtype)
-    with run_kernels(), torch.inference_mode():
-        full = kernels.linear(x, layer)  # 20 rows: two row blocks
-        rows = [kernels.linear(x[:, i:i + 1], layer) for i in (0, 7, 19)]
-        three = kernels.linear(x[:, 5:8], layer)
+    with torch.inference_mode():
+        full = kernels.linear(x, layer, kc=KC)  # 20 rows: two row blocks
+        rows = [kernels.linear(x[:, i:i + 1], layer, kc=KC) for i in (0, 7, 19)]
+        three = kernels.linear(x[:, 5:8], layer, kc=KC)
     ref = kernels.linear_reference(x.float(), layer.weight.float(),
                                    layer.bias.float() if bias else None)
     close(full, ref, dtype)
@@ -264,19 +249,16 @@ def test_skinny_linear_matches_and_is_batch_invariant(dtype, n, k, bias):
     counters_are_back_to_zero()
 
 
-@pytest.mark.parametrize("rule,reduce", [("v1", "kernel"), ("v2", "last"), ("v2", "kernel")])
-def test_skinny_launch_rules_and_split_reductions(monkeypatch, rule, reduce):
-    """Both launch rules, the K slices added by the last program or by a second kernel: the
-    same products, batch-invariant."""
-    monkeypatch.setattr(kernels, "SKINNY_RULE", rule)
-    monkeypatch.setattr(kernels, "SPLIT_REDUCE", reduce)
-    assert kernels.skinny_config(96, 2048, False, rule).split > 1
+def test_skinny_launch_with_a_k_split():
+    """K split over programs, the slices added by the last one: the same product,
+    batch-invariant."""
+    assert kernels.skinny_config(96, 2048, False).split > 1
     g = torch.Generator().manual_seed(9)
     layer = torch.nn.Linear(2048, 96, bias=True).to(DEVICE, torch.float32)
     x = torch.randn(1, 18, 2048, generator=g).to(DEVICE)
-    with run_kernels(), torch.inference_mode():
-        full = kernels.linear(x, layer)
-        one = kernels.linear(x[:, 17:], layer)
+    with torch.inference_mode():
+        full = kernels.linear(x, layer, kc=KC)
+        one = kernels.linear(x[:, 17:], layer, kc=KC)
     close(full, kernels.linear_reference(x, layer.weight, layer.bias), torch.float32)
     assert torch.equal(one[:, 0], full[:, 17])
     counters_are_back_to_zero()
@@ -284,10 +266,8 @@ def test_skinny_launch_rules_and_split_reductions(monkeypatch, rule, reduce):
 
 @pytest.fixture
 def tuned(monkeypatch, tmp_path):
-    """kernels.SKINNY_TABLE pointed at a file of this test's (returned), caches cleared."""
+    """A tuned table of this test's (the path returned), caches cleared."""
     path = tmp_path / "skinny.json"
-    monkeypatch.setattr(kernels, "SKINNY_TABLE", str(path))
-    monkeypatch.setattr(kernels, "SKINNY_RULE", "tuned")
     kernels.tuned_table.cache_clear(), kernels.skinny_config.cache_clear()
     yield path
     kernels.tuned_table.cache_clear(), kernels.skinny_config.cache_clear()
@@ -296,21 +276,25 @@ def tuned(monkeypatch, tmp_path):
 def test_skinny_tuned_table(tuned):
     """A measured launch in the table is the one used for its shape on this GPU model (tests
     on the CPU: "cpu"), the product is right and batch-invariant under it; shapes and GPU
-    models the table lacks follow the v2 rule."""
+    models the table lacks follow the shape rule."""
     mine = kernels.SkinnyConfig(32, 256, 4, 2, 2, 4, 2)
     tuned.write_text(json.dumps({kernels.device_name(): {"96x2048": list(mine)},
                                  "Some Other GPU": {"1100x256": [16, 256, 1, 1, 1, 4, 3]}}))
-    assert kernels.skinny_config(96, 2048, False, "tuned") == mine
-    assert kernels.skinny_config(96, 2048, True, "tuned") == kernels.skinny_config(96, 2048, True)
-    assert kernels.skinny_config(1100, 256, False, "tuned") == kernels.skinny_config(1100, 256)
+    table = str(tuned)
+    assert kernels.skinny_config(96, 2048, False, table) == mine
+    assert kernels.skinny_config(96, 2048, True, table) == kernels.skinny_config(96, 2048, True)
+    assert kernels.skinny_config(1100, 256, False, table) == kernels.skinny_config(1100, 256)
+    kc = KernelConfig(interpret=not CUDA, tuned_table=table)
     # the table holds 16-bit launches: float32 weights take the rule
-    assert kernels._rule(torch.float16) == "tuned" and kernels._rule(torch.float32) == "v2"
+    w16, w32 = (torch.empty(96, 2048, dtype=d) for d in (torch.float16, torch.float32))
+    assert kernels._launch(w16, False, kc) == mine
+    assert kernels._launch(w32, False, kc) == kernels.skinny_config(96, 2048)
     g = torch.Generator().manual_seed(4)
     layer = torch.nn.Linear(2048, 96, bias=True).to(DEVICE, torch.float16)
     x = torch.randn(1, 18, 2048, generator=g).to(DEVICE, torch.float16)
-    with run_kernels(), torch.inference_mode():
-        full = kernels.linear(x, layer)
-        one = kernels.linear(x[:, 11:12], layer)
+    with torch.inference_mode():
+        full = kernels.linear(x, layer, kc=kc)
+        one = kernels.linear(x[:, 11:12], layer, kc=kc)
     ref = kernels.linear_reference(x.float(), layer.weight.float(), layer.bias.float())
     close(full, ref, torch.float16)
     assert torch.equal(one[:, 0], full[:, 11])
@@ -336,20 +320,17 @@ def test_skinny_tuned_table_refuses_what_it_cannot_run(tuned, content, complaint
         tuned.write_text(json.dumps({kernels.device_name(): content["cpu"]}
                                     if isinstance(content, dict) else content))
     with pytest.raises(ValueError, match=complaint):
-        kernels.skinny_config(96, 2048, False, "tuned")
+        kernels.skinny_config(96, 2048, False, str(tuned))
 
 
 def test_skinny_tuned_table_that_is_a_folder(tuned):
     tuned.mkdir()
     with pytest.raises(ValueError, match="not a table of skinny-kernel launches"):
-        kernels.skinny_config(96, 2048, False, "tuned")
+        kernels.skinny_config(96, 2048, False, str(tuned))
 
 
-def test_skinny_tuned_table_off(monkeypatch):
-    monkeypatch.setattr(kernels, "SKINNY_TABLE", "off")
-    kernels.tuned_table.cache_clear()
-    assert kernels.tuned_table(kernels.device_name()) == {}
-    kernels.tuned_table.cache_clear()
+def test_skinny_tuned_table_off():
+    assert kernels.tuned_table(kernels.device_name(), "off") == {}
 
 
 def last_token_gets_its_bits_within_the_step(last, out, dtype):
@@ -364,7 +345,7 @@ def last_token_gets_its_bits_within_the_step(last, out, dtype):
 
 def counters_are_back_to_zero():
     """The last program of a split tile puts its counter back: the next launch starts clean."""
-    for buf in kernels._COUNTERS.values():
+    for buf in kernels.COUNTERS.values():
         assert buf.count_nonzero().item() == 0
 
 
@@ -372,15 +353,15 @@ def counters_are_back_to_zero():
 @pytest.mark.parametrize("n,k,bias", [(96, 2048, False), (1100, 256, True), (40, 900, False)])
 def test_gated_linear_is_silu_mul_of_the_product_and_batch_invariant(monkeypatch, dtype, n, k,
                                                                      bias):
-    monkeypatch.setattr(kernels, "GATED", True)  # SiLU · up inside the product at any width
+    monkeypatch.setattr(kernels, "GATED_MIN_N", 0)  # SiLU · up inside the product at any width
     g = torch.Generator().manual_seed(6)
     layer = torch.nn.Linear(k, 2 * n, bias=bias).to(DEVICE, dtype)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(2 * n, k, generator=g) * 0.05)
     x = torch.randn(1, 20, k, generator=g).to(DEVICE, dtype)
-    with run_kernels(), torch.inference_mode():
-        full = kernels.gated_linear(x, layer)
-        rows = [kernels.gated_linear(x[:, i:i + 1], layer) for i in (0, 19)]
+    with torch.inference_mode():
+        full = kernels.gated_linear(x, layer, kc=KC)
+        rows = [kernels.gated_linear(x[:, i:i + 1], layer, kc=KC) for i in (0, 19)]
     product = kernels.linear_reference(x.float(), layer.weight.float(),
                                        layer.bias.float() if bias else None).to(dtype)
     close(full, kernels.silu_mul_reference(product), dtype)
@@ -396,7 +377,7 @@ def test_norm_linear_is_add_norm_product_and_batch_invariant(monkeypatch, dtype,
                                                              with_delta):
     """Residual add and RMSNorm (one kernel), then the product (SiLU · up inside it with gated),
     against the separate reference steps; the stored sum is exactly the reference's."""
-    monkeypatch.setattr(kernels, "GATED", True)  # at any width (auto: 12,288 up)
+    monkeypatch.setattr(kernels, "GATED_MIN_N", 0)  # at any width (by default 12,288 up)
     from flashdraft.model import RMSNorm
     g = torch.Generator().manual_seed(8)
     layer = torch.nn.Linear(k, (2 if gated else 1) * n, bias=True).to(DEVICE, dtype)
@@ -406,10 +387,10 @@ def test_norm_linear_is_add_norm_product_and_batch_invariant(monkeypatch, dtype,
         norm.weight.copy_(1 + 0.1 * torch.randn(k, generator=g))
     residual = torch.randn(1, 20, k, generator=g).to(DEVICE, dtype)
     delta = torch.randn(1, 20, k, generator=g).to(DEVICE, dtype) if with_delta else None
-    with run_kernels(), torch.inference_mode():
-        full, summed = kernels.norm_linear(delta, residual.clone(), norm, layer, gated)
+    with torch.inference_mode():
+        full, summed = kernels.norm_linear(delta, residual.clone(), norm, layer, gated, kc=KC)
         rows = [kernels.norm_linear(None if delta is None else delta[:, i:i + 1],
-                                    residual[:, i:i + 1].clone(), norm, layer, gated)[0]
+                                    residual[:, i:i + 1].clone(), norm, layer, gated, kc=KC)[0]
                 for i in (0, 19)]
     r = residual.clone()
     h = kernels.rms_norm_reference(r if delta is None else delta, norm.weight, 1e-6,
@@ -433,10 +414,10 @@ def test_add_linear_then_scaled_linear_is_add_norm_product_and_batch_invariant(
     the rows' sums of squares), then the next product with the norm's weight folded into it
     (`scaled_linear`): the reference's add, norm and product, with the same stored sum as the
     separate add, each row's bits independent of the other rows. SiLU · up inside the product
-    with gated (FLASHDRAFT_GATED). fused False: the paths where the kernel does not serve
-    (`*_reference`). k = 224: the last column tile of the sums of squares part empty."""
-    monkeypatch.setattr(kernels, "GATED", True)
-    monkeypatch.setattr(kernels, "FOLD_NORMS", True)  # whatever FLASHDRAFT_FOLD_NORMS says
+    with gated. fused False: the paths where the kernel does not serve (`*_reference`).
+    k = 224: the last column tile of the sums of squares part empty."""
+    monkeypatch.setattr(kernels, "GATED_MIN_N", 0)
+    kc = KC if fused else TORCH
     from flashdraft.model import RMSNorm
     g = torch.Generator().manual_seed(11)
     wo = torch.nn.Linear(160, k, bias=bias).to(DEVICE, dtype)
@@ -458,14 +439,15 @@ def test_add_linear_then_scaled_linear_is_add_norm_product_and_batch_invariant(
 
     def run(rows):
         r = residual[:, rows].clone()
-        ss = kernels.add_linear(x[:, rows], wo, r)
-        return r, ss, kernels.scaled_linear(r, ss, 1e-6, folded, gated)
+        ss = kernels.add_linear(x[:, rows], wo, r, kc=kc)
+        return r, ss, kernels.scaled_linear(r, ss, 1e-6, folded, gated, kc=kc)
 
-    with (run_kernels() if fused else kernels.disabled()), torch.inference_mode():
-        assert kernels.folds_norm(x, wo) == fused and kernels.folds_norm(residual, folded) == fused
+    with torch.inference_mode():
+        assert kernels.folds_norm(x, wo, kc) == fused
+        assert kernels.folds_norm(residual, folded, kc) == fused
         summed, ss, full = run(slice(None))
         alone = [run(slice(i, i + 1)) for i in (0, 9)]
-        delta = kernels.linear(x, wo)
+        delta = kernels.linear(x, wo, kc=kc)
     assert torch.equal(summed, (residual.float() + delta.float()).to(dtype))
     close(ss.sum(-1), summed.float().square().sum(-1).view(-1), torch.float32)
     with torch.no_grad():
@@ -487,13 +469,12 @@ def test_folded_model_verifies_as_it_decodes_bit_for_bit(monkeypatch, gated):
     kernels (the interpreter without a GPU): a 6-token pass gives each position exactly the
     logits, cache entries and hidden states of decoding them one at a time. Qwen2 biases,
     a tied head, norm weights far from 1."""
-    monkeypatch.setattr(kernels, "GATED", gated)
-    monkeypatch.setattr(kernels, "FOLD_NORMS", True)  # whatever FLASHDRAFT_FOLD_NORMS says
+    monkeypatch.setattr(kernels, "GATED_MIN_N", 0 if gated else 1 << 30)
     cfg = ModelConfig(arch="qwen2", vocab_size=96, hidden_size=96, intermediate_size=160,
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, qkv_bias=True,
                       tie_word_embeddings=True)
     torch.manual_seed(1)
-    model = Transformer(cfg).to(DEVICE)
+    model = Transformer(cfg, KC).to(DEVICE)
     for name, p in model.named_parameters():
         p.data.normal_(1.0, 0.3) if name.endswith("norm.weight") else p.data.normal_(0, 0.2)
     model.fold_norms()
@@ -501,7 +482,7 @@ def test_folded_model_verifies_as_it_decodes_bit_for_bit(monkeypatch, gated):
     step = torch.randint(0, cfg.vocab_size, (1, 6), device=DEVICE)
     caches = [KVCache.for_model(cfg, 1, 32, torch.float32, DEVICE) for _ in range(2)]
     pos = lambda a, b: torch.arange(a, b, device=DEVICE)[None]
-    with run_kernels(), torch.inference_mode():
+    with torch.inference_mode():
         for c in caches:
             model(prompt, pos(0, 7), c, kv_len=7)
         verify, hv = model(step, pos(7, 13), caches[0], kv_len=13, hidden_layers=(1, 2))
@@ -548,16 +529,11 @@ def test_verify_pass_gives_the_decode_logits_bit_for_bit_in_bf16(folded):
     assert torch.equal(caches[2].kv[:, :, :, :, :309], caches[1].kv[:, :, :, :, :309])
 
 
-def test_gated_auto_puts_silu_in_the_product_of_wide_mlps_only(monkeypatch):
-    """FLASHDRAFT_GATED=auto (the default): SiLU · up inside the gate/up product from the 8B's
-    width up (measured faster there), its own kernel below; 1 and 0 force it."""
-    monkeypatch.setattr(kernels, "GATED", None)
+def test_gated_puts_silu_in_the_product_of_wide_mlps_only():
+    """SiLU · up inside the gate/up product from the 8B's width up (measured faster there),
+    its own kernel below."""
     assert kernels.gated_for(12288) and kernels.gated_for(25600)
     assert not kernels.gated_for(8960) and not kernels.gated_for(4864)
-    monkeypatch.setattr(kernels, "GATED", False)
-    assert not kernels.gated_for(25600)
-    monkeypatch.setattr(kernels, "GATED", True)
-    assert kernels.gated_for(160)
 
 
 def test_gated_for_decides_which_gate_up_products_fuse_silu(monkeypatch):
@@ -566,26 +542,19 @@ def test_gated_for_decides_which_gate_up_products_fuse_silu(monkeypatch):
     from flashdraft.backends import tune
     calls = []
     real = kernels.skinny_linear
-    monkeypatch.setattr(kernels, "skinny_linear", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
-    monkeypatch.setattr(kernels, "GATED", None)
-    monkeypatch.setattr(kernels, "FOLD_NORMS", True)
+    monkeypatch.setattr(kernels, "skinny_linear",
+                        lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
     layers = {n: torch.nn.Linear(64, 2 * n, bias=False).to(DEVICE) for n in (32, 48)}
     x = torch.randn(1, 3, 64, device=DEVICE)
     ss = x.reshape(-1, 64).square().sum(-1, keepdim=True)
     for min_n, want in ((48, {32: False, 48: True}), (16, {32: True, 48: True})):
         monkeypatch.setattr(kernels, "GATED_MIN_N", min_n)
         for n, layer in layers.items():
-            with run_kernels(), torch.inference_mode():
+            with torch.inference_mode():
                 calls.clear()
-                kernels.gated_linear(x, layer)
-                kernels.scaled_linear(x, ss, 1e-6, layer, gated=True)
+                kernels.gated_linear(x, layer, kc=KC)
+                kernels.scaled_linear(x, ss, 1e-6, layer, gated=True, kc=KC)
             assert calls == [want[n]] * 2
         model = torch.nn.Module()
         model.w_gate_up = layers[32]
         assert list(tune.matrices(model)) == [(32 if want[32] else 64, 64, want[32])]
-
-
-def test_gated_setting_other_than_auto_1_or_0_is_refused():
-    run = subprocess.run([sys.executable, "-c", "import flashdraft.backends.kernels"], capture_output=True,
-                         text=True, env={**os.environ, "FLASHDRAFT_GATED": "yes"})
-    assert run.returncode != 0 and "FLASHDRAFT_GATED='yes': use auto, 1 or 0" in run.stderr

@@ -37,19 +37,18 @@ def test_hub_id_resolves_from_the_local_cache(tiny_models, tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen2-tied", "qwen3"])
-def test_quantized_while_loading_equals_quantized_after(tiny_models, arch, monkeypatch):
+def test_quantized_while_loading_equals_quantized_after(tiny_models, arch):
     """load_model(quantization=...) quantizes each matrix as it arrives (the device never holds
     the full-precision model); the result is quantize_model's of the model loaded in full
     (int8: the tiny models are too narrow for int4's groups of 128), with its norms not folded
     (a quantized load does not fold them)."""
-    from flashdraft.backends import kernels
     from flashdraft.backends import quant
     from flashdraft.loading import load_model
 
-    monkeypatch.setattr(kernels, "FOLD_NORMS", False)
     mode = "int8"
     streamed = load_model(tiny_models[arch], torch.float32, "cpu", mode).model
-    whole = quant.quantize_model(load_model(tiny_models[arch], torch.float32, "cpu").model, mode)
+    unfolded = load_model(tiny_models[arch], torch.float32, "cpu", fold_norms=False).model
+    whole = quant.quantize_model(unfolded, mode)
     a, b = dict(streamed.named_buffers()), dict(whole.named_buffers())
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)

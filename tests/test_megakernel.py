@@ -93,6 +93,16 @@ def test_o_held_in_registers_gives_the_kernels_logits_bit_for_bit(shape, warps):
     _same_steps_bit_for_bit(SHAPES[shape], 700, {}, {"OREG": 1}, **ring)
 
 
+def built_or_skipped(model, cache, **options):
+    """DecodeMegakernel(model, cache, **options), or the test skipped where the configuration
+    needs more shared memory than this GPU has (an H100 allows less than an H200)."""
+    from flashdraft.backends.megakernel import DecodeMegakernel, DoesNotFit
+    try:
+        return DecodeMegakernel(model, cache, **options)
+    except DoesNotFit as err:
+        pytest.skip(str(err))
+
+
 def _same_steps_bit_for_bit(cfg, prompt: int, want_defines: dict, got_defines: dict,
                             **options) -> None:
     """Six chained steps of two kernels over the same cache: equal logits, tokens, cache
@@ -105,8 +115,8 @@ def _same_steps_bit_for_bit(cfg, prompt: int, want_defines: dict, got_defines: d
     for cache in caches:
         cache.kv.copy_(cached)
     with torch.inference_mode():
-        reference = DecodeMegakernel(model, caches[0], defines=want_defines, **options)
-        kernel = DecodeMegakernel(model, caches[1], defines=got_defines, **options)
+        reference = built_or_skipped(model, caches[0], defines=want_defines, **options)
+        kernel = built_or_skipped(model, caches[1], defines=got_defines, **options)
         token = torch.tensor([3], device="cuda")
         for step in range(6):
             pos = torch.tensor([prompt + step], device="cuda")
@@ -194,10 +204,8 @@ Q4_SHAPES = {
 def _int4_model(cfg, monkeypatch):
     """A random int4 model (mma layout) with norms other than 1, which the kernel applies
     itself (int4 weights keep them unfolded), and sharper logits."""
-    from flashdraft.backends import kernels
     from flashdraft.backends.quant import quantize_model
-    monkeypatch.setattr(kernels, "FOLD_NORMS", False)
-    model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
+    model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3, fold_norms=False)
     gen = torch.Generator(device="cuda").manual_seed(5)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -219,7 +227,7 @@ def test_int4_megakernel_matches_the_model(shape, prompt, warps, monkeypatch):
     built = []
 
     def make(cache):  # 12 warps by default
-        built.append(DecodeMegakernel(model, cache, consumer_warps=None if warps == 12 else warps))
+        built.append(built_or_skipped(model, cache, consumer_warps=None if warps == 12 else warps))
         return built[-1]
     compared = _follow_the_model(model, prompt, make)
     assert compared >= 12 and built[0].consumer_warps == warps
@@ -336,10 +344,9 @@ def test_more_consumer_warps_take_more_shared_memory_and_still_fit_the_32b():
     assert eight < shared_bytes(cfg, "6x26112", q4=True) <= HOPPER_SHARED  # int4's 12 warps
 
 
-def test_default_ring_follows_the_shape(monkeypatch):
+def test_default_ring_follows_the_shape():
     from flashdraft.backends import megakernel
     from flashdraft.tools.shapes import get_shape
-    monkeypatch.setattr(megakernel, "RING", None)
     # 24 KB slots where rows of the hidden size fill them (1.5B) or the model is small (0.6B);
     # 32 KB slots for the 8B, whose 8 KB rows fill a 24 KB slot to two thirds
     assert megakernel.default_ring(get_shape("qwen2.5-1.5b")) == "8x24576"
@@ -368,8 +375,6 @@ def test_default_ring_follows_the_shape(monkeypatch):
     # attention's staged keys and values do not grow with the warps: 7 slots (the most) beside
     # them
     assert megakernel.default_ring(Q4_SHAPES["q4-seven-groups"], q4=True, warps=12) == "7x26112"
-    monkeypatch.setattr(megakernel, "RING", "4x49152")  # FLASHDRAFT_MK_RING
-    assert megakernel.default_ring(get_shape("qwen3-8b")) == "4x49152"
 
 
 def test_int4_tiles_are_added_as_rarely_as_shared_memory_allows():
@@ -591,7 +596,7 @@ def test_rings_of_few_or_an_odd_number_of_slots_match_the_model(ring):
     built = []
 
     def make(cache):
-        built.append(DecodeMegakernel(model, cache, ring=ring))
+        built.append(built_or_skipped(model, cache, ring=ring))
         return built[-1]
     slots = int(ring.split("x")[0])
     assert _follow_the_model(model, 100, make) >= 12 and built[0].producers == min(4, slots)

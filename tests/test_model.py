@@ -38,14 +38,11 @@ def test_logits_match_transformers(tiny_models, arch, device):
         assert rel_err(again, want[:, n:n + 3]) <= 1e-4
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_long_steps_from_zero_and_after_a_prefix_match_transformers(tiny_models, device, causal,
-                                                                     monkeypatch):
-    """More than SMALL_T tokens go through SDPA: from position 0 with its own causal mask
-    (CAUSAL_PREFILL; or the explicit one), after cached positions with the explicit mask."""
+def test_long_steps_from_zero_and_after_a_prefix_match_transformers(tiny_models, device):
+    """More than SMALL_T tokens go through SDPA: from position 0 with its own causal mask,
+    after cached positions with the explicit mask."""
     from flashdraft import model as model_module
 
-    monkeypatch.setattr(model_module, "CAUSAL_PREFILL", causal)
     path = tiny_models["qwen3"]
     llm = LLM(path, device=device, dtype="float32")
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)

@@ -5,9 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from flashdraft.backends import kernels
-from flashdraft.backends import quant
-from flashdraft.config import ModelConfig
+from flashdraft.backends import kernels, quant
+from flashdraft.config import KernelConfig, ModelConfig
 from flashdraft.kv_cache import KVCache
 from flashdraft.tools.shapes import build_random_model
 
@@ -42,10 +41,10 @@ def test_quantization_error_is_bounded(mode, bound):
     torch.testing.assert_close(y, nn.functional.linear(x, w, lin.bias), rtol=0, atol=0)
 
 
-def test_quantize_model_replaces_every_linear_and_still_runs(monkeypatch):
-    monkeypatch.setattr(kernels, "FOLD_NORMS", False)  # quantize_model refuses folded norms
+def test_quantize_model_replaces_every_linear_and_still_runs():
     cfg = ModelConfig("qwen2", 300, 128, 256, 2, 4, 2, 32, qkv_bias=True)
-    model = build_random_model(cfg, torch.float32, "cpu")
+    # quantize_model refuses folded norms
+    model = build_random_model(cfg, torch.float32, "cpu", fold_norms=False)
     tokens = torch.randint(0, 300, (1, 9))
     pos = torch.arange(9).unsqueeze(0)
     ref, _ = model(tokens, pos, KVCache.for_model(cfg, 1, 16, torch.float32, "cpu"), kv_len=9)
@@ -70,13 +69,9 @@ def test_bad_requests_say_what_to_do():
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-@pytest.mark.parametrize("backend, dtype", [("triton", torch.bfloat16), ("triton", torch.float16),
-                                            ("tinygemm", torch.bfloat16),
-                                            ("hybrid", torch.bfloat16)])
+@pytest.mark.parametrize("backend, dtype", [("triton", torch.bfloat16), ("triton", torch.float16)])
 def test_fast_kernels_match_the_reference(mode, backend, dtype):
-    if backend in ("tinygemm", "hybrid") and mode == "int8":
-        pytest.skip(f"{backend} is int4 only")
-    if backend in ("triton", "hybrid") and quant.triton is None:
+    if quant.triton is None:
         pytest.skip("triton is not installed")
     torch.manual_seed(2)
     for k, n in ((512, 384), (1536, 8960), (4096, 1024)):
@@ -90,47 +85,40 @@ def test_fast_kernels_match_the_reference(mode, backend, dtype):
             torch.testing.assert_close(y.isnan().any(), torch.tensor(False, device="cuda"))
             rel = ((y.double() - ref).norm() / ref.norm()).item()
             assert rel < (3e-3 if backend == "triton" else 1e-2), (k, n, m, rel)
-            if backend == "triton":  # batch-invariant: row 0 alone gives the same bits
-                assert torch.equal(fast(x[:1]), y[:1]), (k, n, m)
-                # the int4 codes made floats in PTX or in Triton ops: the same bits
-                assert torch.equal(quant.triton_matmul(x, fast, None, "asm"),
-                                   quant.triton_matmul(x, fast, None, "ops")), (k, n, m)
-                for convert in ("scaled", "scaled-asm"):  # weights dequantized in full
-                    ys = quant.triton_matmul(x, fast, None, convert).double()
-                    assert ((ys - ref).norm() / ref.norm()).item() < 3e-3, (convert, k, n, m)
+            # batch-invariant: row 0 alone gives the same bits
+            assert torch.equal(fast(x[:1]), y[:1]), (k, n, m)
 
 
 @pytest.mark.skipif(quant.triton is None or torch.cuda.is_available() or not kernels.INTERPRET,
                     reason="the CPU run of the Triton kernels needs Triton's interpreter")
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-@pytest.mark.parametrize("convert", ["ops", "plain", "scaled"])
-def test_triton_kernel_on_cpu_through_the_interpreter(mode, convert):
-    """The Triton product in float16 through Triton's interpreter, against the reference: K in
-    two slices added by the last program (the second shorter), a partial column block, two row
-    blocks, a bias."""
-    if mode == "int8" and convert != "ops":
-        pytest.skip("convert only changes int4")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_triton_kernel_on_cpu_through_the_interpreter(mode, dtype):
+    """The Triton product through Triton's interpreter, against the reference: K in two slices
+    added by the last program (the second shorter), a partial column block, two row blocks, a
+    bias; int4 codes made floats by the bit-or (float16) or by conversion (float32)."""
     torch.manual_seed(3)
     for k, steps in ((256, 1), (640, 3)):  # 640: 5 groups in slices of 3 and 2
-        _check_through_the_interpreter(mode, convert, k, steps)
+        _check_through_the_interpreter(mode, dtype, k, steps)
 
 
-def _check_through_the_interpreter(mode, convert, k, steps):
-    layer = quant.QuantLinear(nn.Linear(k, 80, bias=True).half(), mode, "reference")
+def _check_through_the_interpreter(mode, dtype, k, steps):
+    layer = quant.QuantLinear(nn.Linear(k, 80, bias=True).to(dtype), mode, "reference",
+                              kernel_config=KernelConfig(interpret=True))
     w = layer.dequantized(torch.float32)
     cfg = kernels.quant_config(80, k, block_n=32, programs=6)
     assert cfg.split == 2 and cfg.k_steps == steps
     for m in (1, 5, 17):
-        x = torch.randn(m, k).half()
+        x = torch.randn(m, k).to(dtype)
         ref = x.double() @ w.double().t() + layer.bias.double()
-        y = quant.triton_matmul(x, layer, cfg, convert)
+        y = quant.triton_matmul(x, layer, cfg)
         assert ((y.double() - ref).norm() / ref.norm()).item() < 2e-3, m
         # the weight stored [n, k] instead (a transposed view): the same sums
         flipped = layer.qweight.t().contiguous().t()
-        parts = (layer.scale, layer.zero, layer.bias, 80, cfg, convert)
+        parts = (layer.scale, layer.zero, layer.bias, 80, cfg, layer.kernel_config)
         torch.testing.assert_close(kernels.quant_linear(x, flipped, *parts), y, rtol=0, atol=0)
         # batch-invariant: each row alone gives the same bits
-        assert torch.equal(quant.triton_matmul(x[:1], layer, cfg, convert), y[:1])
+        assert torch.equal(quant.triton_matmul(x[:1], layer, cfg), y[:1])
     assert not kernels.tile_counters(x.device, 1).any()  # every tile counter back to zero
 
 
@@ -163,5 +151,5 @@ def test_quantize_model_refuses_a_model_with_folded_norms():
     cfg = ModelConfig("qwen2", 300, 128, 256, 2, 4, 2, 32, qkv_bias=True)
     model = build_random_model(cfg, torch.float32, "cpu")
     model.fold_norms()
-    with pytest.raises(ValueError, match="FLASHDRAFT_FOLD_NORMS=0"):
+    with pytest.raises(ValueError, match="fold_norms=False"):
         quant.quantize_model(model, "int8")

@@ -17,8 +17,6 @@ def tables(monkeypatch, tmp_path):
     """A shipped table and a model cache of this test's; the kernels' table caches cleared."""
     shipped = tmp_path / "shipped.json"
     monkeypatch.setattr(kernels, "_SHIPPED_TABLE", str(shipped))
-    monkeypatch.setattr(kernels, "SKINNY_TABLE", str(shipped))
-    monkeypatch.setattr(kernels, "SKINNY_RULE", "tuned")
     monkeypatch.setenv("FLASHDRAFT_CACHE", str(tmp_path / "cache"))
     kernels.tuned_table.cache_clear(), kernels.skinny_config.cache_clear()
     yield shipped
@@ -45,7 +43,7 @@ def test_merge_writes_winners_and_the_user_table_wins_over_the_shipped(tables):
     gpu = kernels.device_name()
     tables.write_text(json.dumps({gpu: {"96x2048": [64, 128, 16, 1, 1, 4, 3],
                                         "1100x256": [16, 256, 1, 1, 1, 4, 3]}}))
-    assert kernels.skinny_config(96, 2048, False, "tuned") == (64, 128, 16, 1, 1, 4, 3)
+    assert kernels.skinny_config(96, 2048, False, None) == (64, 128, 16, 1, 1, 4, 3)
     written = tune.merge(kernels.user_table(), {
         "96x2048": _swept((32, 256, 4, 2, 2, 4, 2), 1.0, 2.0),  # twice as fast: in
         "1100x256": _swept((32, 256, 1, 1, 1, 4, 2), 0.995, 1.0),  # within 1 %: out
@@ -56,9 +54,9 @@ def test_merge_writes_winners_and_the_user_table_wins_over_the_shipped(tables):
     tune.merge(kernels.user_table(), {"64x64": _swept((64, 64, 1, 1, 1, 4, 3), 1.0, 2.0)}, gpu)
     user = json.loads(kernels.user_table().read_text())[gpu]
     assert set(user) == {"96x2048", "40x16", "64x64"}
-    assert kernels.skinny_config(96, 2048, False, "tuned") == (32, 256, 4, 2, 2, 4, 2)
-    assert kernels.skinny_config(1100, 256, False, "tuned") == (16, 256, 1, 1, 1, 4, 3)
-    assert kernels.skinny_config(2048, 2048, False, "tuned") == kernels.skinny_config(2048, 2048)
+    assert kernels.skinny_config(96, 2048, False, None) == (32, 256, 4, 2, 2, 4, 2)
+    assert kernels.skinny_config(1100, 256, False, None) == (16, 256, 1, 1, 1, 4, 3)
+    assert kernels.skinny_config(2048, 2048, False, None) == kernels.skinny_config(2048, 2048)
     # what the user's table held before a merge it cannot read: a message, no overwrite
     kernels.user_table().write_text("[1, 2")
     with pytest.raises(SystemExit, match="not a table of launches"):
@@ -84,7 +82,7 @@ def test_a_short_sweep_writes_launches_that_compute_the_products(tables):
                kernels.device_name())
     for key, e in swept.items():
         n, k = e["matrix"][:2]
-        assert kernels.skinny_config(n, k, False, "tuned") == e["best"]
+        assert kernels.skinny_config(n, k, False, None) == e["best"]
         layer = torch.nn.Linear(k, n, bias=False).to("cuda", torch.bfloat16)
         x = torch.randn(1, 9, k, device="cuda", dtype=torch.bfloat16)
         with torch.inference_mode():

@@ -42,7 +42,6 @@ with them has not been measured. Kept off by default; see benchmarks/NOTES-gpu.m
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -53,7 +52,7 @@ from ..kv_cache import KVCache
 
 # Prompts up to this many tokens are prefilled padded (`prefill_length`), as CUDA graphs on a
 # GPU; longer ones run eagerly at their own length (the launches are small against the work).
-PREFILL_GRAPH_MAX = int(os.environ.get("FLASHDRAFT_PREFILL_GRAPH_MAX", "2048"))
+PREFILL_GRAPH_MAX = 2048
 
 
 def eager_step(model, tokens: torch.Tensor, start: int, cache: KVCache,

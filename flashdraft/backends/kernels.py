@@ -5,8 +5,8 @@ arithmetic: after CUDA graphs removed the launch cost, each kernel still costs ~
 1.5B example spent two thirds of its step outside the four matrix products. These kernels
 bring a decode layer down to five: four products and attention, the two norms inside the
 products (`add_linear`, `scaled_linear`) and SiLU · up inside the gate/up product
-(FLASHDRAFT_GATED) or the down product (FLASHDRAFT_SILU_DOWN); eight kernels where the norms
-are not folded (quantized models, FLASHDRAFT_FOLD_NORMS=0):
+(`gated_for`) or the down product; eight kernels where the norms are not folded (quantized
+models):
 
 - `rms_norm(x, weight, eps, residual)`: residual += x, then RMSNorm of the sum, in one pass
   (the residual add of the previous sublayer fused into the norm of the next, as vLLM does).
@@ -20,7 +20,7 @@ are not folded (quantized models, FLASHDRAFT_FOLD_NORMS=0):
   finish merges the others' results (no second kernel).
 - `rope_attention(qkv, ...)`: the two above in one kernel for decode and verification steps:
   q rotated in registers, the step's keys and values written to the cache by the attention
-  programs whose split holds them, before they read it (FLASHDRAFT_ROPE_ATTENTION=0: two).
+  programs whose split holds them, before they read it.
 - `silu_mul(gate_up)`: SiLU(gate) · up.
 - `linear(x, module)`: products of up to 32 rows (`skinny_kernel`, tensor cores, K split in a
   fixed way per weight shape, the slices added by the last program of a tile to finish).
@@ -59,7 +59,6 @@ an exact zero, so an eager step (kv_len = the true length) and a graph replay of
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
@@ -69,53 +68,32 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..config import KernelConfig
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU installs without Triton: the PyTorch paths serve
     triton = None
 
+# Triton's own switch for its interpreter (read by Triton as it imports).
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# FLASHDRAFT_KERNELS=torch turns the fused kernels off (for comparisons and debugging).
-_enabled = os.environ.get("FLASHDRAFT_KERNELS", "triton") != "torch"
-_forced = False
+DEFAULT = KernelConfig()
 
 
 def available() -> bool:
     return triton is not None
 
 
-def use_triton(x: torch.Tensor) -> bool:
-    """Whether the fused kernels serve tensors like x: on CUDA when Triton imports, unless
-    turned off; on a CPU only inside `forced()` with the interpreter (tests)."""
-    if triton is None or not _enabled:
+def use_triton(x: torch.Tensor, kc: KernelConfig = DEFAULT) -> bool:
+    """Whether the fused kernels serve tensors like x under kc: on CUDA where Triton imports
+    and kc.backend is "triton"; on a CPU only with kc.interpret, through the interpreter."""
+    if triton is None or kc.backend != "triton":
         return False
-    return x.is_cuda or (_forced and INTERPRET)
-
-
-@contextlib.contextmanager
-def disabled():
-    """Run the PyTorch paths inside this block, even on CUDA."""
-    global _enabled
-    old, _enabled = _enabled, False
-    try:
-        yield
-    finally:
-        _enabled = old
-
-
-@contextlib.contextmanager
-def forced():
-    """Run the Triton kernels on CPU tensors too (needs TRITON_INTERPRET=1): for tests."""
-    global _forced
-    if not INTERPRET:
-        raise RuntimeError("kernels.forced() needs TRITON_INTERPRET=1 set before Triton is "
-                           "imported")
-    old, _forced = _forced, True
-    try:
-        yield
-    finally:
-        _forced = old
+    if kc.interpret and not INTERPRET:
+        raise RuntimeError("KernelConfig(interpret=True) needs TRITON_INTERPRET=1 set before "
+                           "Triton is imported")
+    return x.is_cuda or kc.interpret
 
 
 def split_length(max_len: int) -> int:
@@ -168,16 +146,16 @@ def linear_reference(x, weight, bias=None):
     return F.linear(x, weight, bias)
 
 
-def scaled_linear_reference(x, ss, eps, module, gated=False):
+def scaled_linear_reference(x, ss, eps, module, gated=False, kc=DEFAULT):
     # the norm (its weight folded into module's) from the sums of squares, then the product as
     # `linear` / `gated_linear` run it
     rms = torch.rsqrt(ss.sum(-1) / x.shape[-1] + eps).view(*x.shape[:-1], 1)
     h = (x.float() * rms).to(x.dtype)
-    return gated_linear(h, module) if gated else linear(h, module)
+    return gated_linear(h, module, kc) if gated else linear(h, module, kc)
 
 
-def add_linear_reference(x, module, residual):
-    residual.add_(linear(x, module))
+def add_linear_reference(x, module, residual, kc=DEFAULT):
+    residual.add_(linear(x, module, kc))
     return residual.float().square().sum(-1).view(-1, 1)
 
 
@@ -192,25 +170,19 @@ def silu_mul_reference(gate_up):
 if triton is not None:
 
     @triton.jit
-    def _pdl_wait(USE_PDL: tl.constexpr, EARLY_LAUNCH: tl.constexpr = False):
+    def _pdl_wait(USE_PDL: tl.constexpr):
         # Programmatic dependent launch (Hopper on): this kernel may have started while the one
         # before it in the stream was finishing. Wait until that one's writes are visible (no
-        # load of an activation and no store happens before this point), and let the next
-        # kernel start its own launch: after the wait, or with EARLY_LAUNCH before it (the
-        # next kernel still waits for this one to finish before it reads anything we write).
+        # load of an activation and no store happens before this point), then let the next
+        # kernel start its own launch.
         if USE_PDL:
-            if EARLY_LAUNCH:
-                tl.extra.cuda.gdc_launch_dependents()
-                tl.extra.cuda.gdc_wait()
-            else:
-                tl.extra.cuda.gdc_wait()
-                tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n, eps, stride_x, stride_r, stride_o,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-                         EARLY_LAUNCH: tl.constexpr = False):
-        _pdl_wait(USE_PDL, EARLY_LAUNCH)
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+        _pdl_wait(USE_PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < n
@@ -233,11 +205,10 @@ if triton is not None:
                            t, stride_qkv_tok, stride_cs_tok, stride_pb,
                            stride_c2, stride_cb, stride_ch, stride_cn,
                            N_HEADS: tl.constexpr, N_KV: tl.constexpr, HALF: tl.constexpr,
-                           QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
-                           EARLY_LAUNCH: tl.constexpr = False):
+                           QK_NORM: tl.constexpr, USE_PDL: tl.constexpr):
         # One program per (token, head) over the q, k and v heads of one token's qkv row;
         # branch-free: q and k heads are rotated, v heads pass through, stores are masked.
-        _pdl_wait(USE_PDL, EARLY_LAUNCH)
+        _pdl_wait(USE_PDL)
         tok = tl.program_id(0)  # b * t + i
         head = tl.program_id(1)
         b = tok // t
@@ -304,15 +275,14 @@ if triton is not None:
                           GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr,
                           PRECISION: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
-                          T_MAX: tl.constexpr, USE_PDL: tl.constexpr,
-                          EARLY_LAUNCH: tl.constexpr = False):
+                          T_MAX: tl.constexpr, USE_PDL: tl.constexpr):
         # Program (b * n_kv + kv head, split, row block). Rows are (token, query head of this
         # kv head) pairs: row = token * GROUP + g. With ROPE, q_ptr is the qkv output (q, k
         # and v heads of each token, as they come from the product) and this kernel does
         # `_rope_cache_kernel`'s work first: q heads rotated in registers, and the step's own
         # keys and values (positions p0 .. p0 + t - 1, consecutive) written into the cache by
         # the programs whose split holds them, before they read it.
-        _pdl_wait(USE_PDL, EARLY_LAUNCH)
+        _pdl_wait(USE_PDL)
         bh = tl.program_id(0)
         split = tl.program_id(1)
         rblock = tl.program_id(2)
@@ -485,10 +455,8 @@ if triton is not None:
                        m, n, k, stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr,
                        GATED: tl.constexpr, SPLIT: tl.constexpr, K_STEPS: tl.constexpr,
                        PRE_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
-                       LAST_REDUCE: tl.constexpr, USE_PDL: tl.constexpr,
-                       SCALE_TILES: tl.constexpr = 0, ADD_RESIDUAL: tl.constexpr = False,
-                       EARLY_LAUNCH: tl.constexpr = False, SILU_X: tl.constexpr = False):
+                       BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+                       SCALE_TILES: tl.constexpr = 0, ADD_RESIDUAL: tl.constexpr = False, SILU_X: tl.constexpr = False):
         # out [m, n] = x [m, k] @ w [n, k]^T, as (w @ x^T)^T so that the few rows of x are the
         # narrow side of the tensor-core product. With GATED, w is [2 n, k] (gate rows, then up
         # rows) and out = SiLU(x @ gate^T) * (x @ up^T): the MLP's first product and its
@@ -508,11 +476,9 @@ if triton is not None:
         n_ok = offs_n < n
         m_ok = offs_m < m
         k0 = pid_k * K_STEPS * BLOCK_K
-        # Weights do not depend on the kernels before this one: with PREFETCH the first
-        # PRE_STEPS tiles are loaded before waiting for them (programmatic dependent launch), so
-        # that their transfer overlaps the end of the previous kernel.
-        if not PREFETCH:
-            _pdl_wait(USE_PDL, EARLY_LAUNCH)
+        # Weights do not depend on the kernels before this one: the first PRE_STEPS tiles are
+        # loaded before waiting for them (programmatic dependent launch), so that their
+        # transfer overlaps the end of the previous kernel.
         offs_p = k0 + tl.arange(0, PRE_STEPS * BLOCK_K)
         p_ok = offs_p < k
         w_rows = w_ptr + offs_n[:, None] * stride_wn
@@ -520,8 +486,7 @@ if triton is not None:
         if GATED:
             u_pre = tl.load(w_rows + n * stride_wn + offs_p[None, :],
                             mask=n_ok[:, None] & p_ok[None, :], other=0.0)
-        if PREFETCH:
-            _pdl_wait(USE_PDL, EARLY_LAUNCH)
+        _pdl_wait(USE_PDL)
         x_pre = _x_tile(x_ptr, offs_m, m_ok, offs_p, p_ok, k, stride_xm, SILU_X)
         r = _row_scale(ss_ptr, offs_m, m_ok, k, eps, SCALE_TILES, BLOCK_M)
         acc = tl.dot(w_pre, tl.trans(x_pre), input_precision=PRECISION, out_dtype=tl.float32)
@@ -540,8 +505,8 @@ if triton is not None:
                             mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 acc_up = tl.dot(u, tl.trans(xk), acc_up, input_precision=PRECISION)
         _skinny_finish(acc, acc_up, r, b_ptr, out_ptr, ss_out_ptr, part_ptr, count_ptr, offs_n,
-                       offs_m, n_ok, m_ok, m, n, stride_om, HAS_BIAS, GATED, SPLIT, LAST_REDUCE,
-                       SCALE_TILES > 0, ADD_RESIDUAL)
+                       offs_m, n_ok, m_ok, m, n, stride_om, HAS_BIAS, GATED, SPLIT, SCALE_TILES > 0,
+                       ADD_RESIDUAL)
 
     @triton.jit
     def _quant_tile(w_ptr, offs_n, n_ok, g, k, stride_wn, stride_wk, BITS: tl.constexpr):
@@ -628,8 +593,7 @@ if triton is not None:
                              SPLIT: tl.constexpr,
                              K_STEPS: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
-                             PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
-                             EARLY_LAUNCH: tl.constexpr = False):
+                             USE_PDL: tl.constexpr):
         # out [m, n] = x [m, k] @ W^T for weight-only int4 / int8 W (flashdraft.backends.quant's formats:
         # w [k/2, n] packed int4 with s, z [k/128, n]; or w [k, n] int8 with s [n]), as
         # `skinny_kernel`: program (n block, K slice, row block), K walked one group of 128 at
@@ -640,11 +604,8 @@ if triton is not None:
         n_ok = offs_n < n
         m_ok = offs_m < m
         g0 = tl.program_id(1) * K_STEPS
-        if not PREFETCH:
-            _pdl_wait(USE_PDL, EARLY_LAUNCH)
-        wt = _quant_tile(w_ptr, offs_n, n_ok, g0, k, stride_wn, stride_wk, BITS)
-        if PREFETCH:
-            _pdl_wait(USE_PDL, EARLY_LAUNCH)
+        wt = _quant_tile(w_ptr, offs_n, n_ok, g0, k, stride_wn, stride_wk, BITS)  # before the wait
+        _pdl_wait(USE_PDL)
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         acc = _quant_step(acc, wt, x_ptr, s_ptr, z_ptr, offs_m, m_ok, offs_n, g0, n, k,
                           stride_xm, BITS, MAGIC, SCALED, ASM_LO, ASM_HI, PRECISION)
@@ -655,22 +616,21 @@ if triton is not None:
         if BITS == 8:  # the per-column scale, once
             acc = acc * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         _skinny_finish(acc, acc, acc, b_ptr, out_ptr, out_ptr, part_ptr, count_ptr, offs_n, offs_m,
-                       n_ok, m_ok, m, n, stride_om, HAS_BIAS, False, SPLIT, True, False, False)
+                       n_ok, m_ok, m, n, stride_om, HAS_BIAS, False, SPLIT, False, False)
 
     @triton.jit
     def _skinny_finish(acc, acc_up, r, b_ptr, out_ptr, ss_out_ptr, part_ptr, count_ptr, offs_n,
                        offs_m, n_ok, m_ok, m, n, stride_om, HAS_BIAS: tl.constexpr,
-                       GATED: tl.constexpr, SPLIT: tl.constexpr, LAST_REDUCE: tl.constexpr,
-                       SCALED: tl.constexpr, ADD_RESIDUAL: tl.constexpr):
+                       GATED: tl.constexpr, SPLIT: tl.constexpr, SCALED: tl.constexpr,
+                       ADD_RESIDUAL: tl.constexpr):
         # A program's sums over its K slice -> the output (bf16 and quantized products alike).
         if SPLIT == 1:
             _skinny_epilogue(acc, acc_up, r, b_ptr, out_ptr, ss_out_ptr, offs_n, offs_m, n_ok,
                              m_ok, n, stride_om, HAS_BIAS, GATED, SCALED, ADD_RESIDUAL)
         else:
-            # K split across SPLIT programs: each stores its float32 slice; with LAST_REDUCE the
-            # last of them to finish adds the slices in slice order (so the result does not
-            # depend on which finished last) and runs the epilogue, else `_sum_slices_kernel`
-            # does (plain products only).
+            # K split across SPLIT programs: each stores its float32 slice, and the last of them
+            # to finish adds the slices in slice order (so the result does not depend on which
+            # finished last) and runs the epilogue.
             width = 2 * n if GATED else n
             part = part_ptr + offs_m[None, :] * width + offs_n[:, None]
             ok = n_ok[:, None] & m_ok[None, :]
@@ -679,7 +639,7 @@ if triton is not None:
                 tl.store(part + tl.program_id(1) * m * width + n, acc_up, mask=ok)
             tl.debug_barrier()  # every thread's slice is stored before the counter moves
             tile = count_ptr + tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
-            if LAST_REDUCE and tl.atomic_add(tile, 1, sem="acq_rel") == SPLIT - 1:
+            if tl.atomic_add(tile, 1, sem="acq_rel") == SPLIT - 1:
                 acc = tl.zeros_like(acc)
                 acc_up = acc
                 for s in tl.static_range(SPLIT):
@@ -692,24 +652,9 @@ if triton is not None:
                 tl.atomic_xchg(tile, 0)  # ready for the next launch
 
     @triton.jit
-    def _sum_slices_kernel(p_ptr, b_ptr, out_ptr, total, n, SPLIT: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-                           EARLY_LAUNCH: tl.constexpr = False):
-        # p [SPLIT, m, n] float32 -> out [m, n] (+ bias): the K slices added in a fixed order.
-        _pdl_wait(USE_PDL, EARLY_LAUNCH)
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < total
-        acc = tl.zeros([BLOCK], tl.float32)
-        for i in range(0, SPLIT):
-            acc += tl.load(p_ptr + i * total + offs, mask=ok, other=0.0)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs % n, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-    @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_o, BLOCK: tl.constexpr,
-                         USE_PDL: tl.constexpr, EARLY_LAUNCH: tl.constexpr = False):
-        _pdl_wait(USE_PDL, EARLY_LAUNCH)
+                         USE_PDL: tl.constexpr):
+        _pdl_wait(USE_PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < n
@@ -723,51 +668,45 @@ if triton is not None:
 # Entry points: Triton where `use_triton` says so, else the reference
 
 # Programmatic dependent launch between consecutive kernels (compute capability 9.0 on: H100,
-# H200, ...): a kernel is launched while the one before it finishes and waits in-kernel for
-# its results, which hides most of the ~1 µs gap between kernels of a replayed graph.
-# FLASHDRAFT_PDL=0 turns it off.
-PDL = os.environ.get("FLASHDRAFT_PDL", "1") != "0"
-# With PDL, the products load their first weight tiles before waiting for the previous kernel
-# (FLASHDRAFT_PREFETCH=0 turns it off). FLASHDRAFT_PDL_EARLY=1 also lets the next kernel launch
-# before this one waits for its own predecessor (no gain measured on the H200: off).
-EARLY_LAUNCH = os.environ.get("FLASHDRAFT_PDL_EARLY", "0") == "1"
-PREFETCH = os.environ.get("FLASHDRAFT_PREFETCH", "1") != "0"
+# H200, ...; KernelConfig.pdl): a kernel is launched while the one before it finishes and
+# waits in-kernel for its results, which hides most of the ~1 µs gap between kernels of a
+# replayed graph; the products load their first weight tiles before that wait.
 _CAPABILITY: dict[int, int] = {}
 
 
-def pdl_options(x: torch.Tensor) -> dict:
+def pdl_options(x: torch.Tensor, kc: KernelConfig = DEFAULT) -> dict:
     """Launch options (and the kernels' USE_PDL flag) for a kernel on x's device."""
-    if not (PDL and x.is_cuda):
+    if not (kc.pdl and x.is_cuda):
         return {"USE_PDL": False}
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if dev not in _CAPABILITY:
         _CAPABILITY[dev] = torch.cuda.get_device_capability(dev)[0]
     if _CAPABILITY[dev] < 9:
         return {"USE_PDL": False}
-    return {"USE_PDL": True, "EARLY_LAUNCH": EARLY_LAUNCH, "launch_pdl": True}
+    return {"USE_PDL": True, "launch_pdl": True}
 
 
 # Tile counters of the kernels that finish a split reduction in their last program (products
 # with a K split, attention with several cache splits): one zeroed int32 buffer per device,
 # each counter put back to zero by the program that finishes its tile. Kernels of a device run
 # one after another (one stream, or streams ordered by events), so they can share it.
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+COUNTERS: dict[torch.device, torch.Tensor] = {}
 _N_COUNTERS = 1 << 16
 
 
 def tile_counters(device: torch.device, needed: int) -> torch.Tensor:
     if needed > _N_COUNTERS:
         raise ValueError(f"{needed} output tiles exceed the {_N_COUNTERS} tile counters")
-    buf = _COUNTERS.get(device)
+    buf = COUNTERS.get(device)
     if buf is None:
-        buf = _COUNTERS[device] = torch.zeros(_N_COUNTERS, dtype=torch.int32, device=device)
+        buf = COUNTERS[device] = torch.zeros(_N_COUNTERS, dtype=torch.int32, device=device)
     return buf
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
+             residual: torch.Tensor | None = None, kc: KernelConfig = DEFAULT) -> torch.Tensor:
     """RMSNorm of x, or, given residual, of residual + x, storing that sum into residual."""
-    if not use_triton(x):
+    if not use_triton(x, kc):
         return rms_norm_reference(x, weight, eps, residual)
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
@@ -780,18 +719,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, n, eps, x2.stride(0), r2.stride(0),
                                      out.stride(0), HAS_RESIDUAL=residual is not None,
                                      BLOCK=triton.next_power_of_2(n),
-                                     num_warps=4 if n <= 4096 else 8, **pdl_options(x))
+                                     num_warps=4 if n <= 4096 else 8, **pdl_options(x, kc))
     return out.view(x.shape)
 
 
 def rope_and_cache_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          positions: torch.Tensor, cache_layer: torch.Tensor, n_heads: int,
                          n_kv: int, q_norm: torch.Tensor | None = None,
-                         k_norm: torch.Tensor | None = None, eps: float = 1e-6) -> None:
+                         k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+                         kc: KernelConfig = DEFAULT) -> None:
     """Rope (after per-head RMSNorm when q_norm/k_norm are given) on the q and k heads of
     qkv [b, t, n_heads + 2 n_kv, head_dim], q in place; keys and values into cache_layer
     [2, batch, n_kv, max_len, head_dim] at positions [b, t]. cos, sin: [b, t, head_dim / 2]."""
-    if not use_triton(qkv):
+    if not use_triton(qkv, kc):
         return rope_and_cache_write_reference(qkv, cos, sin, positions, cache_layer, n_heads,
                                               n_kv, q_norm, k_norm, eps)
     b, t, heads, d = qkv.shape
@@ -803,46 +743,46 @@ def rope_and_cache_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         qkv, cos, sin, positions, cache_layer, q_norm if qk_norm else qkv,
         k_norm if qk_norm else qkv, eps, t, qkv.stride(1), cos.stride(1), positions.stride(0),
         cache_layer.stride(0), cache_layer.stride(1), cache_layer.stride(2), cache_layer.stride(3),
-        N_HEADS=n_heads, N_KV=n_kv, HALF=d // 2, QK_NORM=qk_norm, num_warps=1, **pdl_options(qkv))
+        N_HEADS=n_heads, N_KV=n_kv, HALF=d // 2, QK_NORM=qk_norm, num_warps=1, **pdl_options(qkv, kc))
 
 
 def attention(q: torch.Tensor, cache_layer: torch.Tensor, positions: torch.Tensor, kv_len: int,
-              split_len: int) -> torch.Tensor:
+              split_len: int, kc: KernelConfig = DEFAULT) -> torch.Tensor:
     """Attention of q [b, t, heads, head_dim] (a view of the qkv output is fine) over
     cache_layer [2, batch, n_kv, max_len, head_dim] up to kv_len, each query seeing the keys at
     positions <= its own; positions [b, t] increase along t. Returns [b, t, heads * head_dim]."""
-    if not use_triton(q):
+    if not use_triton(q, kc):
         return attention_reference(q, cache_layer, positions, kv_len)
-    return _attention(q, q.shape[2], cache_layer, positions, kv_len, split_len)
+    return _attention(q, q.shape[2], cache_layer, positions, kv_len, split_len, kc)
 
 
 # Rope and the cache write inside the attention kernel (`rope_attention`): one kernel a layer
-# fewer. FLASHDRAFT_ROPE_ATTENTION=0 runs them as two kernels.
-ROPE_ATTENTION = os.environ.get("FLASHDRAFT_ROPE_ATTENTION", "1") != "0"
+# fewer for steps of up to ROPE_MAX_T tokens.
 ROPE_MAX_T = 32  # tokens a step of the fused kernel may carry (the model's SMALL_T)
 
 
 def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    positions: torch.Tensor, cache_layer: torch.Tensor, n_heads: int, n_kv: int,
                    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-                   kv_len: int, split_len: int) -> torch.Tensor:
+                   kv_len: int, split_len: int, kc: KernelConfig = DEFAULT) -> torch.Tensor:
     """`rope_and_cache_write` then `attention` of its q heads: for qkv [b, t, n_heads + 2 n_kv,
     head_dim] at positions [b, t], each sequence's positions consecutive (start .. start +
-    t - 1, as every step of the engine has them). On the GPU one kernel (ROPE_ATTENTION): the
+    t - 1, as every step of the engine has them). On the GPU one kernel: the
     q heads are rotated in registers (qkv is left as it is) and the step's keys and values are
     written to the cache by the attention programs that read them."""
     t = qkv.shape[1]
-    if not (ROPE_ATTENTION and use_triton(qkv) and t <= ROPE_MAX_T):
+    if not (use_triton(qkv, kc) and t <= ROPE_MAX_T):
         rope_and_cache_write(qkv, cos, sin, positions, cache_layer, n_heads, n_kv, q_norm,
-                             k_norm, eps)
-        return attention(qkv[:, :, :n_heads], cache_layer, positions, kv_len, split_len)
+                             k_norm, eps, kc)
+        return attention(qkv[:, :, :n_heads], cache_layer, positions, kv_len, split_len, kc)
     assert qkv.stride(-1) == 1 and qkv.stride(-2) == qkv.shape[-1]
     rope = (cos.contiguous(), sin.contiguous(), q_norm, k_norm, eps)
-    return _attention(qkv, n_heads, cache_layer, positions, kv_len, split_len, rope)
+    return _attention(qkv, n_heads, cache_layer, positions, kv_len, split_len, kc, rope)
 
 
 def _attention(q: torch.Tensor, heads: int, cache_layer: torch.Tensor, positions: torch.Tensor,
-               kv_len: int, split_len: int, rope: tuple | None = None) -> torch.Tensor:
+               kv_len: int, split_len: int, kc: KernelConfig,
+               rope: tuple | None = None) -> torch.Tensor:
     """The attention kernel's launch for q [b, t, >= heads, head_dim] (its first `heads` heads
     attend); rope: (cos, sin, q_norm, k_norm, eps) with q the whole qkv output."""
     b, t, _, d = q.shape
@@ -875,15 +815,14 @@ def _attention(q: torch.Tensor, heads: int, cache_layer: torch.Tensor, positions
         cos.stride(1), GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=64, SPLIT=split_len,
         MAX_SPLITS=max_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         ROPE=rope is not None, QK_NORM=q_norm is not None, T_MAX=ROPE_MAX_T, num_warps=4,
-        **pdl_options(q))
+        **pdl_options(q, kc))
     return out.view(b, t, heads * d)
 
 
 # Products of up to SKINNY_MAX_ROWS rows (decode, verification, draft steps) go through
-# `skinny_kernel` when it is on: faster than cuBLAS for so few rows (benchmarks/NOTES-gpu.md),
-# and batch-invariant, which is what makes greedy speculative decoding give exactly the tokens
-# of plain decoding in bf16 too. FLASHDRAFT_SKINNY=0 turns it off (cuBLAS everywhere).
-SKINNY = os.environ.get("FLASHDRAFT_SKINNY", "1") != "0"
+# `skinny_kernel`: faster than cuBLAS for so few rows (docs/kernels.md), and batch-invariant,
+# which is what makes greedy speculative decoding give exactly the tokens of plain decoding in
+# bf16 too.
 SKINNY_MAX_ROWS = 32
 _SKINNY_PROGRAMS = 256  # ~2 programs per multiprocessor of an H100/H200, splitting K to get there
 _PREFETCH_ELEMENTS = 8192  # weight elements a program may load before its PDL wait
@@ -899,42 +838,20 @@ class SkinnyConfig(NamedTuple):
     num_stages: int = 3
 
 
-# How the skinny kernel is launched and what it absorbs. Each choice was measured against the
-# others in the model (benchmarks/profile_step.py --variants, H200, benchmarks/NOTES-gpu.md);
-# the defaults are the fastest there:
-# FLASHDRAFT_SKINNY_RULE   tuned (default): the launch parameters measured fastest for this
-#                          weight shape on this GPU model (SKINNY_TABLE), else v2;
-#                          v2: 64 × 128 tiles, K split to ~256 programs;
-#                          v1: narrow tiles (16-64 × 512-128), K split to ~528 programs
-# FLASHDRAFT_SKINNY_TABLE  the table of measured parameters (default: the shipped
-#                          flashdraft/data/skinny_tuned.json with the user's, written by
-#                          `flashdraft tune`, over it), another JSON file instead, or "off"
-# FLASHDRAFT_SPLIT_REDUCE  last (default): the last program of a tile adds the K slices;
-#                          kernel: a second kernel does (plain products only)
-# FLASHDRAFT_GATED         SiLU · up inside the gate/up product, or its own kernel after it:
-#                          auto (default): inside for MLPs at least GATED_MIN_N wide (the 8B's
-#                          12,288: +1-4 % decode, 85 % of the roofline; the 1.5B's 8,960:
-#                          decode within the rounds' noise, +10/+3/-5 %, its 16-token step
-#                          2-16 % slower); 1; 0
-# (Residual add + RMSNorm inside the next product was measured too, 2x slower: every program
-# re-normalised its input rows; removed after session 4, see NOTES-gpu.md. FOLD_NORMS below
-# leaves the input alone: the norm's weight is in the product's weight and 1 / rms scales the
-# product's rows.)
-SKINNY_RULE = os.environ.get("FLASHDRAFT_SKINNY_RULE", "tuned")
+# How the skinny kernel is launched: the launch measured fastest for the weight's shape on this
+# GPU model where the tuned table has one (KernelConfig.tuned_table, `flashdraft tune`), else
+# 64 x 128 tiles with K split to ~256 programs. SiLU · up is computed inside the gate/up
+# product for MLPs at least GATED_MIN_N wide (the 8B's 12,288: decode 1-4 % faster; the
+# 1.5B's 8,960 within noise and its 16-token step slower), else inside the down product's
+# input loads where the norms are folded (`SiluPending`), else by `silu_mul`.
 _SHIPPED_TABLE = str(Path(__file__).parent.parent / "data" / "skinny_tuned.json")
-SKINNY_TABLE = os.environ.get("FLASHDRAFT_SKINNY_TABLE", _SHIPPED_TABLE)
-SPLIT_REDUCE = os.environ.get("FLASHDRAFT_SPLIT_REDUCE", "last")
-_GATED_SETTINGS = {"auto": None, "1": True, "0": False}
-if os.environ.get("FLASHDRAFT_GATED", "auto") not in _GATED_SETTINGS:
-    raise ValueError(f"FLASHDRAFT_GATED={os.environ['FLASHDRAFT_GATED']!r}: use auto, 1 or 0")
-GATED = _GATED_SETTINGS[os.environ.get("FLASHDRAFT_GATED", "auto")]  # None: auto
 GATED_MIN_N = 12288
 
 
 def gated_for(n: int) -> bool:
     """Whether an MLP's gate/up product of n output features (each of gate and up) computes
-    SiLU(gate) · up itself (FLASHDRAFT_GATED)."""
-    return n >= GATED_MIN_N if GATED is None else GATED
+    SiLU(gate) · up itself."""
+    return n >= GATED_MIN_N
 
 
 def table_key(n: int, k: int, gated: bool) -> str:
@@ -976,59 +893,48 @@ def _read_table(path: Path, gpu: str, required: bool) -> dict[str, SkinnyConfig]
         return {key: check_entry(key, SkinnyConfig(*v)) for key, v in table.items()}
     except FileNotFoundError:
         if required:
-            raise ValueError(f"FLASHDRAFT_SKINNY_TABLE={str(path)!r}: no such file; name a "
-                             "table written by flashdraft tune, or set it to off")
+            raise ValueError(f"tuned table {str(path)!r}: no such file; name a table written "
+                             "by flashdraft tune (--tuned-table), or 'off'")
         return {}
     except (ValueError, TypeError, AttributeError, OSError) as e:
         raise ValueError(f"{path}: not a table of skinny-kernel launches ({e}); write it again "
-                         "with flashdraft tune, or set FLASHDRAFT_SKINNY_TABLE=off") from None
+                         "with flashdraft tune, or pass --tuned-table off") from None
 
 
 @functools.cache
-def tuned_table(gpu: str) -> dict[str, SkinnyConfig]:
-    """The measured launch parameters for one GPU model, by table_key: the shipped table's with
-    the user's (`flashdraft tune`) over them, or only SKINNY_TABLE's where it names another
-    file; empty where none has this GPU (the rule applies) or SKINNY_TABLE is "off"."""
-    if SKINNY_TABLE == "off":
+def tuned_table(gpu: str, table: str | None = None) -> dict[str, SkinnyConfig]:
+    """The measured launch parameters for one GPU model, by table_key: with table None the
+    shipped table's with the user's (`flashdraft tune`) over them, else only the named file's;
+    empty where none has this GPU (the rule applies) or table is "off"."""
+    if table == "off":
         return {}
-    if SKINNY_TABLE != _SHIPPED_TABLE:
-        return _read_table(Path(SKINNY_TABLE), gpu, required=True)
+    if table is not None:
+        return _read_table(Path(table), gpu, required=True)
     return {**_read_table(Path(_SHIPPED_TABLE), gpu, False),
             **_read_table(user_table(), gpu, False)}
 
 
 @functools.cache
-def skinny_config(n: int, k: int, gated: bool = False, rule: str = "v2") -> SkinnyConfig:
+def skinny_config(n: int, k: int, gated: bool = False, table: str | None = "off"
+                  ) -> SkinnyConfig:
     """Launch parameters for an [n, k] weight ([2 n, k] gate and up with `gated`): a function
     of the weight's shape (and the GPU model) only, never of the number of rows, so every row
-    count runs the same arithmetic. Rules: see SKINNY_RULE."""
-    if rule == "tuned":
-        found = tuned_table(device_name()).get(table_key(n, k, gated))
-        if found is not None:
-            return found
-        rule = "v2"
-    if rule == "v1":  # the widest tile that still gives ~264 programs, else split K to ~528
-        for block_n in (64, 32, 16):
-            if triton.cdiv(n, block_n) >= 264:
-                break
-        block_k = min(8192 // block_n, max(16, triton.next_power_of_2(k)))
-        k_tiles, n_blocks = triton.cdiv(k, block_k), triton.cdiv(n, block_n)
-        split = 1 if n_blocks >= 264 else min(k_tiles, triton.cdiv(528, n_blocks))
-    elif rule == "v2":  # 64 × 128 tiles, K split until ~_SKINNY_PROGRAMS programs
-        block_n, block_k = 64, min(128, max(16, triton.next_power_of_2(k)))
-        k_tiles = triton.cdiv(k, block_k)
-        tiles_n = triton.cdiv(n, block_n) * (2 if gated else 1)  # weight tiles across n
-        split = max(1, min(k_tiles, _SKINNY_PROGRAMS // tiles_n))
-    else:
-        raise ValueError(f"unknown FLASHDRAFT_SKINNY_RULE {rule!r}: use tuned, v1 or v2")
+    count runs the same arithmetic. The tuned table's entry (`tuned_table(gpu, table)`) where
+    it has one, else 64 × 128 tiles with K split until ~_SKINNY_PROGRAMS programs."""
+    found = tuned_table(device_name(), table).get(table_key(n, k, gated))
+    if found is not None:
+        return found
+    block_n, block_k = 64, min(128, max(16, triton.next_power_of_2(k)))
+    k_tiles = triton.cdiv(k, block_k)
+    tiles_n = triton.cdiv(n, block_n) * (2 if gated else 1)  # weight tiles across n
+    split = max(1, min(k_tiles, _SKINNY_PROGRAMS // tiles_n))
     k_steps = triton.cdiv(k_tiles, split)
     split = triton.cdiv(k_tiles, k_steps)
     pre = 1
     while pre * 2 <= k_steps and pre * 2 * block_n * block_k * (2 if gated else 1) <= \
             _PREFETCH_ELEMENTS:
         pre *= 2
-    stages = 4 if rule == "v2" and k_steps >= 8 else 3
-    return SkinnyConfig(block_n, block_k, k_steps, split, pre, 4, stages)
+    return SkinnyConfig(block_n, block_k, k_steps, split, pre, 4, 4 if k_steps >= 8 else 3)
 
 
 def _split_buffers(out: torch.Tensor, grid: tuple, split: int, width: int):
@@ -1041,8 +947,9 @@ def _split_buffers(out: torch.Tensor, grid: tuple, split: int, width: int):
 
 
 def skinny_linear(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated: bool,
-            cfg: SkinnyConfig, ss: torch.Tensor | None = None, eps: float = 0.0,
-            residual: torch.Tensor | None = None, silu_x: bool = False) -> torch.Tensor:
+                  cfg: SkinnyConfig, ss: torch.Tensor | None = None, eps: float = 0.0,
+                  residual: torch.Tensor | None = None, silu_x: bool = False,
+                  kc: KernelConfig = DEFAULT) -> torch.Tensor:
     """x2 [rows, k] @ w^T through `skinny_kernel` with launch parameters cfg (see there for
     gated). ss [rows, tiles] (float32, from a product with a residual): each row of the product
     scaled by the row's 1 / rms (eps inside the root), the RMSNorm whose weight is folded into w.
@@ -1054,40 +961,28 @@ def skinny_linear(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
     out = residual if residual is not None else torch.empty(rows, n, dtype=x2.dtype,
                                                              device=x2.device)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split, triton.cdiv(rows, 16))
-    fused = ss is not None or residual is not None
-    last = SPLIT_REDUCE != "kernel" or gated or fused
     parts, counters = _split_buffers(out, grid, cfg.split, 2 * n if gated else n)
     ss_out = (torch.empty(rows, grid[0], dtype=torch.float32, device=x2.device)
               if residual is not None else out)
     skinny_kernel[grid](
         x2, w, bias if bias is not None else w, out, parts, counters,
         ss if ss is not None else out, ss_out, eps, rows, n, k, x2.stride(0),
-        w.stride(0), out.stride(0), HAS_BIAS=bias is not None and (last or cfg.split == 1),
+        w.stride(0), out.stride(0), HAS_BIAS=bias is not None,
         GATED=gated, SPLIT=cfg.split, K_STEPS=cfg.k_steps,
         PRE_STEPS=cfg.pre_steps, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, BLOCK_M=16, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
-        PREFETCH=PREFETCH, LAST_REDUCE=last, SCALE_TILES=0 if ss is None else ss.shape[1],
-        ADD_RESIDUAL=residual is not None, SILU_X=silu_x, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_options(x2))
-    if cfg.split > 1 and not last:
-        total = rows * n
-        _sum_slices_kernel[(triton.cdiv(total, 1024),)](
-            parts, bias if bias is not None else parts, out, total, n, SPLIT=cfg.split,
-            HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4, **pdl_options(x2))
+        SCALE_TILES=0 if ss is None else ss.shape[1], ADD_RESIDUAL=residual is not None,
+        SILU_X=silu_x, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(x2, kc))
     return ss_out if residual is not None else out
 
 
-# Weight-only int4 / int8 products of up to QUANT_MAX_ROWS rows (flashdraft.backends.quant's formats):
-# `skinny_quant_kernel`, launched like the bf16 products but with the K tile fixed to a group
-# of 128 and wider column blocks (an int4 tile of 64 × 128 is only 4 KB). Defaults measured on
-# an H200 (benchmarks/profile_step.py --quant-products, NOTES-gpu.md): 256 columns, 4 warps,
-# ~256 programs, int4 weights dequantized in full in PTX; FLASHDRAFT_QUANT_BLOCK_N, _WARPS,
-# _PROGRAMS and _CONVERT override them.
+# Weight-only int4 / int8 products of up to QUANT_MAX_ROWS rows (the formats of
+# flashdraft.backends.formats): `skinny_quant_kernel`, launched like the bf16 products but with
+# the K tile fixed to a group of 128 and wider column blocks (an int4 tile of 64 × 128 is only
+# 4 KB): 256 columns, 4 warps, ~256 programs, measured fastest on an H200 (docs/kernels.md).
 QUANT_MAX_ROWS = 64
-QUANT_BLOCK_N = int(os.environ.get("FLASHDRAFT_QUANT_BLOCK_N", "256"))
-QUANT_PROGRAMS = int(os.environ.get("FLASHDRAFT_QUANT_PROGRAMS", str(_SKINNY_PROGRAMS)))
-QUANT_WARPS = int(os.environ.get("FLASHDRAFT_QUANT_WARPS", "4"))
-QUANT_CONVERT = os.environ.get("FLASHDRAFT_QUANT_CONVERT", "scaled-asm")  # see quant_linear
+QUANT_BLOCK_N = 256
+QUANT_WARPS = 4
 _MAGIC = {torch.bfloat16: 0x4300, torch.float16: 0x6400}
 
 
@@ -1117,7 +1012,7 @@ def quant_config(n: int, k: int, block_n: int = 0, programs: int = 0) -> SkinnyC
     128): a function of the shape only, as `skinny_config`."""
     block_n = block_n or QUANT_BLOCK_N
     groups, tiles_n = triton.cdiv(k, 128), triton.cdiv(n, block_n)
-    split = max(1, min(groups, (programs or QUANT_PROGRAMS) // tiles_n))
+    split = max(1, min(groups, (programs or _SKINNY_PROGRAMS) // tiles_n))
     k_steps = triton.cdiv(groups, split)
     split = triton.cdiv(groups, k_steps)
     return SkinnyConfig(block_n, 128, k_steps, split, 1, QUANT_WARPS, 4 if k_steps >= 8 else 3)
@@ -1125,29 +1020,20 @@ def quant_config(n: int, k: int, block_n: int = 0, programs: int = 0) -> SkinnyC
 
 def quant_linear(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                  zero: torch.Tensor | None, bias: torch.Tensor | None, n: int,
-                 cfg: SkinnyConfig | None = None, convert: str | None = None) -> torch.Tensor:
+                 cfg: SkinnyConfig | None = None, kc: KernelConfig = DEFAULT) -> torch.Tensor:
     """x2 [rows, k] (contiguous rows) @ W^T + bias for a weight-only quantized W: int4 when
     zero is given (qweight [k/2, n] uint8, scale and zero [k/128, n]), else int8 (qweight
-    [k, n] int8, scale [n]; either may be a transposed view of an [n, k] tensor). convert: how
-    int4 codes become floats (default FLASHDRAFT_QUANT_CONVERT, else "scaled-asm"):
-      "asm"     a bit-or in inline PTX, four codes at a time; scale and zero applied to each
-                group's sums      (Triton's interpreter runs the "ops" twin of an "asm" mode)
-      "ops"     the same in Triton ops (bit for bit as "asm")
-      "plain"   integer-to-float conversion (rounds the sums differently)
-      "scaled", "scaled-asm"  each weight dequantized in full, (q - 8) · s + z, so that the
-                tensor cores sum every group into one accumulator (rounds differently; in
-                PTX for bfloat16 only: float16 models get "asm" for "scaled-asm")."""
+    [k, n] int8, scale [n]; either may be a transposed view of an [n, k] tensor).
+    int4 codes become 16-bit floats by a bit-or (four at a time, in inline PTX; Triton ops
+    under the interpreter, bit for bit the same). In bfloat16 each weight is then dequantized
+    in full, (q - 8) · s + z, in paired FMAs, so that the tensor cores sum every group into one
+    accumulator; float16 (whose FMAs cannot take the bf16 scales) applies scale and zero to
+    each group's sums; float32 converts integers."""
     rows, k = x2.shape
     bits = 4 if zero is not None else 8
-    convert = convert or QUANT_CONVERT
-    if convert not in ("asm", "ops", "plain", "scaled", "scaled-asm"):
-        raise ValueError(f"convert={convert!r}: use 'asm', 'ops', 'plain', 'scaled' or "
-                         f"'scaled-asm'")
-    if convert == "scaled-asm" and x2.dtype != torch.bfloat16:
-        convert = "asm"  # scales and zeros are bf16, which float16 FMAs cannot take
-    magic_bits = _MAGIC.get(x2.dtype, 0) if convert != "plain" and bits == 4 else 0
-    scaled = convert.startswith("scaled") and bits == 4 and bool(magic_bits)
-    asm = convert.endswith("asm") and magic_bits and not INTERPRET
+    magic_bits = _MAGIC.get(x2.dtype, 0) if bits == 4 else 0
+    scaled = x2.dtype == torch.bfloat16 and bits == 4
+    asm = bool(magic_bits) and not INTERPRET
     cfg = cfg or quant_config(n, k)
     out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split, triton.cdiv(rows, 16))
@@ -1161,21 +1047,14 @@ def quant_linear(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         ASM_HI=_nibble_asm(magic_bits, True, scaled) if asm else "",
         HAS_BIAS=bias is not None, SPLIT=cfg.split, K_STEPS=cfg.k_steps,
         BLOCK_N=cfg.block_n, BLOCK_M=16,
-        PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", PREFETCH=PREFETCH,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(x2))
+        PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(x2, kc))
     return out
 
 
-def _rule(dtype: torch.dtype) -> str:
-    """SKINNY_RULE for weights of dtype: the tuned table holds 16-bit launches (measured in
-    bfloat16; float32 tiles need twice the shared memory), so float32 takes the v2 rule."""
-    return "v2" if SKINNY_RULE == "tuned" and dtype == torch.float32 else SKINNY_RULE
-
-
-def _skinny_serves(x: torch.Tensor, module: torch.nn.Module) -> bool:
+def _skinny_serves(x: torch.Tensor, module: torch.nn.Module, kc: KernelConfig) -> bool:
     rows = x.numel() // x.shape[-1]
-    return (SKINNY and type(module) is torch.nn.Linear and use_triton(x)
-            and rows <= SKINNY_MAX_ROWS)
+    return type(module) is torch.nn.Linear and use_triton(x, kc) and rows <= SKINNY_MAX_ROWS
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -1183,10 +1062,12 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _launch(w: torch.Tensor, gated: bool) -> SkinnyConfig:
-    """The skinny kernel's launch parameters for weight w (with gated: a [gate; up] weight)."""
-    return skinny_config(w.shape[0] // 2 if gated else w.shape[0], w.shape[1], gated,
-                         _rule(w.dtype))
+def _launch(w: torch.Tensor, gated: bool, kc: KernelConfig) -> SkinnyConfig:
+    """The skinny kernel's launch parameters for weight w (with gated: a [gate; up] weight).
+    The tuned table holds 16-bit launches (float32 tiles need twice the shared memory), so
+    float32 takes the shape rule."""
+    table = "off" if w.dtype == torch.float32 else kc.tuned_table
+    return skinny_config(w.shape[0] // 2 if gated else w.shape[0], w.shape[1], gated, table)
 
 
 def _gates(w: torch.Tensor) -> bool:
@@ -1194,16 +1075,18 @@ def _gates(w: torch.Tensor) -> bool:
     return gated_for(w.shape[0] // 2)
 
 
-def linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+def linear(x: torch.Tensor, module: torch.nn.Module, kc: KernelConfig = DEFAULT
+           ) -> torch.Tensor:
     """module(x); for a plain nn.Linear and at most SKINNY_MAX_ROWS rows, `skinny_kernel`."""
-    if not _skinny_serves(x, module):
+    if not _skinny_serves(x, module, kc):
         return module(x)
     w = module.weight
-    out = skinny_linear(_rows(x), w, module.bias, False, _launch(w, False))
+    out = skinny_linear(_rows(x), w, module.bias, False, _launch(w, False, kc), kc=kc)
     return out.view(*x.shape[:-1], w.shape[0])
 
 
-def gated_linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+def gated_linear(x: torch.Tensor, module: torch.nn.Module, kc: KernelConfig = DEFAULT
+                 ) -> torch.Tensor:
     """SiLU(gate) · up of module(x) = [gate, up] (the MLP's first product and its activation);
     for a plain nn.Linear and at most SKINNY_MAX_ROWS rows, one `skinny_kernel` where
     `gated_for` the width, else `linear` then `silu_mul`; a layer with its own
@@ -1211,90 +1094,87 @@ def gated_linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     fused = getattr(module, "forward_gated", None)
     if fused is not None:
         return fused(x)
-    if not (_skinny_serves(x, module) and _gates(module.weight)):
-        return silu_mul(linear(x, module))
+    if not (_skinny_serves(x, module, kc) and _gates(module.weight)):
+        return silu_mul(linear(x, module, kc), kc)
     w = module.weight
-    out = skinny_linear(_rows(x), w, module.bias, True, _launch(w, True))
+    out = skinny_linear(_rows(x), w, module.bias, True, _launch(w, True, kc), kc=kc)
     return out.view(*x.shape[:-1], w.shape[0] // 2)
 
 
 def norm_linear(delta: torch.Tensor | None, residual: torch.Tensor, norm: torch.nn.Module,
-                module: torch.nn.Module, gated: bool = False
+                module: torch.nn.Module, gated: bool = False, kc: KernelConfig = DEFAULT
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add, the norm and the product that follows them: returns
     (module(norm(residual + delta)), residual + delta), or with `gated` SiLU(gate) · up of that
     product; delta None: no add. norm: an RMSNorm (weight, eps). `rms_norm` adds delta into
     residual in place (one kernel with the norm), then the product."""
     h = rms_norm(residual if delta is None else delta, norm.weight, norm.eps,
-                 None if delta is None else residual)
-    return (gated_linear(h, module) if gated else linear(h, module)), residual
+                 None if delta is None else residual, kc)
+    return (gated_linear(h, module, kc) if gated else linear(h, module, kc)), residual
 
 
 # SiLU · up of an MLP whose gate/up product does not compute it itself (`gated_for`) computed by
 # the down product as it loads its input (`_x_tile`), not by a kernel of its own, where the
 # norms are folded (`scaled_linear` hands on a `SiluPending`, `add_linear` takes it): the same
-# bits, one kernel a layer fewer. Measured on the H200 (6c81faf, RESULTS session 17): the 1.5B's
-# decode level (its down product takes what the kernel took), the 0.5B's ~1 % faster.
-# FLASHDRAFT_SILU_DOWN=0: the silu_mul kernel.
-SILU_DOWN = os.environ.get("FLASHDRAFT_SILU_DOWN", "1") != "0"
+# bits, one kernel a layer fewer (H200: the 1.5B's decode level, the 0.5B's ~1 % faster).
 
 
 class SiluPending(NamedTuple):
     """SiLU(gate) · up of gate_up [..., 2 n] (gate first), not computed yet: `add_linear`
     computes it inside the down product; `value()` anywhere else."""
     gate_up: torch.Tensor
+    kc: KernelConfig = DEFAULT
 
     def value(self) -> torch.Tensor:
-        return silu_mul(self.gate_up)
+        return silu_mul(self.gate_up, self.kc)
 
 
 # Each RMSNorm of a decoder block folded into the product after it (its weight into the
 # product's, `model.Transformer.fold_norms`), and each residual add into the product before it:
 # the norms run no kernel of their own where the skinny kernel serves both products (decode,
-# verification, drafting). FLASHDRAFT_FOLD_NORMS=0: not folded at load, a norm kernel each.
-FOLD_NORMS = os.environ.get("FLASHDRAFT_FOLD_NORMS", "1") != "0"
+# verification, drafting). The loaders fold unquantized models (`loading.load_model`).
 
 
-def folds_norm(x: torch.Tensor, module: torch.nn.Module) -> bool:
+def folds_norm(x: torch.Tensor, module: torch.nn.Module, kc: KernelConfig = DEFAULT) -> bool:
     """Whether `scaled_linear` and `add_linear` run as one kernel for x and module (else the
     caller takes `norm_linear`)."""
-    return FOLD_NORMS and _skinny_serves(x, module)
+    return _skinny_serves(x, module, kc)
 
 
 def scaled_linear(x: torch.Tensor, ss: torch.Tensor, eps: float, module: torch.nn.Module,
-                  gated: bool = False) -> torch.Tensor:
+                  gated: bool = False, kc: KernelConfig = DEFAULT) -> torch.Tensor:
     """module(RMSNorm(x)), or with `gated` SiLU(gate) · up of it, for a module whose weight has
     the norm's weight folded in (so the norm is a scale of each row by 1 / rms, applied to the
     product). ss: the rows' sums of squares of x, [rows, tiles] float32 added along tiles
     (`add_linear`). One `skinny_kernel` where `folds_norm` (then `silu_mul` with gated,
     unless `gated_for` the width)."""
-    if not folds_norm(x, module):
-        return scaled_linear_reference(x, ss, eps, module, gated)
+    if not folds_norm(x, module, kc):
+        return scaled_linear_reference(x, ss, eps, module, gated, kc)
     w = module.weight
     fused = gated and _gates(w)
-    out = skinny_linear(_rows(x), w, module.bias, fused, _launch(w, fused), ss=ss, eps=eps)
+    out = skinny_linear(_rows(x), w, module.bias, fused, _launch(w, fused, kc), ss=ss, eps=eps,
+                        kc=kc)
     out = out.view(*x.shape[:-1], out.shape[-1])
-    if gated and not fused:
-        return SiluPending(out) if SILU_DOWN else silu_mul(out)
-    return out
+    return SiluPending(out, kc) if gated and not fused else out
 
 
 def add_linear(x: torch.Tensor | SiluPending, module: torch.nn.Module,
-               residual: torch.Tensor) -> torch.Tensor:
+               residual: torch.Tensor, kc: KernelConfig = DEFAULT) -> torch.Tensor:
     """residual += module(x), in place (rounded as the separate add would be); returns the
     sums of squares of residual's rows, [rows, tiles] float32, for `scaled_linear`. One
     `skinny_kernel` where `folds_norm`, which computes a SiluPending x as it loads it."""
     silu = isinstance(x, SiluPending)
-    if not (folds_norm(x.gate_up if silu else x, module) and residual.is_contiguous()):
-        return add_linear_reference(x.value() if silu else x, module, residual)
+    if not (folds_norm(x.gate_up if silu else x, module, kc) and residual.is_contiguous()):
+        return add_linear_reference(x.value() if silu else x, module, residual, kc)
     w = module.weight
-    return skinny_linear(_rows(x.gate_up if silu else x), w, module.bias, False, _launch(w, False),
-                   residual=residual.view(-1, w.shape[0]), silu_x=silu)
+    return skinny_linear(_rows(x.gate_up if silu else x), w, module.bias, False,
+                         _launch(w, False, kc), residual=residual.view(-1, w.shape[0]),
+                         silu_x=silu, kc=kc)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, kc: KernelConfig = DEFAULT) -> torch.Tensor:
     """SiLU(gate) · up for gate_up [..., 2 n] (gate first): [..., n]."""
-    if not use_triton(gate_up):
+    if not use_triton(gate_up, kc):
         return silu_mul_reference(gate_up)
     n = gate_up.shape[-1] // 2
     x2 = gate_up.reshape(-1, 2 * n)
@@ -1302,5 +1182,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = 1024
     _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, n, x2.stride(0), out.stride(0),
                                                            BLOCK=block, num_warps=4,
-                                                           **pdl_options(gate_up))
+                                                           **pdl_options(gate_up, kc))
     return out.view(*gate_up.shape[:-1], n)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
@@ -40,9 +39,13 @@ from ..kv_cache import KVCache
 from ..model import Transformer
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_mk.cu"
-# Ring of shared-memory slots a block (FLASHDRAFT_MK_RING="slots x bytes", else default_ring);
-# measured choices live in benchmarks/RESULTS.md.
-RING = os.environ.get("FLASHDRAFT_MK_RING")
+
+
+class DoesNotFit(ValueError):
+    """A kernel configuration that needs more shared memory a block than this GPU allows."""
+
+# The ring of shared-memory slots a block is "SLOTSxBYTES" (DecodeMegakernel's `ring`, else
+# default_ring, the measured choice for the shape).
 CONSUMER_WARPS = 8  # bfloat16 takes rows in chunks of 8 warps
 # bfloat16's consumer warps: 8, or 9 for slots of 9 rows (8x27648 on the 1.5B: 12.5 % more ring
 # than 8x24576 with 2 chunks still in flight; decode_mk.cu's rows_per_chunk takes 9, 3 or 1)
@@ -124,7 +127,7 @@ def unsupported(model: Transformer, cache: KVCache | None = None,
     need = shared_bytes(cfg, ring, q4=q4, defines={"RED_ROWS": red_rows})
     if need > limit:  # e.g. GPUs of ~100 KB a block
         return (f"it needs {need} bytes of shared memory a block, the GPU allows {limit} "
-                f"(FLASHDRAFT_MK_RING: a smaller ring)")
+                f"(DecodeMegakernel(ring=...): a smaller ring)")
     if cache is not None and (cache.kv.shape[2] != 1 or cache.kv.dtype != torch.bfloat16):
         return "the cache must hold one bfloat16 sequence"
     rows, most = _rows_a_block(cfg.hidden_size, sms), min(red_rows, RED_ROWS)
@@ -145,14 +148,15 @@ def _why_not_bf16(model: Transformer, slot: int) -> str | None:
     h, inter, qd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
     if 2 * max(h, qd, inter) > slot:
         return (f"hidden size {h}, q width {qd}, intermediate size {inter}: a row of each must "
-                f"fit a {slot}-byte slot (FLASHDRAFT_MK_RING)")
+                f"fit a {slot}-byte slot (DecodeMegakernel(ring=...))")
     return None
 
 
 def _why_not_int4(model: Transformer, sms: int) -> str | None:
     cfg = model.cfg
     if not all(block.mlp.w_gate_up.gated_layout for block in model.layers):
-        return "int4: the MLP's [gate; up] must be stored gated (FLASHDRAFT_MMA_GATED=1)"
+        return ("int4: the MLP's [gate; up] must be stored gated (quant.quantize_linear of "
+                "w_gate_up)")
     if any(lin.bias is not None for block in model.layers
            for lin in (block.attn.wo, block.mlp.w_gate_up, block.mlp.w_down, model.lm_head)):
         return "int4: only the q/k/v product may have a bias"
@@ -213,7 +217,7 @@ def default_att_ks(cfg, ring: str, defines: dict[str, int], limit: int = HOPPER_
 
 def default_ring(cfg, q4: bool = False, warps: int | None = None,
                  limit: int = HOPPER_SHARED) -> str:
-    """FLASHDRAFT_MK_RING, else the ring measured best for the shape.
+    """The ring measured best for the shape.
 
     bfloat16 (session 21): 8 slots of 24 KB; 6 of 32 KB where a 24 KB slot takes only two
     thirds of its bytes in rows of the hidden size and the step reads 2 GB of weights or more,
@@ -230,8 +234,6 @@ def default_ring(cfg, q4: bool = False, warps: int | None = None,
     22 units 8.61). 3 units a warp where the step reads 2 GB of int4 weights or more (session
     23, 12 warps: 36 units 7.31-7.39 ms against 24 units 7.70-7.79 on the 32B; 1.985 against
     2.007 ms on the 8B), else 24 units (2 a warp: the 1.5B and smaller keep more slots)."""
-    if RING:
-        return RING
     h, qd = cfg.hidden_size, cfg.num_heads * cfg.head_dim
     kvd, inter = cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     weights = 2 * (cfg.num_layers * h * (qd + 2 * kvd + qd + 3 * inter)
@@ -385,10 +387,10 @@ def _ring(ring: str) -> tuple[int, int]:
     try:
         slots, slot = (int(v) for v in ring.lower().split("x"))
     except ValueError:
-        raise ValueError(f"ring {ring!r} (FLASHDRAFT_MK_RING): write SLOTSxBYTES, "
+        raise ValueError(f"ring {ring!r}: write SLOTSxBYTES, "
                          f"e.g. 8x24576") from None
     if slots < 2 or slot % 16 or slot < 1024:
-        raise ValueError(f"ring {ring!r} (FLASHDRAFT_MK_RING): 2 or more slots of a multiple "
+        raise ValueError(f"ring {ring!r}: 2 or more slots of a multiple "
                          f"of 16 bytes")
     return slots, slot
 
@@ -542,8 +544,9 @@ class DecodeMegakernel:
         # holds them; fewer make room (the 1.5B's 12 leave room for a 9th slot of 24 KB)
         self.shared = shared_bytes(cfg, self.ring, self.q4, consumer_warps, self.defines)
         if self.shared > limit:  # the flags' rows (unsupported() checks the rest)
-            raise ValueError(f"the megakernel needs {self.shared} bytes of shared memory a block, "
-                             f"the GPU allows {limit}: use a smaller FLASHDRAFT_MK_RING")
+            raise DoesNotFit(f"the megakernel needs {self.shared} bytes of shared memory a "
+                             f"block, the GPU allows {limit}: use a smaller ring (ring=...) "
+                             f"or fewer consumer warps")
         self.fn = _kernel(defines, self.fn_device)
         mma.allow_shared(self.fn, self.shared)
         head = model.lm_head.qweight if self.q4 else model.lm_head.weight

@@ -8,9 +8,8 @@ wrapper: no compiler, headers or build step beyond torch's CUDA build) and launc
   operand's register layout, [n/16, groups, 2, 32, 4] int32, and each group's scale and zero
   beside each other, [n/16, groups, 8, 2] int32 (two bfloat16 each).
 - `linear(x2, qweight, scales, bias, n)`: x2 [rows <= MAX_ROWS, k] bfloat16 @ W^T + bias,
-  batch-invariant (see the .cu file's header). FLASHDRAFT_MMA_FOLD,
-  FLASHDRAFT_MMA_DECODE_RESIDENT, FLASHDRAFT_MMA_STREAM_SLOTS and FLASHDRAFT_MMA_STREAM_RESIDENT
-  choose compile-time variants; FLASHDRAFT_MMA_SPLIT_GROUPS bounds the launch rule's splits.
+  batch-invariant (see the .cu file's header); the compile-time constants below are the
+  fastest measured.
 - `dequantize(qweight, scales, n, k)`: W [n, k] bfloat16 (for prefill through cuBLAS).
 - `linear(..., gated=True)`: SiLU(gate) · up of the MLP's [gate; up] product in the same kernel,
   its rows stored in `gate_up_order` (each tile's output features pair a gate with its up).
@@ -20,13 +19,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from . import kernels
+from ..config import KernelConfig
 from . import formats
 from .formats import GROUP
 
@@ -38,31 +37,20 @@ WK = 2  # warps along K a tile where a split's groups all fit in its warps' regi
 # streamed splits) through STREAM_SLOTS register slots (each loaded again as soon as its group is
 # multiplied), with launch bounds for STREAM_RESIDENT blocks a multiprocessor for one row block.
 # The launch rule (`config`) takes them wherever they still give TARGET_BLOCKS blocks: on the
-# 32B int4 shape that made a layer's products 9 % faster than one-shot splits (RESULTS, session
-# 14). x's rows over a split are staged in shared memory, which bounds a split's length.
+# 32B int4 shape that made a layer's products 9 % faster than one-shot splits (H200). x's rows
+# over a split are staged in shared memory, which bounds a split's length.
 STREAM_WK = 1
-SPLIT_GROUPS = int(os.environ.get("FLASHDRAFT_MMA_SPLIT_GROUPS", "16"))
-STREAM_SLOTS = int(os.environ.get("FLASHDRAFT_MMA_STREAM_SLOTS", "8"))
-STREAM_RESIDENT = int(os.environ.get("FLASHDRAFT_MMA_STREAM_RESIDENT", "2"))
-if SPLIT_GROUPS < 0 or STREAM_SLOTS < 1 or STREAM_RESIDENT < 1:
-    raise ValueError(f"FLASHDRAFT_MMA_SPLIT_GROUPS={SPLIT_GROUPS} (0 or more), "
-                     f"FLASHDRAFT_MMA_STREAM_SLOTS={STREAM_SLOTS} and "
-                     f"FLASHDRAFT_MMA_STREAM_RESIDENT={STREAM_RESIDENT} (1 or more): "
-                     f"unset them for the measured defaults")
-# 1: each group's scale and zero applied to its float32 sums (the codes become operands with one
-# lop3 a pair); 0: each weight dequantized in full in bfloat16 FMAs before the product.
-FOLD = int(os.environ.get("FLASHDRAFT_MMA_FOLD", "1"))
+SPLIT_GROUPS = 16
+STREAM_SLOTS = 8
+STREAM_RESIDENT = 2
+# Each group's scale and zero are applied to its float32 sums (the .cu file's FOLD): the codes
+# become operands with one lop3 a pair, half the instructions of dequantizing every weight.
 # Resident blocks a multiprocessor that the one-row-block kernel's registers must allow (launch
 # bounds; 4 spills a few bytes and was the fastest decode, 3 % over 1). Kernels for more rows
 # keep 1 (4 spilled heavily: 2x slower for 32 rows). Registers change no result.
-DECODE_RESIDENT = int(os.environ.get("FLASHDRAFT_MMA_DECODE_RESIDENT", "4"))
-# 1: an MLP's [gate; up] layer is stored for the gated kernel (SiLU · up in the product's
-# epilogue, one kernel fewer a layer); 0: stored as is, SiLU · up its own kernel. Read when a
-# layer is quantized.
-GATED = os.environ.get("FLASHDRAFT_MMA_GATED", "1") == "1"
-# Measurement only (benchmarks/profile_step.py --mma-probe), wrong output: 1 the weights loaded
-# but not multiplied (the .cu file's PROBE).
-PROBE = 0
+DECODE_RESIDENT = 4
+# An MLP's [gate; up] layer is stored for the gated kernel (SiLU · up in the product's epilogue,
+# one kernel fewer a layer).
 CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "int4_mma.cu"
 
@@ -74,7 +62,7 @@ def cuda_source(path: Path) -> str:
 
 
 # Splits of K chosen so that a product has at least this many blocks (two per SM on an H200).
-TARGET_BLOCKS = int(os.environ.get("FLASHDRAFT_MMA_TARGET_BLOCKS", "264"))
+TARGET_BLOCKS = 264
 
 
 def unavailable(device: torch.device | str, dtype: torch.dtype) -> str | None:
@@ -95,13 +83,11 @@ def unavailable(device: torch.device | str, dtype: torch.dtype) -> str | None:
 
 @functools.cache
 def _kernel(name: str, device: int, row_blocks: int = 1, tn: int = TN, wk: int = WK,
-            gmax: int = GMAX, gated: bool = False, min_blocks: int = 1, stream: bool = False,
-            probe: int = 0):
+            gmax: int = GMAX, gated: bool = False, min_blocks: int = 1, stream: bool = False):
     """The compiled kernel, loaded into `device`'s context (a module belongs to one)."""
     source = cuda_source(SOURCE)
     options = [f"-DNB={row_blocks}", f"-DTN={tn}", f"-DWK={wk}", f"-DGMAX={gmax}",
-               f"-DFOLD={FOLD}", f"-DMIN_BLOCKS={min_blocks}", f"-DGATED={int(gated)}",
-               f"-DSTREAM={int(stream)}", f"-DPROBE={probe}"]
+               f"-DMIN_BLOCKS={min_blocks}", f"-DGATED={int(gated)}", f"-DSTREAM={int(stream)}"]
     try:
         with torch.cuda.device(device):
             return torch.cuda._compile_kernel(source, name, nvcc_options=options)
@@ -292,7 +278,7 @@ def check_packed(qweight: torch.Tensor, scales: torch.Tensor, n: int, k: int,
 
 def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
            bias: torch.Tensor | None, n: int, cfg: MmaConfig | None = None,
-           gated: bool = False) -> torch.Tensor:
+           gated: bool = False, kc: KernelConfig = kernels.DEFAULT) -> torch.Tensor:
     """x2 [rows, k] bfloat16 (rows <= MAX_ROWS) @ W^T + bias -> [rows, n] bfloat16; gated
     (W and bias in `gate_up_order`): SiLU(gate) · up of that, [rows, n / 2]."""
     rows, k = x2.shape
@@ -316,13 +302,13 @@ def linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     stream = per_warp > GMAX  # else one-shot: the slots hold all of a warp's groups
     resident = (STREAM_RESIDENT if stream else DECODE_RESIDENT) if nb == 1 else 1
     fn = _kernel("int4_mma", device, nb, cfg.tn, cfg.wk, STREAM_SLOTS if stream else per_warp,
-                 gated, resident, stream, PROBE)
+                 gated, resident, stream)
     allow_shared(fn, shared)
     _launch(fn, (cfg.blocks_n, cfg.splits, 1), (threads, 1, 1), shared,
             [qweight, scales, x2, bias if bias is not None else x2, out, parts, counters,
              rows, n, k, x2.stride(0), out.stride(0), cfg.groups_per_split,
              int(bias is not None)],
-            "launch_pdl" in kernels.pdl_options(x2), device)
+            "launch_pdl" in kernels.pdl_options(x2, kc), device)
     return out
 
 

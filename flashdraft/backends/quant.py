@@ -18,17 +18,15 @@ Paths, chosen per layer at run time (`QuantLinear.backend`):
   the definition the fast paths are tested against.
 - "triton": `kernels.skinny_quant_kernel` for up to 64 rows: the bf16 products' kernel with
   the weights dequantized in registers for the tensor cores (int4: a bit-or makes each code a
-  float, then (q - 8) · s + z in paired FMAs; see `kernels.quant_linear` for the variants), K
+  float, then (q - 8) · s + z in paired FMAs; see `kernels.quant_linear`), K
   split by the weight's shape alone, the slices added by the last program of a tile;
   batch-invariant, so quantized speculative decoding returns the tokens of quantized plain
   decoding. More rows (prefill) dequantize the weight and use cuBLAS.
-- "mma" (int4, bfloat16 only): `flashdraft.backends.mma`, a CUDA kernel compiled at run time (NVRTC)
-  for up to 32 rows, with the weights shuffled at load into the tensor-core operand layout so
-  each thread turns 32 weights into operands from one 16-byte load; batch-invariant. Stores
-  only that layout (prefill dequantizes it with a second kernel, then cuBLAS).
-- "tinygemm" (int4 only): torch's built-in `_weight_int4pack_mm` over its own packing.
-- "hybrid" (int4 only): tinygemm for up to HYBRID_MAX_ROWS rows, Triton above; keeps both
-  packings, so 0.5 byte per weight more memory (kept for comparison: not batch-invariant).
+- "mma" (int4, bfloat16 only): `flashdraft.backends.mma`, a CUDA kernel compiled at run time
+  (NVRTC) for up to 32 rows, with the weights shuffled at load into the tensor-core operand
+  layout so each thread turns 32 weights into operands from one 16-byte load;
+  batch-invariant. Stores only that layout (prefill dequantizes it with a second kernel, then
+  cuBLAS).
 `quantize_model(..., backend="auto")` picks mma for bfloat16 int4 on CUDA where NVRTC serves,
 else triton on CUDA when Triton imports, else reference.
 """
@@ -38,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import KernelConfig
 from . import kernels, mma
 from .formats import (GROUP, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8,
                       unpack_int4)
@@ -45,21 +44,17 @@ from .formats import (GROUP, dequantize_int4, dequantize_int8, quantize_int4, qu
 triton = kernels.triton  # None where Triton is not installed: the reference path serves
 
 MODES = ("int8", "int4")
-BACKENDS = ("auto", "reference", "triton", "mma", "tinygemm", "hybrid")
-# hybrid (int4): tinygemm up to this many rows, Triton above. Measured on an H200 against the
-# batch-invariant kernel: tinygemm 10-20 % faster for one row, 3-4x slower for 16.
-HYBRID_MAX_ROWS = 2
+BACKENDS = ("auto", "reference", "triton", "mma")
 
 
 # -- the Triton path ---------------------------------------------------------------------------
 
-def triton_matmul(x: torch.Tensor, layer: "QuantLinear", cfg=None, convert: str | None = None
-                  ) -> torch.Tensor:
+def triton_matmul(x: torch.Tensor, layer: "QuantLinear", cfg=None) -> torch.Tensor:
     """x [M, K] (M <= kernels.QUANT_MAX_ROWS, contiguous rows) -> x @ W^T + bias [M, N] in x's
     dtype, through `kernels.skinny_quant_kernel` (launch parameters cfg, else
-    `kernels.quant_config`'s; convert: see there)."""
+    `kernels.quant_config`'s)."""
     return kernels.quant_linear(x, layer.qweight, layer.scale, layer.zero, layer.bias,
-                                layer.out_features, cfg, convert)
+                                layer.out_features, cfg, layer.kernel_config)
 
 
 # -- the layer ----------------------------------------------------------------------------------
@@ -68,10 +63,12 @@ class QuantLinear(nn.Module):
     """A drop-in for nn.Linear with weight-only int8 or int4 weights."""
 
     def __init__(self, linear: nn.Linear, mode: str, backend: str = "auto",
-                 gate_up: bool = False):
+                 gate_up: bool = False, kernel_config: KernelConfig = kernels.DEFAULT):
         """gate_up: the layer is an MLP's [gate; up] product, whose SiLU(gate) · up
-        `forward_gated` may compute in the product's kernel (mma: rows stored interleaved)."""
+        `forward_gated` may compute in the product's kernel (mma: rows stored interleaved).
+        kernel_config: the model's (`Transformer.kernel_config`)."""
         super().__init__()
+        self.kernel_config = kernel_config
         if mode not in MODES:
             raise ValueError(f"quantization {mode!r} is not one of {', '.join(MODES)}")
         if backend not in BACKENDS:
@@ -94,7 +91,7 @@ class QuantLinear(nn.Module):
                 self.zero = None
             elif backend == "mma":  # only the kernel's own layout (see flashdraft.backends.mma)
                 # [gate; up] rows in the gated kernel's order (mma.gate_up_order)
-                self.gated_layout = gate_up and linear.bias is None and mma.GATED
+                self.gated_layout = gate_up and linear.bias is None
                 rows = (mma.gate_up_order(self.out_features, w.device) if self.gated_layout
                         else slice(None))
                 qweight, scales = mma.pack_int4(*quantize_int4(w[rows]))
@@ -108,9 +105,6 @@ class QuantLinear(nn.Module):
                 self.register_buffer("zero", zero)  # [in/128, out] bf16
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
                                                                   requires_grad=False)
-        self._tinygemm = None
-        if backend in ("tinygemm", "hybrid"):
-            self._tinygemm = _tinygemm_pack(self.qweight, self.scale, self.zero)
         self.backend = backend
 
     def _backend(self, backend: str, w: torch.Tensor) -> str:
@@ -120,7 +114,8 @@ class QuantLinear(nn.Module):
             if (self.mode == "int4" and self.out_features % 16 == 0
                     and mma.unavailable(w.device, w.dtype) is None):
                 return "mma"
-            fits = triton is not None and w.is_cuda and self.in_features % GROUP == 0
+            fits = (triton is not None and w.is_cuda and self.in_features % GROUP == 0
+                    and self.kernel_config.backend == "triton")
             return "triton" if fits else "reference"
         if backend == "triton" and (triton is None or not w.is_cuda or self.in_features % GROUP):
             raise ValueError(f"the triton quantization backend needs CUDA, Triton and input "
@@ -134,10 +129,6 @@ class QuantLinear(nn.Module):
                 raise ValueError(f"the mma quantization backend cannot serve this {self.mode} "
                                  f"layer ({self.in_features} -> {self.out_features}, {w.dtype}, "
                                  f"{w.device}): {why}; use backend='auto'")
-        if backend in ("tinygemm", "hybrid"):
-            if self.mode != "int4" or not w.is_cuda or (backend == "hybrid" and triton is None):
-                raise ValueError(f"the {backend} backend is int4 on CUDA only (hybrid needs "
-                                 f"Triton too); use backend='auto'")
         return backend
 
     def dequantized(self, dtype=None) -> torch.Tensor:
@@ -157,7 +148,8 @@ class QuantLinear(nn.Module):
         rows = x2.shape[0]
         if self.backend == "mma":
             if rows <= mma.MAX_ROWS:
-                y = mma.linear(x2, self.qweight, self.scale, self.bias, self.out_features)
+                y = mma.linear(x2, self.qweight, self.scale, self.bias, self.out_features,
+                               kc=self.kernel_config)
             else:  # prefill, as below, with the weight in its stored row order
                 w = mma.dequantize(self.qweight, self.scale, self.out_features, self.in_features)
                 y = F.linear(x2, w.to(x.dtype), self.bias)
@@ -165,11 +157,6 @@ class QuantLinear(nn.Module):
         elif self.backend == "reference" or rows > kernels.QUANT_MAX_ROWS:
             # Prefill: compute-bound, so dequantizing the weight once is cheap next to it.
             y = F.linear(x2, self.dequantized(x.dtype), self.bias)
-        elif self.backend == "tinygemm" or (self.backend == "hybrid" and rows <= HYBRID_MAX_ROWS):
-            packed, scales_zeros = self._tinygemm
-            y = torch.ops.aten._weight_int4pack_mm(x2.contiguous(), packed, GROUP, scales_zeros)
-            if self.bias is not None:
-                y = y + self.bias
         else:  # the bias is added inside the kernel
             y = triton_matmul(x2.contiguous(), self)
         return y.reshape(*shape[:-1], self.out_features)
@@ -179,9 +166,10 @@ class QuantLinear(nn.Module):
         where the rows are stored for it (mma, up to mma.MAX_ROWS rows)."""
         x2 = x.reshape(-1, x.shape[-1])
         if self.gated_layout and x2.shape[0] <= mma.MAX_ROWS:
-            y = mma.linear(x2, self.qweight, self.scale, None, self.out_features, gated=True)
+            y = mma.linear(x2, self.qweight, self.scale, None, self.out_features, gated=True,
+                           kc=self.kernel_config)
             return y.reshape(*x.shape[:-1], self.out_features // 2)
-        return kernels.silu_mul(self(x))
+        return kernels.silu_mul(self(x), self.kernel_config)
 
     def _stored_to_true(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """t indexed by stored output row along dim -> by the layer's output feature."""
@@ -193,20 +181,12 @@ class QuantLinear(nn.Module):
         return f"{self.in_features}, {self.out_features}, {self.mode}, backend={self.backend}"
 
 
-def _tinygemm_pack(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
-    """Our int4 format -> torch's `_weight_int4pack_mm` operands (its own tile layout)."""
-    q = unpack_int4(packed).to(torch.int32)  # [out, in]
-    as_bytes = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # [out, in/2], even input high
-    tiles = torch.ops.aten._convert_weight_to_int4pack(as_bytes.contiguous(), 8)
-    scales_zeros = torch.stack([scale, zero], dim=-1).contiguous()  # [groups, out, 2] bf16
-    return tiles, scales_zeros
-
-
-def quantize_linear(name: str, linear: nn.Linear, mode: str,
-                    backend: str = "auto") -> "QuantLinear":
+def quantize_linear(name: str, linear: nn.Linear, mode: str, backend: str = "auto",
+                    kernel_config: KernelConfig = kernels.DEFAULT) -> "QuantLinear":
     """The QuantLinear replacing the model's Linear `name` (an MLP's [gate; up] product,
     `w_gate_up`, is stored for the gated kernel). A tied LM head gets its own quantized copy."""
-    return QuantLinear(linear, mode, backend, gate_up=name.rpartition(".")[2] == "w_gate_up")
+    return QuantLinear(linear, mode, backend, gate_up=name.rpartition(".")[2] == "w_gate_up",
+                       kernel_config=kernel_config)
 
 
 def quantize_model(model: nn.Module, mode: str, backend: str = "auto",
@@ -214,8 +194,8 @@ def quantize_model(model: nn.Module, mode: str, backend: str = "auto",
     """Replace the model's nn.Linear layers by QuantLinear, in place; returns the model.
 
     Run after loading (bf16/fp16 checkpoints, or GGUF dequantized at load) a model whose norms
-    are not folded (`Transformer.fold_norms`; load_model folds unquantized models unless
-    FLASHDRAFT_FOLD_NORMS=0, or `kernels.FOLD_NORMS = False` before the load). Embeddings and
+    are not folded (`Transformer.fold_norms`; load_model folds unquantized models unless asked
+    not to, `load_model(..., fold_norms=False)`). Embeddings and
     norms stay as they are. A tied LM head gets its own quantized copy; the embedding table
     keeps its full-precision weights.
     """
@@ -226,8 +206,7 @@ def quantize_model(model: nn.Module, mode: str, backend: str = "auto",
                          "folds unquantized models), which would change what int4/int8 round; "
                          "quantize as it loads (load_model(..., quantization=...), "
                          "LLM(..., quantization=...)) or, to pick a backend, load it unfolded "
-                         "(FLASHDRAFT_FOLD_NORMS=0, or flashdraft.backends.kernels.FOLD_NORMS = False "
-                         "before load_model)")
+                         "(load_model(..., fold_norms=False))")
     # Names first, modules one at a time: each full-precision weight is freed as soon as its
     # replacement exists, so the peak is the model plus one layer, not two models.
     targets = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)
@@ -236,7 +215,8 @@ def quantize_model(model: nn.Module, mode: str, backend: str = "auto",
         parent_name, _, child_name = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child_name,
-                quantize_linear(name, getattr(parent, child_name), mode, backend))
+                quantize_linear(name, getattr(parent, child_name), mode, backend,
+                                getattr(model, "kernel_config", kernels.DEFAULT)))
     return model
 
 
@@ -246,13 +226,8 @@ def weight_bytes(model: nn.Module) -> int:
     total = 0
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
-            if module.backend == "tinygemm":
-                tensors = list(module._tinygemm)
-            elif module.backend == "hybrid":  # what a one-row (decode) product reads
-                tensors = list(module._tinygemm)
-            else:
-                tensors = ([module.qweight, module.scale]
-                           + ([module.zero] if module.zero is not None else []))
+            tensors = ([module.qweight, module.scale]
+                       + ([module.zero] if module.zero is not None else []))
             total += sum(t.numel() * t.element_size() for t in tensors)
         elif isinstance(module, nn.Linear):
             total += module.weight.numel() * module.weight.element_size()

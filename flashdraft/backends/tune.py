@@ -2,7 +2,7 @@
 
 Products of up to 32 rows (decode, verification, draft steps) run `kernels.skinny_kernel`,
 launched by a rule of the weight's shape unless the tuned table names the launch measured
-fastest for that shape on this GPU model (`kernels.SKINNY_TABLE`). The package ships a table
+fastest for that shape on this GPU model (`KernelConfig.tuned_table`). The package ships a table
 for the H200; `flashdraft tune --model M` measures the matrices of M on the GPU at hand and
 merges the winners into the user's table (`kernels.user_table()`, in the model cache),
 which `kernels` reads over the shipped one.
@@ -93,7 +93,7 @@ def sweep(cfg, budget_s: float, match: str = "", label: str = "", log=print) -> 
     """Launch parameters of the skinny kernel for each matrix of a model of config cfg (one
     layer of random bf16 weights on the GPU), by kernels.table_key, holding only those whose
     key contains `match`: per matrix the best launch, its µs and TB/s at one row, the current
-    launch's (SKINNY_RULE: the tuned table's where it has one) and both at 16 rows."""
+    launch's (the tuned table's where it has one) and both at 16 rows."""
     from ..tools.shapes import build_random_model
 
     model = build_random_model(dataclasses.replace(cfg, num_layers=1), torch.bfloat16, "cuda")
@@ -106,7 +106,7 @@ def sweep(cfg, budget_s: float, match: str = "", label: str = "", log=print) -> 
         ring = dram_ring(w)
         run = lambda x, c: kernels.skinny_linear(x, next(ring)[0], None, gated, c)
         timed = []
-        default = kernels.skinny_config(n, k, gated, kernels.SKINNY_RULE)
+        default = kernels.skinny_config(n, k, gated, None)
         for c in [default, *candidates(n, k, gated)]:
             if time.perf_counter() - began > budget:
                 break
@@ -212,5 +212,5 @@ def run_tune(model: str | None, shape: str | None, seconds: float, output: str |
     print(f"wrote {len(written)} launch(es) to {path}"
           + ("" if written else " (the current launches were already the fastest)"))
     if written and output is None:
-        print("flashdraft reads them from there from the next start (FLASHDRAFT_SKINNY_TABLE "
-              "names another file, or off)")
+        print("flashdraft reads them from there from the next start (--tuned-table names "
+              "another file, or off)")

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..backends import kernels
-from ..config import ModelConfig
+from ..config import KernelConfig, ModelConfig
 from ..model import Transformer, rope_frequencies
 from .hf import load_tokenizer, our_sources, read_hf, resolve_hf, to_ours
 
@@ -60,9 +60,13 @@ def read_model(ref: str, dtype: torch.dtype = torch.float32, device: torch.devic
 
 
 def load_model(ref: str, dtype: torch.dtype, device: torch.device,
-               quantization: str | None = None) -> Loaded:
+               quantization: str | None = None,
+               kernel_config: KernelConfig = kernels.DEFAULT, fold_norms: bool = True) -> Loaded:
     """The model `ref` names, in dtype on device; with quantization ("int8", "int4") its
-    matrices weight-only quantized as they load (see `_load_quantized`)."""
+    matrices weight-only quantized as they load (see `_load_quantized`). kernel_config: how
+    its steps run (`Transformer.kernel_config`). fold_norms: an unquantized model's RMSNorm
+    weights folded into the products after them (`Transformer.fold_norms`; False keeps them,
+    e.g. to quantize the model afterwards with `quant.quantize_model`)."""
     if quantization is not None:
         from ..backends.quant import MODES
 
@@ -71,14 +75,14 @@ def load_model(ref: str, dtype: torch.dtype, device: torch.device,
     config, state, tokenizer, source = read_model(ref, dtype, device,
                                                   lazy=quantization is not None)
     with torch.device("meta"):
-        model = Transformer(config)
+        model = Transformer(config, kernel_config)
     if quantization is not None:
         _load_quantized(model, config, state, device, quantization)
     else:
         model.load_state_dict(to_ours(state, config.num_layers), assign=True, strict=True)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.embed.weight
-        if kernels.FOLD_NORMS:
+        if fold_norms:
             model.fold_norms()
     model.inv_freq = rope_frequencies(config)
     model = model.to(device).eval()
@@ -117,10 +121,12 @@ def _load_quantized(model: Transformer, config: ModelConfig, state: dict, device
             setattr(module, param, nn.Parameter(tensor, requires_grad=False))
             del parts, tensor
         if type(module) is nn.Linear:
-            _replace(model, name, quantize_linear(name, module, mode))
+            _replace(model, name, quantize_linear(name, module, mode,
+                                                  kernel_config=model.kernel_config))
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
-        _replace(model, "lm_head", quantize_linear("lm_head", model.lm_head, mode))
+        _replace(model, "lm_head", quantize_linear("lm_head", model.lm_head, mode,
+                                                   kernel_config=model.kernel_config))
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ValueError(f"the checkpoint has no tensors for {', '.join(missing[:5])}")

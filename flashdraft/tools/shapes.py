@@ -20,7 +20,7 @@ import time
 import torch
 
 from ..backends import kernels
-from ..config import ModelConfig
+from ..config import KernelConfig, ModelConfig
 from ..backends.cuda_graphs import StepRunner
 from ..engine import TokenReader
 from ..kv_cache import KVCache
@@ -64,12 +64,14 @@ def get_shape(name: str) -> ModelConfig:
 
 @torch.no_grad()
 def build_random_model(cfg: ModelConfig, dtype: torch.dtype, device, seed: int = 0,
-                       quant: str | None = None) -> Transformer:
+                       quant: str | None = None, kernel_config: KernelConfig = kernels.DEFAULT,
+                       fold_norms: bool = True) -> Transformer:
     """A Transformer of shape cfg with random weights made directly on `device` (no host copy,
-    no float32 detour), optionally quantized. Weights are N(0, 0.02), norms 1: never zeros,
-    which can time faster than real data."""
+    no float32 detour), optionally quantized ("int8", "int4" or "MODE-BACKEND", e.g.
+    "int4-triton"), its norms folded as the loaders fold them (unquantized models). Weights
+    are N(0, 0.02), norms 1: never zeros, which can time faster than real data."""
     with torch.device("meta"):
-        model = Transformer(cfg).to(dtype)
+        model = Transformer(cfg, kernel_config).to(dtype)
     model = model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
@@ -78,9 +80,9 @@ def build_random_model(cfg: ModelConfig, dtype: torch.dtype, device, seed: int =
         else:
             p.normal_(0.0, 0.02, generator=gen)
     model.inv_freq = rope_frequencies(cfg).to(device)
-    if kernels.FOLD_NORMS and not quant:
+    if fold_norms and not quant:
         model.fold_norms()
-    if quant:  # "int8", "int4", or "MODE-BACKEND" (e.g. "int4-hybrid")
+    if quant:
         from ..backends.quant import quantize_model
         mode, _, backend = quant.partition("-")
         quantize_model(model, mode, backend or "auto")
