@@ -12,7 +12,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from .config import DRAFT_NGRAM, EngineConfig, SamplingParams
+from .config import DRAFT_NGRAM, EngineConfig, KernelConfig, SamplingParams
 from .drafters import DraftModelDrafter, Drafter, NgramDrafter
 from .engine import Engine, RequestMetrics
 from .loading import Loaded, load_model
@@ -79,7 +79,7 @@ def make_drafter(name: str, target: Loaded, cfg: EngineConfig, device, dtype) ->
     """The one place that knows the drafters' names."""
     if name == DRAFT_NGRAM:
         return NgramDrafter(cfg.ngram_sizes, device)
-    draft = load_model(name, dtype, device, cfg.draft_quant)
+    draft = load_model(name, dtype, device, cfg.draft_quant, kernel_config=cfg.kernels)
     check_same_tokenizer(target, draft)
     return DraftModelDrafter(draft.model, device, dtype, target.config.vocab_size,
                              cuda_graphs=cfg.cuda_graphs,
@@ -115,7 +115,8 @@ class LLM:
                  max_model_len: int | None = None, ngram_sizes: Iterable[int] = (4, 3, 2),
                  cuda_graphs: bool = True, compile: bool = False,
                  quantization: str | None = None, draft_quantization: str | None = "auto",
-                 adaptive_speculation: bool = True, decode_kernel: str = "auto"):
+                 adaptive_speculation: bool = True, decode_kernel: str = "auto",
+                 kernels: KernelConfig = KernelConfig()):
         self.config = EngineConfig(model=model, draft=draft,
                                    num_speculative_tokens=num_speculative_tokens,
                                    ngram_sizes=tuple(ngram_sizes), dtype=dtype, device=device,
@@ -123,10 +124,11 @@ class LLM:
                                    compile=compile, quantization=quantization,
                                    draft_quantization=draft_quantization,
                                    adaptive_speculation=adaptive_speculation,
-                                   decode_kernel=decode_kernel)
+                                   decode_kernel=decode_kernel, kernels=kernels)
         self.device, self.dtype = pick_device_dtype(device, dtype)
         # quantized as it loads: the device never holds the full-precision model
-        self.target = load_model(model, self.dtype, self.device, quantization)
+        self.target = load_model(model, self.dtype, self.device, quantization,
+                                 kernel_config=kernels)
         self.tokenizer = self.target.tokenizer
         limit = self.target.config.max_position_embeddings
         if max_model_len is not None and max_model_len > limit:

@@ -1,14 +1,14 @@
-"""`flashdraft generate | chat | models | serve | bench | tune`: the command line.
+"""`flashdraft generate | chat | serve | bench | demo | models | tune | env`: the command line.
 
-argparse lives here and nowhere else; each flag maps onto one field of EngineConfig or
-SamplingParams (or of the subcommand's own settings).
+argparse lives here and nowhere else; each flag maps onto one field of EngineConfig,
+KernelConfig or SamplingParams (or of the subcommand's own settings).
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from .config import DECODE_KERNELS
+from .config import DECODE_KERNELS, KERNEL_BACKENDS
 
 
 def add_model_args(p: argparse.ArgumentParser, draft: bool = True,
@@ -41,19 +41,39 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True,
                    help="torch.compile the forward before graph capture (faster steps, "
                         "a minute or two of start-up)")
     p.add_argument("--decode-kernel", default="auto", choices=DECODE_KERNELS,
-                   help="greedy one-token steps of plain decoding (requests without a "
-                        "drafter) and of a draft model: CUDA graphs of the model's kernels "
-                        "(graph), or one persistent kernel a token (megakernel: Hopper GPUs, "
-                        "Qwen2/Qwen3/Llama models in bfloat16 or int4; faster, except int4 "
-                        "at 32B; plain decoding's tokens "
-                        "can differ from the graphs' where two logits nearly tie, "
-                        "speculation's cannot); auto (default): a draft model's steps through "
-                        "the kernel where it runs, plain decoding's on the graphs")
+                   help="greedy one-token steps: auto (default) runs a draft model's through "
+                        "the decode megakernel where it can (Hopper, bf16 or int4 "
+                        "Qwen2/Qwen3/Llama) and plain decoding's on CUDA graphs, so that "
+                        "speculative output equals plain output; megakernel also runs plain "
+                        "decoding (requests without a drafter) through it: faster, but its "
+                        "tokens can differ from the graphs' where two logits nearly tie; "
+                        "graph: no megakernel")
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="weight-only quantization of the target, applied at load")
     p.add_argument("--draft-quantization", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="weight-only quantization of a draft model (default auto: as "
                         "--quantization)")
+    add_kernel_args(p)
+
+
+def add_kernel_args(p: argparse.ArgumentParser) -> None:
+    """The flags of KernelConfig."""
+    p.add_argument("--kernel-backend", default="triton", choices=KERNEL_BACKENDS,
+                   help="triton (default): the fused kernels on CUDA; torch: PyTorch ops "
+                        "only, for comparisons and debugging (slower, and greedy speculation "
+                        "need not return plain decoding's tokens bit for bit)")
+    p.add_argument("--no-pdl", dest="pdl", action="store_false",
+                   help="no programmatic dependent launch between kernels (Hopper and later; "
+                        "on by default)")
+    p.add_argument("--tuned-table", default=None, metavar="JSON|off",
+                   help="the product kernel's launch table (default: the shipped one with "
+                        "`flashdraft tune`'s results over it); off: the shape rule")
+
+
+def kernel_config_from(args):
+    from .config import KernelConfig
+
+    return KernelConfig(backend=args.kernel_backend, pdl=args.pdl, tuned_table=args.tuned_table)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -83,7 +103,7 @@ def build_llm(args):
                cuda_graphs=args.cuda_graphs, compile=args.compile,
                quantization=args.quantization, draft_quantization=args.draft_quantization,
                adaptive_speculation=getattr(args, "adaptive_speculation", True),
-               decode_kernel=args.decode_kernel)
+               decode_kernel=args.decode_kernel, kernels=kernel_config_from(args))
 
 
 def sampling_from(args):
@@ -144,7 +164,7 @@ def cmd_chat(args) -> None:
 
 
 def cmd_models(args) -> None:
-    from .loading import examples
+    from .loading import examples as models
 
     if args.models_cmd == "pull":
         for name in args.names:
@@ -168,7 +188,7 @@ def cmd_bench(args) -> None:
         print(format_shape_bench(run_shape_bench(
             args.shape, args.dtype or "bfloat16", args.quantization, args.device or "cuda",
             context=args.context, cuda_graphs=args.cuda_graphs, compile=args.compile,
-            decode_kernel=args.decode_kernel)))
+            decode_kernel=args.decode_kernel, kernel_config=kernel_config_from(args))))
         return
     if not args.model:
         raise SystemExit("error: --model is required (or --random-weights --shape NAME)")
@@ -190,7 +210,7 @@ def cmd_bench(args) -> None:
         adaptive_speculation={"on": (True,), "off": (False,), "both": (True, False)}[
             args.adaptive_speculation],
         draft_quantization=args.draft_quantization, decode_kernel=args.decode_kernel,
-        command=shlex.join(sys.argv),
+        kernels=kernel_config_from(args), command=shlex.join(sys.argv),
         progress=not args.no_progress))
 
 
@@ -209,6 +229,12 @@ def cmd_tune(args) -> None:
     from .backends.tune import run_tune
 
     run_tune(args.model, args.shape, args.seconds, args.output)
+
+
+def cmd_env(args) -> None:
+    from .tools.environment import describe
+
+    print(describe(kernel_config_from(args)))
 
 
 def cmd_demo(args) -> None:
@@ -280,8 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=1, metavar="N",
                    help="untimed requests before each configuration (default 1); when >= 1, "
                         "also one request per CUDA-graph shape the timed ones would meet first")
-    b.add_argument("--output", default=None, metavar="DIR",
-                   help="write results.json, results.md and PNG plots here")
+    b.add_argument("--output", default="results", metavar="DIR",
+                   help="write results.json, results.md and PNG plots here (default results/)")
     b.add_argument("--peer", default=None, choices=["transformers"],
                    help="also time transformers' generate on the same weights and prompts "
                         "(plain, assisted with each draft model, prompt lookup)")
@@ -331,6 +357,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     d.add_argument("--output", default=None, help="directory for results.json")
     d.set_defaults(func=cmd_demo)
+
+    e = sub.add_parser("env", help="what flashdraft sees: versions, GPU, the kernel "
+                                   "configuration the flags give, where models are cached")
+    add_kernel_args(e)
+    e.set_defaults(func=cmd_env)
 
     return parser
 

@@ -193,6 +193,8 @@ class EngineConfig:
     # "auto": a draft model's through the megakernel where it can run (drafts only propose, so
     # the output is the same), plain decoding's on the graphs (the reference)
     decode_kernel: str = "auto"
+    # how the target's and the draft model's steps run on the GPU (KernelConfig)
+    kernels: KernelConfig = KernelConfig()
 
     def __post_init__(self):
         if (not isinstance(self.num_speculative_tokens, int)
@@ -212,6 +214,8 @@ class EngineConfig:
             raise ValueError(f"draft_quantization {self.draft_quantization!r} is not one of "
                              f"int8, int4, none, auto (auto: as the target's)")
         check_decode_kernel(self.decode_kernel)
+        if not isinstance(self.kernels, KernelConfig):
+            raise ValueError(f"kernels must be a KernelConfig, got {self.kernels!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
 

@@ -16,7 +16,7 @@ CUDA = torch.cuda.is_available()
 def tables(monkeypatch, tmp_path):
     """A shipped table and a model cache of this test's; the kernels' table caches cleared."""
     shipped = tmp_path / "shipped.json"
-    monkeypatch.setattr(kernels, "_SHIPPED_TABLE", str(shipped))
+    monkeypatch.setattr(kernels, "SHIPPED_TABLE", str(shipped))
     monkeypatch.setenv("FLASHDRAFT_CACHE", str(tmp_path / "cache"))
     kernels.tuned_table.cache_clear(), kernels.skinny_config.cache_clear()
     yield shipped

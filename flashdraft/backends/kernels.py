@@ -844,7 +844,7 @@ class SkinnyConfig(NamedTuple):
 # product for MLPs at least GATED_MIN_N wide (the 8B's 12,288: decode 1-4 % faster; the
 # 1.5B's 8,960 within noise and its 16-token step slower), else inside the down product's
 # input loads where the norms are folded (`SiluPending`), else by `silu_mul`.
-_SHIPPED_TABLE = str(Path(__file__).parent.parent / "data" / "skinny_tuned.json")
+SHIPPED_TABLE = str(Path(__file__).parent.parent / "data" / "skinny_tuned.json")
 GATED_MIN_N = 12288
 
 
@@ -910,7 +910,7 @@ def tuned_table(gpu: str, table: str | None = None) -> dict[str, SkinnyConfig]:
         return {}
     if table is not None:
         return _read_table(Path(table), gpu, required=True)
-    return {**_read_table(Path(_SHIPPED_TABLE), gpu, False),
+    return {**_read_table(Path(SHIPPED_TABLE), gpu, False),
             **_read_table(user_table(), gpu, False)}
 
 

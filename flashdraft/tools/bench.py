@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import DRAFT_NGRAM, SamplingParams, check_decode_kernel
+from ..config import DRAFT_NGRAM, KernelConfig, SamplingParams, check_decode_kernel
 
 PROMPT_SETS = ("humaneval", "seed")
 PEERS = ("transformers",)
@@ -79,7 +79,7 @@ class BenchSettings:
     # untimed requests per configuration before its timed ones (plus, when >= 1, those that
     # capture the CUDA graphs the timed ones will need: `warmup_indices`)
     warmup: int = 1
-    output: str | None = None
+    output: str | None = "results"  # the directory of results.json, results.md and plots
     peer: str | None = None  # "transformers"
     prompt_lookup_tokens: int = 10  # the transformers peer's prompt_lookup_num_tokens
     ngram_sizes: tuple[int, ...] = (4, 3, 2)
@@ -95,6 +95,7 @@ class BenchSettings:
     draft_quantization: str | None = "auto"  # of draft models; "auto": as the target's
     # greedy one-token steps of plain decoding and draft models: "auto" | "graph" | "megakernel"
     decode_kernel: str = "auto"
+    kernels: KernelConfig = KernelConfig()  # recorded in results.json's settings
     note: str | None = None  # printed with the results, e.g. "random weights: speed only"
     command: str | None = None  # the exact command line, recorded in results.json
     progress: bool = True
@@ -729,7 +730,7 @@ def run_bench(s: BenchSettings, out=None) -> dict:
     llm = LLM(s.model, dtype=s.dtype, device=s.device, max_model_len=s.max_model_len,
               ngram_sizes=s.ngram_sizes, cuda_graphs=s.cuda_graphs, compile=s.compile,
               quantization=s.quantization, draft_quantization=s.draft_quantization,
-              decode_kernel=s.decode_kernel)
+              decode_kernel=s.decode_kernel, kernels=s.kernels)
     for d in s.drafts:  # load (and check) every drafter before anything is timed
         log(f"loading drafter {d}")
         llm.get_drafter(d)

@@ -244,10 +244,11 @@ def run_shape_bench(shape: str, dtype: str = "bfloat16", quant: str | None = Non
                     step_tokens: tuple[int, ...] = STEP_TOKENS, cuda_graphs: bool = True,
                     compile: bool = False, draft: bool = True, repeats: int = 30,
                     decode_steps: int = 128, bandwidth: float | None = None,
-                    decode_kernel: str = "graph") -> dict:
+                    decode_kernel: str = "graph",
+                    kernel_config: KernelConfig = kernels.DEFAULT) -> dict:
     """Step cost curve, drafter step and plain-decoding roofline fraction of a synthetic shape.
 
-    quant: None, "int8", "int4", or "MODE-BACKEND" ("int4-hybrid", "int4-tinygemm", ...).
+    quant: None, "int8", "int4", or "MODE-BACKEND" ("int4-triton", "int4-mma", ...).
     decode_kernel "megakernel": plain decoding through the decode megakernel as well (its
     step, its tokens/s and roofline fraction; the step curve stays the graphs'); "auto" or
     "megakernel": the drafter's step through it as well, as the engine runs a draft model's.
@@ -265,9 +266,10 @@ def run_shape_bench(shape: str, dtype: str = "bfloat16", quant: str | None = Non
            "dtype": str(torch_dtype).replace("torch.", ""), "quant": quant or "none",
            "context": context, "cuda_graphs": cuda_graphs, "compile": compile,
            "gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-           "copy_bandwidth_Bps": bandwidth, "note": RANDOM_WEIGHTS_NOTE}
+           "copy_bandwidth_Bps": bandwidth, "kernels": kernel_config.__dict__,
+           "note": RANDOM_WEIGHTS_NOTE}
     began = time.perf_counter()
-    model = build_random_model(cfg, torch_dtype, dev, quant=quant)
+    model = build_random_model(cfg, torch_dtype, dev, quant=quant, kernel_config=kernel_config)
     torch.cuda.synchronize(dev)
     out["build_s"] = time.perf_counter() - began
     if decode_kernel == "megakernel":  # refused before anything is measured
