@@ -2,7 +2,8 @@
 # example pair) and `make test` (the test suite, as CI runs it).
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The CPU build of torch unless a CUDA GPU is present (then bring your own CUDA torch).
+# With an NVIDIA GPU (nvidia-smi on the PATH): PyPI's default torch, a CUDA build; elsewhere
+# the CPU build (the cpu extra pins it). `make EXTRAS=cpu,test` or `EXTRAS=test` chooses.
 EXTRAS ?= $(if $(shell command -v nvidia-smi 2>/dev/null),test,cpu,test)
 
 .PHONY: install demo test test-fast clean
