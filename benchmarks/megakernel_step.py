@@ -1,5 +1,5 @@
-"""The decode megakernel (flashdraft.backends.megakernel) against the model's CUDA-graph step, in one
-process, random weights (speed only), 512 positions in the cache (--context).
+"""The decode megakernel (flashdraft.backends.megakernel) against the model's CUDA-graph step,
+in one process, random weights (speed only), 512 positions in the cache (--context).
 
 For each shape: the copy bandwidth and the bytes a step reads (the roofline), the graph step
 (t1, and plain decoding's tokens/s with one host read a step), then for each megakernel variant
@@ -12,7 +12,7 @@ cp.async), `prod:N`, `cw:N` (consumer warps), `ldgsts`, `D:NAME=V` (a compile-ti
 decode_mk.cu, e.g. D:LLX=1), and the probes `nowait` (no op waits for
 the one before: wrong output, the most that faster dependencies could give) and `nocompute`.
 
-    PYTHONPATH=. python3 benchmarks/megakernel_step.py --out DIR \
+    python3 benchmarks/megakernel_step.py --out DIR \
         [--shapes qwen2.5-1.5b qwen3-32b:int4] [--context 512 4096] \
         [--variants 8x24576+trace 8x24576+bulk 8x24576+nowait]
 """

@@ -20,7 +20,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flashdraft.backends import kernels  # noqa: E402
 from flashdraft.api import DTYPES  # noqa: E402
 from flashdraft.kv_cache import KVCache  # noqa: E402
 from flashdraft.loading import load_model  # noqa: E402
@@ -64,7 +63,8 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--modes", default="int8,int4", help="MODE or MODE-BACKEND, e.g. int4-hybrid")
+    ap.add_argument("--modes", default="int8,int4",
+                    help="MODE or MODE-BACKEND (reference, triton, mma), e.g. int4-mma")
     ap.add_argument("--chunk", type=int, default=16,
                     help="tokens a step for the second scoring (0: prefill only)")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
@@ -76,9 +76,9 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     # Quantized as load_model(quantization=...) quantizes: the checkpoint's own weights, the
-    # norms not folded into them (kernels.FOLD_NORMS folds unquantized models only).
-    kernels.FOLD_NORMS = False
-    ref = load_model(args.model, dtype, device)
+    # norms not folded into them (load_model folds unquantized models only); the reference
+    # unfolded too, so that it is the function the quantized models approximate.
+    ref = load_model(args.model, dtype, device, fold_norms=False)
     ids = torch.tensor([ref.tokenizer.encode(TEXT)], device=device)
     ref_logits = score(ref.model, ref.config, ids)
     results = {"model": args.model, "dtype": str(dtype), "device": str(device),
@@ -90,13 +90,13 @@ def main() -> None:
     runs = [(mode, False) for mode in args.modes.split(",")]
     runs += [(mode, True) for mode in args.modes.split(",") if args.fold_norms]
     for mode, fold in runs:
-        loaded = load_model(args.model, dtype, device)
+        loaded = load_model(args.model, dtype, device, fold_norms=False)
         if fold:
             # quantize_model refuses folded norms (the result is not what a quantized load
             # gives): this experiment wants exactly that result, whose norms are ones
             loaded.model.fold_norms()
             loaded.model.norms_folded = False
-        quantize_model(loaded.model, *mode.split("-", 1))  # "int4" or "int4-hybrid" (backend)
+        quantize_model(loaded.model, *mode.split("-", 1))  # "int4" or "int4-mma" (backend)
         name = mode + (" folded" if fold else "")
         results["modes"][name] = quality_report(ref_logits, score(loaded.model, loaded.config, ids),
                                                 ids)
