@@ -30,7 +30,7 @@ SMALL_T = 32
 # with is_causal and no mask tensor, which the flash kernel takes (it takes no mask tensor).
 # SDPA's backends for prefill, in order of preference: not cuDNN's, which builds a plan for
 # every new prompt length and cache size (~70-100 ms on the first prefill of each length on an
-# H200: benchmarks/prefill_first_call.py), and a server meets new lengths all the time.
+# H200), and a server meets new lengths all the time.
 # None lets torch choose.
 PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                          SDPBackend.MATH]

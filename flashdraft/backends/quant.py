@@ -111,11 +111,11 @@ class QuantLinear(nn.Module):
         """backend, with "auto" resolved and the choice checked against this layer."""
         if backend == "auto":
             # The kernels walk K in whole blocks of 128.
-            if (self.mode == "int4" and self.out_features % 16 == 0
+            fast = self.kernel_config.backend == "triton"  # "torch": the reference path
+            if (fast and self.mode == "int4" and self.out_features % 16 == 0
                     and mma.unavailable(w.device, w.dtype) is None):
                 return "mma"
-            fits = (triton is not None and w.is_cuda and self.in_features % GROUP == 0
-                    and self.kernel_config.backend == "triton")
+            fits = fast and triton is not None and w.is_cuda and self.in_features % GROUP == 0
             return "triton" if fits else "reference"
         if backend == "triton" and (triton is None or not w.is_cuda or self.in_features % GROUP):
             raise ValueError(f"the triton quantization backend needs CUDA, Triton and input "
