@@ -15,6 +15,8 @@
 #                decoding through the megakernel; with BASE=DIR (a `git archive` of another
 #                commit's flashdraft/ package) the same run of that version first, as the
 #                baseline of the same machine
+# mkvariants     the megakernel's off-by-default variants (O's first chunk in registers,
+#                9 consumer warps on 27 KB slots) against its default, 1.5B and 0.5B shapes
 #
 # Results go to $OUT (default results/): test logs and JUnit files, each bench's results.json
 # and results.md.
@@ -72,8 +74,14 @@ for phase in "$@"; do
     bench new "$PWD" --draft $DRAFT --draft ngram --num-speculative-tokens 3,5,8
     bench megakernel "$PWD" --decode-kernel megakernel
     ;;
+  mkvariants)
+    python3 benchmarks/megakernel_step.py --out /tmp/mk --shapes qwen2.5-1.5b qwen2.5-0.5b \
+      --context 160 512 --variants 8x24576 8x24576+D:OREG=1 8x27648+cw:9 \
+      8x27648+cw:9+D:OREG=1 2>&1 | grep -v Warn | tee "$OUT/mkvariants.log"
+    cp /tmp/mk/megakernel_step.json "$OUT/mkvariants.json"
+    ;;
   *)
-    echo "unknown phase $phase: setup, tests-kernels, tests-rest or bench"; exit 2
+    echo "unknown phase $phase: setup, tests-kernels, tests-rest, bench or mkvariants"; exit 2
     ;;
   esac
 done
