@@ -168,7 +168,7 @@ class Residual:
       norms are folded and the skinny kernel serves both products (`kernels.folds_norm`):
       decode, verification and drafting steps of unquantized models on the GPU. Else the first
       way (quantized models keep their norm kernels; an int4 model's norms inside the mma
-      products measured no faster, sessions 15-16, and were removed in session 17).
+      products measured no faster and were removed).
     """
 
     def __init__(self, x: torch.Tensor, folded: bool, kc: KernelConfig):

@@ -421,7 +421,7 @@ def test_shared_memory_fits_hopper_for_the_shapes_we_run_and_the_32b_rows():
                         ("qwen3-0.6b", "8x24576")):
         assert 8 * 24576 <= shared_bytes(get_shape(shape), ring) <= hopper, shape
     # the 32B's 51 KB rows need 4 slots of 51,200 bytes: they fit beside attention's 8 KB of
-    # staged keys and values (not beside the 32 KB of warp states it took before session 27)
+    # staged keys and values (not beside the 32 KB of warp states it once took)
     assert shared_bytes(get_shape("qwen3-32b"), "4x51200") <= hopper
     # a 9th 24 KB slot for the 1.5B fits where DOWN's sums hold the 12 rows a block writes
     # (RED_ROWS 12 on 132 blocks), not the 64 they hold by default; the 32B int4 keeps room
@@ -720,8 +720,8 @@ def test_flagged_data_fits_beside_a_ninth_slot():
 
 
 def test_bfloat16_takes_flagged_dependencies_on_small_models():
-    # LLA 4 won on the 0.5B and the 1.5B and lost 1 % on the 8B at 4,096 positions (session 32);
-    # LLA 5 and LLX won again on both where LLX runs (session 35); the 0.6B's q width (2,048)
+    # LLA 4 won on the 0.5B and the 1.5B and lost 1 % on the 8B at 4,096 positions;
+    # LLA 5 and LLX won again on both where LLX runs; the 0.6B's q width (2,048)
     # puts 4 rows in a slot, so it keeps LLA 4 alone
     from flashdraft.backends.megakernel import default_flags, default_ring
     from flashdraft.tools.shapes import get_shape
@@ -747,7 +747,7 @@ def test_a_callers_flag_replaces_the_defaults_and_keeps_the_others():
 
 
 def test_bfloat16_takes_longer_attention_rounds_on_models_of_many_kv_heads():
-    # 16 positions a round won on the 8B at 4,096 positions and lost on the 1.5B (session 33)
+    # 16 positions a round won on the 8B at 4,096 positions and lost on the 1.5B
     from flashdraft.backends.megakernel import default_att_ks, default_flags, default_ring, shared_bytes
     from flashdraft.tools.shapes import get_shape
     ks = {}

@@ -106,7 +106,7 @@ def test_launch_shape_depends_on_the_weight_alone():
         mp.setattr(mma, "SPLIT_GROUPS", 40)  # too long for 32 rows: half as long
         mma.config.cache_clear()
         assert mma.config(51200, 5120) == mma.MmaConfig(20, 2, 800, 4, 1)
-        mp.setattr(mma, "SPLIT_GROUPS", 0)  # no streamed splits: session 13's rule
+        mp.setattr(mma, "SPLIT_GROUPS", 0)  # no streamed splits
         mma.config.cache_clear()
         assert mma.config(51200, 5120) == mma.MmaConfig(8, 5, 800, 4, 2)
         assert mma.config(1536, 1536).groups_per_split == 2

@@ -38,7 +38,7 @@ same numbers.
 Optionally the forward is `torch.compile`d first (compile=True) and the compiled step is then
 captured like the eager one. It was measured (1.7× on the 1.5B, 131 s of compilation) before
 the fused Triton kernels existed, which now do the fusing Inductor did; compiling together
-with them has not been measured. Kept off by default; see benchmarks/NOTES-gpu.md.
+with them has not been measured. Kept off by default.
 """
 from __future__ import annotations
 

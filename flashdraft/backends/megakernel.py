@@ -51,7 +51,7 @@ CONSUMER_WARPS = 8  # bfloat16 takes rows in chunks of 8 warps
 # than 8x24576 with 2 chunks still in flight; decode_mk.cu's rows_per_chunk takes 9, 3 or 1)
 BF16_WARPS = (CONSUMER_WARPS, 9)
 # int4: 12 consumer warps (128 registers a thread); 1-5 % faster a step than 8 warps on the
-# 0.5B, 1.5B, 8B and 32B shapes (benchmarks/RESULTS.md, session 23)
+# 0.5B, 1.5B, 8B and 32B shapes (benchmarks/RESULTS.md)
 Q4_CONSUMER_WARPS = 12
 # decode_mk.cu's layouts read here: TRACE's times an op (consumer, producer), XO_ROWS
 TRACE_CONSUMER, TRACE_PRODUCER = 8, 2
@@ -59,10 +59,10 @@ XO_ROWS = 66
 RED_ROWS = 64  # decode_mk.cu's default: rows of x a block writes at most (a define may lower it)
 # bfloat16's flags by default (default_flags), for hidden sizes up to BF16_LLA_MAX_H: LLA 4, O
 # polls attention's output by its flags instead of its counter, and where LLX runs (a warp a
-# row) LLA 1 and LLX too: attention polls q/k/v, and QKV, gate/up and the head poll x. Session
-# 32, one call, each twice (ms a step, LLA 4 against 0): the 1.5B 1.010 / 1.031 at 512 positions
+# row) LLA 1 and LLX too: attention polls q/k/v, and QKV, gate/up and the head poll x. Measured
+# in one call, each twice (ms a step, LLA 4 against 0): the 1.5B 1.010 / 1.031 at 512 positions
 # and 1.128 / 1.157 at 4,096, the 0.5B 0.561 / 0.585 and 0.656 / 0.675; the 8B (hidden 4,096)
-# 3.852 / 3.846 at 512 and 4.553 / 4.505 at 4,096, so it keeps the counters. Session 35 (H100,
+# 3.852 / 3.846 at 512 and 4.553 / 4.505 at 4,096, so it keeps the counters. Measured (H100,
 # one call, each twice, the same logits bit for bit; LLA 5 and LLX against LLA 4): the 1.5B
 # 1.197 / 1.199 against 1.226 / 1.225 at 512 and 1.321 / 1.327 against 1.346 / 1.344 at 4,096,
 # the 0.5B 0.555 / 0.550 against 0.585 / 0.590 and 0.653 / 0.639 against 0.675 / 0.677 (LLX
@@ -72,7 +72,7 @@ BF16_LLA, BF16_LLA_MAX_H, BF16_LLA_LLX = 4, 2048, 5
 # bfloat16's attention rounds by default (default_att_ks): BF16_ATT_KS positions a round, not
 # decode_mk.cu's 8, on models of BF16_ATT_KS_MIN_KV kv heads or more, whose units are long (at
 # most a block a unit: 132 / 8 = 16 units a head, 256 positions a unit at 4,096), so two rounds
-# of 8 in flight left attention waiting on the round trip. Session 33 (H100, one call, ms a
+# of 8 in flight left attention waiting on the round trip. Measured (H100, one call, ms a
 # step): the 8B 5.796 / 5.791 -> 5.523 at 4,096 positions, 5.162 / 5.156 -> 5.137 at 512 (32 in a
 # 5-slot ring: 5.967 against 16's 5.975); the 1.5B (2 kv heads, 62 positions a unit) lost,
 # 1.225 -> 1.241 at 512 and 1.343 -> 1.365 at 4,096, so it keeps 8.
@@ -219,7 +219,7 @@ def default_ring(cfg, q4: bool = False, warps: int | None = None,
                  limit: int = HOPPER_SHARED) -> str:
     """The ring measured best for the shape.
 
-    bfloat16 (session 21): 8 slots of 24 KB; 6 of 32 KB where a 24 KB slot takes only two
+    bfloat16: 8 slots of 24 KB; 6 of 32 KB where a 24 KB slot takes only two
     thirds of its bytes in rows of the hidden size and the step reads 2 GB of weights or more,
     so the weight stream dominates (Qwen3-8B: 3.98 instead of 4.06 ms a step; the
     latency-bound Qwen3-0.6B, whose rows fill a 24 KB slot alike, stays faster with 24 KB
@@ -230,9 +230,8 @@ def default_ring(cfg, q4: bool = False, warps: int | None = None,
     int4 (q4): as many slots of (tile, group) units, up to 7, as fit `limit` bytes of shared
     memory (the GPU's: mma.shared_limit; default a Hopper block's) beside the rest, a slot's
     units a multiple of the consumer warps (`warps`, default_warps), so that none idles while
-    the slot is held (session 22, 8 warps: 24 units 8.11 ms a Qwen3-32B step,
-    22 units 8.61). 3 units a warp where the step reads 2 GB of int4 weights or more (session
-    23, 12 warps: 36 units 7.31-7.39 ms against 24 units 7.70-7.79 on the 32B; 1.985 against
+    the slot is held (8 warps: 24 units 8.11 ms a Qwen3-32B step,
+    22 units 8.61). 3 units a warp where the step reads 2 GB of int4 weights or more (12 warps: 36 units 7.31-7.39 ms against 24 units 7.70-7.79 on the 32B; 1.985 against
     2.007 ms on the 8B), else 24 units (2 a warp: the 1.5B and smaller keep more slots)."""
     h, qd = cfg.hidden_size, cfg.num_heads * cfg.head_dim
     kvd, inter = cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
@@ -243,7 +242,7 @@ def default_ring(cfg, q4: bool = False, warps: int | None = None,
         # int4 bytes: 4 bits and 4 bytes of scale and zero a group of 128 (17 / 64 of bf16's)
         slot = (3 * warps if weights * 17 / 64 >= 2e9 else 24) * Q4_UNIT
         # at most 7: 8 slots of 24 units were slower where they fit (the 0.5B: 0.517 against
-        # 0.462 ms a step at 7 with ATT_MIN 8, session 27)
+        # 0.462 ms a step at 7 with ATT_MIN 8)
         return _most_slots(cfg, slot, 7, limit, q4=True, warps=warps)
     filled = rows_per_chunk(h, 24576) * 2 * h / 24576
     ring = "6x32768" if filled < 0.75 and weights >= 2e9 else "8x24576"
@@ -267,7 +266,7 @@ def default_finish_every(cfg, ring: str, warps: int | None = None,
     """int4: chunks between two additions of the tiles they ended (decode_mk.cu's
     Q4_FINISH_EVERY; each addition is a barrier of the block's consumer warps), the most of 8,
     6, 3 and 1 whose tile sums fit beside `ring` in `limit` bytes (as default_ring; `halves`:
-    with Q4_PARTS's tile). Session 24, the 32B at 4x39168: 7.33-7.43 ms a step at 1, 7.14 at
+    with Q4_PARTS's tile). Measured, the 32B at 4x39168: 7.33-7.43 ms a step at 1, 7.14 at
     3, 7.02-7.11 at 6, 6.94-6.98 at 8."""
     return next(m for m in (8, 6, 3, 1)
                 if m == 1 or shared_bytes(cfg, ring, q4=True, warps=warps,
@@ -279,7 +278,7 @@ def splits_tiles_in_halves(cfg, sms: int) -> bool:
     """int4: whether O's and DOWN's tiles (hidden size / 16 of them) leave a remainder over
     `sms` blocks that decode_mk.cu's Q4_PARTS splits in halves (a whole tile a block at least,
     the rest on at most half the blocks), where it runs by default: the 32B's 320 tiles on 132
-    blocks, 2 or 3 each without it (session 29: 6.410 → 6.264 ms a step)."""
+    blocks, 2 or 3 each without it (6.410 → 6.264 ms a step)."""
     tiles = cfg.hidden_size // 16
     return tiles >= sms and 0 < tiles % sms <= sms // 2
 
@@ -425,7 +424,7 @@ class DecodeMegakernel:
         only, wrong output: no op waits for the one before, the weight stream's own speed;
         "nocompute": the consumers multiply nothing; both: "nowait,nocompute"); ldgsts: the
         producer warps copy with cp.async, 16 bytes a lane (default, measured faster than one
-        warp's bulk copies: benchmarks/RESULTS.md, sessions 18-19), else one bulk copy a chunk;
+        warp's bulk copies: benchmarks/RESULTS.md), else one bulk copy a chunk;
         producers: producer warps (default 4, at most the ring's slots); defines: more of
         decode_mk.cu's compile-time settings (measurement: TRACE, LLX, PU, ATT_MIN, ...; int4
         takes Q4_FINISH_EVERY from default_finish_every unless they set it); consumer_warps:

@@ -4,7 +4,7 @@
 //
 // Why: a decode step of a small model is ~150 kernels whose fixed costs (ramp before the first
 // weight bytes arrive, the tail of the last wave, the dependency round trip) add up to as much
-// as the weight bytes themselves (benchmarks/NOTES-gpu.md, sessions 9-17). Here one block a
+// as the weight bytes themselves (docs/kernels.md). Here one block a
 // multiprocessor runs every layer, and the weights never wait for the activations:
 //
 // - Producer warps stream the block's share of every weight matrix of the step, in the
@@ -51,9 +51,9 @@
 // op's end where the block's tiles all fit Shared.q4red. Q4_PARTS: O's and DOWN's (bit 2:
 // gate/up's) tiles past an even share are split in halves between pairs of blocks (q4_share).
 // The host runs int4 with NCW 12 (128 registers a thread), a unit's mma in Q4_CHAINS chains,
-// tiles added every 8, 6, 3 or 1 chunks (the most that fits). Timings (benchmarks/RESULTS.md,
-// sessions 22-29): faster than the graphs' int4 products on the 1.5B and 8B shapes, 14 % faster
-// on the 32B, whose consumers barely keep up with the stream.
+// tiles added every 8, 6, 3 or 1 chunks (the most that fits). Timings (benchmarks/RESULTS.md):
+// faster than the graphs' int4 products on the 1.5B and 8B shapes, 14 % faster on the 32B,
+// whose consumers barely keep up with the stream.
 
 #ifndef H
 #define H 1536  // hidden size
@@ -141,7 +141,7 @@ static_assert(NPROD <= NS, "a producer's wait for its slot assumes its previous 
 #endif
 #ifndef INFLIGHT
 // chunks a block's producers have in flight at most (0: every free slot's); bfloat16 2: the
-// consumers' own loads queue behind fewer (the 1.5B 1.088-1.099 → 1.069-1.078 ms, session 27);
+// consumers' own loads queue behind fewer (the 1.5B 1.088-1.099 → 1.069-1.078 ms);
 // a ring of an odd number of slots 3 where it divides them, else 1 (see the wait's comment)
 #define INFLIGHT (Q4 || NS < 4 ? 0 : NS % 2 == 0 ? 2 : NS % 3 == 0 ? 3 : 1)
 #endif
@@ -244,7 +244,7 @@ __device__ __forceinline__ u32 ld_acquire(const u32* p) {
 }
 // Polls *p until it reaches target (false: SPIN_LIMIT polls went by), one load at a time: every
 // block polls the same word, and 2 or 4 loads in flight a block made each wait 0.3-0.7 µs
-// longer (the 1.5B bf16 1.089 → 1.151 / 1.243 ms, session 26).
+// longer (the 1.5B bf16 1.089 → 1.151 / 1.243 ms).
 __device__ __forceinline__ bool poll_until(const u32* p, u32 target) {
     for (u32 spins = 0; spins < SPIN_LIMIT; spins++)
         if (ld_acquire(p) >= target) return true;
@@ -1012,15 +1012,15 @@ __device__ void matrix_op(const Args& a, Shared& s, unsigned char* ring, u32& c,
 #endif
 #ifndef Q4_CHAINS
 #define Q4_CHAINS 2  // accumulators a unit's 8 mma are spread over (1, 2 or 4), added at its end:
-                     // 2 measured 1-3 % faster a step than 1 or 4 (session 23)
+                     // 2 measured 1-3 % faster a step than 1 or 4
 #endif
 
 // One (tile, group) unit against x (s.xq): the mma's C fragment in d, from the lane's A words
 // of the unit's two 16-byte halves at w and w + 512 bytes in shared memory (gr: the group).
 // Every B column is x, so every lane's d[0] and d[2] are features g and g + 8 of the tile
 // (int4_mma.cu: the B fragments and the k order of a lane). One unit a warp at a time: 2 to 4
-// units' chains interleaved measured slower (session 22); the unit's own 8 mma in two chains
-// (Q4_CHAINS) faster (session 23). No branch around an mma: under one, the compiler puts a
+// units' chains interleaved measured slower; the unit's own 8 mma in two chains
+// (Q4_CHAINS) faster. No branch around an mma: under one, the compiler puts a
 // warp sync before each.
 __device__ __forceinline__ void q4_unit(const u16* xq, int gr, const unsigned char* w, int t,
                                         float* d) {
@@ -1098,7 +1098,7 @@ __device__ __forceinline__ void q4_finish(const Args& a, Shared& s, int t0, int 
 // j: the op (TRACE's index); wait_j: the op to wait for first (-1: none). What does not
 // depend on it (the token, the norm's weights, the bias, O's residual: x of the layer before)
 // is asked for before the wait: the norms' and the bias's loads wait for the table's pointers,
-// a round trip ahead of them (the 1.5B int4 step 0.816-0.822 → 0.782 ms, session 25).
+// a round trip ahead of them (the 1.5B int4 step 0.816-0.822 → 0.782 ms).
 template <int K, int KIND>
 __device__ __forceinline__ void q4_stage(const Args& a, Shared& s, int layer, int j, int t0,
                                          int t1, int pt, int wait_j, int G) {
@@ -1360,10 +1360,10 @@ __device__ __forceinline__ void unpack_head(const u32* w, float* v) {
 }
 
 #ifndef PU
-// cached positions a warp scores at once: 8 against 4 (session 29, same call), the 32B int4
+// cached positions a warp scores at once: 8 against 4 (same call), the 32B int4
 // 6.321 → 6.227 ms at 512 positions and 7.446 → 7.337 at 4,096, the 1.5B int4 0.728 → 0.711,
 // the 0.5B int4 0.460 → 0.451, the 1.5B bf16 level at 512 (1.030 / 1.029) and 1.187 → 1.166
-// at 4,096 (session 28)
+// at 4,096
 #define PU 8
 #endif
 #ifndef NOATT
@@ -1372,7 +1372,7 @@ __device__ __forceinline__ void unpack_head(const u32* w, float* v) {
 
 // Fewest positions an attention unit takes (fewer units below it): 8 where fewer than two
 // thirds of the warps have a head (the 0.5B int4, 7 heads on 12 warps: 0.517 → 0.505 ms a step
-// with 8 ring slots, session 27), else 16.
+// with 8 ring slots), else 16.
 #ifndef ATT_MIN
 #define ATT_MIN (3 * GS * WH < 2 * NCW ? 8 : 16)
 #endif
@@ -1472,7 +1472,7 @@ __device__ __forceinline__ void shared_words(const u16* p, u32* w) {
 // of the running max m, sum l and accumulators acc. No case for the step's own position (its
 // row is staged by put_own), 10 shuffles for 4 scores (warp_sums) instead of 20, and exp2 as
 // one instruction: a unit's math 2.08 → 1.48 µs on the 1.5B bf16, 4.95 → 3.15 on the 32B int4
-// (5.74 against 8.13 at 4,096 positions; session 28).
+// (5.74 against 8.13 at 4,096 positions).
 __device__ __forceinline__ void score_batch(const u16 (*kv)[KS][HD], int ib, int n, int lane,
                                             const float* q, float& m, float& l, float* acc) {
     float sc[PU], vv[PU][EPL];

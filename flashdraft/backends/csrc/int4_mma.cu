@@ -212,7 +212,7 @@ __device__ __forceinline__ void product(Weights& W, const Args& a, int bx, int b
             // The group's sums of x (128 + q) and of x, the latter from an mma with all-ones A
             // (its C fragment holds sum x of rows 2t and 2t + 1, as d's does, and its rounding
             // follows d's, which the cancellation in s d + (z - 136 s) sum x needs: sums added
-            // up apart measured less exact, and slower, in session 15).
+            // up apart measured less exact, and slower, in ).
             float d[NB][4], sx[NB][4];
 #pragma unroll
             for (int b = 0; b < NB; ++b)
