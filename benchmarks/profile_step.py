@@ -309,7 +309,7 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("shapes", nargs="+", help=f"SHAPE or SHAPE:QUANT ({', '.join(QUANTS)})")
-    ap.add_argument("--out", type=Path, default=Path("profile-out"))
+    ap.add_argument("--out", type=Path, default=Path("results/profile"))
     ap.add_argument("--context", type=int, default=512, help="cached positions before a step")
     ap.add_argument("--repeats", type=int, default=2, help="rounds of compare and --sweep-apply")
     ap.add_argument("--no-official", action="store_true", help="skip run_shape_bench")
