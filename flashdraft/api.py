@@ -12,10 +12,10 @@ from typing import Iterable, Iterator
 
 import torch
 
-from .config import DRAFT_NGRAM, EngineConfig, KernelConfig, SamplingParams
-from .drafters import DraftModelDrafter, Drafter, NgramDrafter
+from .config import EngineConfig, KernelConfig, SamplingParams
+from .drafters import Drafter, make_drafter
 from .engine import Engine, RequestMetrics
-from .loading import Loaded, load_model
+from .loading import load_model
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -52,38 +52,6 @@ def pick_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.devi
     if dtype is None:
         dtype = "bfloat16" if dev.type == "cuda" else "float32"
     return dev, DTYPES[dtype]
-
-
-def check_same_tokenizer(target: Loaded, draft: Loaded) -> None:
-    """Refuse a draft whose tokens mean something else than the target's."""
-    a, b = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
-    if a == b:
-        return
-    only_t = sorted(set(a) - set(b))[:5]
-    only_d = sorted(set(b) - set(a))[:5]
-    moved = sorted(t for t in set(a) & set(b) if a[t] != b[t])[:5]
-    details = []
-    if only_t:
-        details.append(f"tokens only in the target's: {only_t}")
-    if only_d:
-        details.append(f"tokens only in the draft's: {only_d}")
-    if moved:
-        details.append(f"tokens with different ids: {moved}")
-    raise ValueError(
-        f"the draft model {draft.source} does not share the target's tokenizer: target "
-        f"{target.source} has {len(a)} tokens, draft has {len(b)}; " + "; ".join(details)
-        + ". Use a draft from the same model family, or --draft ngram.")
-
-
-def make_drafter(name: str, target: Loaded, cfg: EngineConfig, device, dtype) -> Drafter:
-    """The one place that knows the drafters' names."""
-    if name == DRAFT_NGRAM:
-        return NgramDrafter(cfg.ngram_sizes, device)
-    draft = load_model(name, dtype, device, cfg.draft_quant, kernel_config=cfg.kernels)
-    check_same_tokenizer(target, draft)
-    return DraftModelDrafter(draft.model, device, dtype, target.config.vocab_size,
-                             cuda_graphs=cfg.cuda_graphs,
-                             decode_kernel=cfg.decode_kernel)
 
 
 class Detokenizer:
@@ -144,7 +112,8 @@ class LLM:
         self.drafter = self.get_drafter(draft) if draft else None
 
     def get_drafter(self, name: str) -> Drafter:
-        """A drafter by name ("ngram", or a draft model's path / id / alias), loaded once."""
+        """A drafter by its spec (drafters.registry: "ngram", "model:PATH", or a draft model's
+        path / id / alias), made once."""
         if name not in self._drafters:
             self._drafters[name] = make_drafter(name, self.target, self.config, self.device,
                                                 self.dtype)

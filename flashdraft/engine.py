@@ -229,7 +229,7 @@ class Engine:
         first = self._pick(logits[:, -1], params, req.generator)
         if drafter is not None:  # its prefill, if it has one, is queued behind the target's
             drafter.begin(prompt)
-        step = req.commit([int(first)])  # the one sync of the prefill
+        step = req.commit([int(first)])  # the one sync of the prefill; the drafter is told
         last = first.view(1, 1)  # [1, 1]: the last committed token, kept on the device
         metrics.ttft_s = time.perf_counter() - start
         decode_start = time.perf_counter()
@@ -256,11 +256,12 @@ class Engine:
     def _speculate(self, req: "_Request", last: torch.Tensor, hidden: list[torch.Tensor]
                    ) -> tuple[StepOutput, torch.Tensor, list[torch.Tensor]] | None:
         """One speculative step after `last` ([1, 1], the last committed token): draft, verify
-        the draft in one target pass, commit. hidden: the target's hidden states of the last
-        pass at the drafter's `hidden_layers` (empty if none), each [1, passed tokens,
-        hidden_size]. Returns (the step's StepOutput, its last token [1, 1] on the device,
-        this pass's hidden states), or None where the draft is empty and the adaptive policy
-        hands the token to plain decoding."""
+        the draft in one target pass, commit. hidden: the target's hidden states at the
+        drafter's `hidden_layers` (empty if none) for the positions the last pass committed to
+        its cache, each [1, n_new, hidden_size] (DraftContext.hidden). Returns (the step's
+        StepOutput, its last token [1, 1] on the device, this pass's hidden states for the
+        positions it committed: [1, n + 1, hidden_size] each), or None where the draft is empty
+        and the adaptive policy hands the token to plain decoding."""
         drafter, params, generator = req.drafter, req.params, req.generator
         # Leave room for the bonus token within the budget and the context.
         budget = min(req.k, req.max_new - req.generated - 1)
@@ -287,15 +288,17 @@ class Engine:
                 packed = torch.cat([num_accepted, next_token, draft.tokens[0]])
             result = packed.tolist()  # the step's one synchronisation
             n, new = result[0], result[2:2 + result[0]] + [result[1]]
-        if budget > 0:
-            drafter.commit(n)
+        # The pass ran over [last, d_1 … d_k]: the rows of last and the n accepted drafts are
+        # committed, the rest are rejected drafts'. Views: nothing is copied (nor computed, when
+        # no layers were requested).
+        hidden = [h[:, :n + 1] for h in hidden]
         if n_draft:
             m = req.metrics
             m.drafted_tokens += n_draft
             m.accepted_tokens += n
             m.drafted_per_step.append(n_draft)
             m.accepted_per_step.append(n)
-        step = req.commit(new)
+        step = req.commit(new)  # the drafter is told which tokens
         if req.policy is not None:
             req.policy.after_step(n_draft, n)
         return step, next_token.view(1, 1), hidden
@@ -382,12 +385,16 @@ class _Request:
 
     def commit(self, new: list[int], plain: bool = False) -> StepOutput:
         """Append the tokens of one target pass (up to the first stop token, which ends the
-        request there) and say whether the request finished."""
+        request there), tell the drafter which they are, and say whether the request finished.
+        Every committed token passes here: the first after the prefill, each speculative
+        step's, each of plain decoding."""
         for i, t in enumerate(new):
             if t in self.stop_ids:
                 new = new[:i + 1]
                 break
         self.tokens.extend(new)
+        if self.drafter is not None:
+            self.drafter.commit(new)
         self.metrics.target_passes += 1
         self.metrics.generated_tokens += len(new)
         self.metrics.plain_tokens += len(new) if plain else 0

@@ -3,8 +3,8 @@
 Nothing is appended or concatenated: a forward pass writes its keys and values at the
 positions it is given, and attention reads positions [0, kv_len). Which entries count is
 decided by the attention mask (key position <= query position), so the cache itself never
-has to forget anything: after a rejected draft, `lengths` moves back and the stale entries
-are overwritten by the next pass.
+has to forget anything: after a rejected draft the sequence's length (its owner's, on the
+host) moves back and the stale entries are overwritten by the next pass.
 
 Keys and values of a layer live in one tensor so that a single write stores both: the model
 hands over the key and value heads of its fused qkv projection as they come
@@ -26,8 +26,6 @@ class KVCache:
         # Views, not copies: [layers, batch, kv_heads, max_len, head_dim] each.
         self.k, self.v = self.kv[:, 0], self.kv[:, 1]
         self.max_len = max_len
-        # Committed length of each sequence, kept on the host: the engine knows it anyway.
-        self.lengths = [0] * batch
         # Positions one attention program reads on the GPU (kernels.attention); the engine sets
         # it per request (from the request's length, not the cache's).
         self.split_len = kernels.split_length(max_len)

@@ -1,8 +1,19 @@
 """The drafter protocol: what proposes tokens for the target to verify.
 
-A drafter is told when a request begins, proposes up to k tokens from the committed context,
-and is told how many of them the target accepted. Drafters are made in one place,
-`make_drafter`, which is the only code that knows their names.
+    drafter.begin(prompt)        a request begins (a draft model fills its cache here)
+    drafter.propose(ctx, k)      up to k tokens after ctx.tokens -> Draft
+    drafter.commit(tokens)       these tokens were appended to the sequence
+
+The engine tells every drafter every committed token: the first token after the prefill, each
+speculative step's accepted drafts plus its recovered or bonus token, and each token of plain
+decoding (the adaptive policy's stretches). It never says how many of one drafter's tokens
+survived: a drafter that needs that (a draft model, to know how much of its cache is still
+right) compares the committed tokens with its own proposal. So several drafters, token trees
+and block drafters can share one step, and a drafter whose proposal was not verified at all
+simply sees tokens that do not match it.
+
+Drafters are made from a spec string by `registry.make_drafter`, the only code that knows
+their names.
 """
 from __future__ import annotations
 
@@ -22,20 +33,29 @@ class Draft:
 
 @dataclass
 class DraftContext:
-    tokens: list[int]  # the committed sequence: prompt + generated (the last is not yet in
-                       # the target's cache)
+    tokens: list[int]  # the committed sequence: prompt + generated; the target's cache holds
+                       # all of it but the last token
     params: SamplingParams
     generator: torch.Generator | None
-    # Outputs of the target's layers named by the drafter's `hidden_layers`, for the positions
-    # of the last verification pass: each [batch, seq, hidden]. Empty when none were requested.
+    # The target's hidden states at the positions that entered its cache since the previous
+    # proposal: the prompt's before the first, then the rows of the verification pass over
+    # [last, d_1 … d_k] whose tokens were committed (with n accepted, its first n + 1 rows).
+    # One tensor [batch, n_new, hidden] per layer of the drafter's `hidden_layers`, in
+    # ascending layer order (0 = the embeddings, i = the output of layer i); row j is the state
+    # at ctx.tokens[len(tokens) - 1 - n_new + j]. Over a request the rows of all proposals
+    # cover positions 0 … len(tokens) - 2 once each. Views of the pass's outputs (on a GPU, of
+    # a CUDA graph's buffers): valid until the target's next pass; a drafter that keeps them
+    # copies them. Empty, and never computed, when the drafter requests no layers.
     hidden: list[torch.Tensor] = field(default_factory=list)
 
 
 class Drafter(Protocol):
-    hidden_layers: tuple[int, ...]  # target layers whose outputs the drafter needs; () for none
+    # Target layers whose outputs the drafter needs in DraftContext.hidden; () for none. A
+    # drafter that asks for layers sees every target pass: the engine gives it no plain stretches.
+    hidden_layers: tuple[int, ...]
 
     def begin(self, prompt: list[int]) -> None: ...
 
     def propose(self, ctx: DraftContext, k: int) -> Draft: ...
 
-    def commit(self, num_accepted: int) -> None: ...
+    def commit(self, tokens: list[int]) -> None: ...

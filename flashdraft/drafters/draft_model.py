@@ -2,10 +2,13 @@
 
 It keeps its own cache, filled with the prompt when the request begins (prefill work, timed
 with the target's prefill), so that every proposal feeds one or two tokens (graphed). After
-proposing d_1 … d_k its cache holds the context and
-d_1 … d_{k-1} (d_k was sampled, never fed); when the target keeps n of them, the first
-len(context) + min(n, k-1) cached positions are still right, and the next proposal feeds
-the rest of the committed sequence (one or two tokens) before drafting again.
+proposing d_1 … d_k its cache holds the context and d_1 … d_{k-1} (d_k was sampled, never
+fed). The tokens committed next are compared with the proposal: where the first m of them
+are d_1 … d_m, the first len(context) + min(m, k-1) cached positions are still right, and
+the next proposal feeds the rest of the committed sequence (one or two tokens after a
+speculative step, more after a plain stretch) before drafting again. After a verification
+that kept n drafts, m = n: the recovered token never equals the rejected draft (greedy: it
+is the target's argmax, which d_{n+1} was not; sampled: the residual has no mass there).
 
 With `decode_kernel="megakernel"` (or "auto", the engine's default, where the kernel can run
 the draft model and CUDA graphs are on), greedy proposals feed one token at a time through
@@ -56,7 +59,10 @@ class DraftModelDrafter:
         self.megakernel = None  # built with each cache (ensure_capacity)
         self.cache: KVCache | None = None
         self.n_cached = 0  # positions of the committed sequence that the cache holds correctly
-        self._proposed = (0, 0)  # (context length, k) of the last proposal
+        self.length = 0  # of the committed sequence, as begin() and commit() told it
+        # The proposal not yet compared with committed tokens: (the length of the context it
+        # followed, its tokens [1, k] on the host, the event after their copy or None on a CPU).
+        self._proposal: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
 
     def ensure_capacity(self, max_len: int) -> None:
         grow_cache(self, max_len)
@@ -75,7 +81,8 @@ class DraftModelDrafter:
     def begin(self, prompt: list[int]) -> None:
         # The prompt's keys and values (a graph per padded length on a GPU); no logits needed.
         prefill(self.model, prompt, self.cache, (), self.runner, self.device)
-        self.n_cached = len(prompt)
+        self.n_cached = self.length = len(prompt)
+        self._proposal = None
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, k: int) -> Draft:
@@ -112,9 +119,19 @@ class DraftModelDrafter:
             tokens.append(token)
             start += feed.shape[1]
             feed = token.view(1, 1)
-        self._proposed = (len(ctx.tokens), k)
+        drafted = torch.stack(tokens, dim=1)  # [1, k]
+        # A copy to the host queued behind the drafts, read in commit(): by then the engine's
+        # one synchronisation of the step has passed it, so reading it waits for nothing.
+        event = None
+        if drafted.is_cuda:
+            host = drafted.to("cpu", non_blocking=True)  # pinned, filled when the queue gets there
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = drafted
+        self._proposal = (len(ctx.tokens), host, event)
         q = torch.stack(probs, dim=1) if probs else None  # [1, k, vocab]
-        return Draft(torch.stack(tokens, dim=1), q)
+        return Draft(drafted, q)
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         extra = self.target_vocab - logits.shape[-1]
@@ -124,7 +141,15 @@ class DraftModelDrafter:
             return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
         return logits
 
-    def commit(self, num_accepted: int) -> None:
-        context, k = self._proposed
-        if k:
-            self.n_cached = context + min(num_accepted, k - 1)
+    def commit(self, tokens: list[int]) -> None:
+        proposal, self._proposal = self._proposal, None
+        if proposal is not None and proposal[0] == self.length:  # tokens follow its context
+            context, host, event = proposal
+            if event is not None:
+                event.synchronize()
+            drafted = host[0].tolist()
+            m = 0  # committed tokens that are the proposal's
+            while m < min(len(tokens), len(drafted)) and tokens[m] == drafted[m]:
+                m += 1
+            self.n_cached = context + min(m, len(drafted) - 1)
+        self.length += len(tokens)

@@ -46,5 +46,5 @@ class NgramDrafter:
         """Whether a proposal from this context would draft anything (a match exists)."""
         return len(lookup(np.asarray(tokens, dtype=np.int64), self.sizes, 1)) > 0
 
-    def commit(self, num_accepted: int) -> None:
-        pass
+    def commit(self, tokens: list[int]) -> None:
+        pass  # it reads everything from ctx.tokens
