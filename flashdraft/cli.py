@@ -19,7 +19,8 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True,
                         "example alias (example:qwen2.5-coder-1.5b)")
     if draft:
         p.add_argument("--draft", default=None,
-                       help="draft model (path, id or alias) of the same tokenizer, or 'ngram'")
+                       help="the drafter: ngram (or ngram:4,3,2), model:PATH, or a draft model's path, "
+                            "id or alias (same tokenizer as the target)")
         p.add_argument("--num-speculative-tokens", type=int, default=5, metavar="K",
                        help="tokens drafted per step (default 5)")
         p.add_argument("--ngram-sizes", default="4,3,2",
@@ -282,7 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--context", type=int, default=512,
                    help="with --random-weights: tokens in the cache while timing (default 512)")
     b.add_argument("--draft", action="append", default=None, metavar="DRAFT",
-                   help="a draft model (path, id or alias) or 'ngram'; repeatable")
+                   help="a drafter spec (ngram, ngram:SIZES, model:PATH, or a path / id / "
+                        "alias); repeatable")
     b.add_argument("--num-speculative-tokens", default="5", metavar="K[,K...]",
                    help="values of k to sweep, e.g. 1,3,5,7,10,16 (default 5)")
     b.add_argument("--ngram-sizes", default="4,3,2",

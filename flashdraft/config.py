@@ -157,7 +157,6 @@ class KernelConfig:
                              f"got {self.tuned_table!r}")
 
 
-DRAFT_NGRAM = "ngram"
 # how greedy one-token steps run: CUDA graphs of the model's kernels, or flashdraft.backends.megakernel
 # ("auto": a draft model's through the megakernel where it runs, plain decoding's on the graphs)
 DECODE_KERNELS = ("auto", "graph", "megakernel")
@@ -174,7 +173,7 @@ def check_decode_kernel(value: str, name: str = "decode_kernel") -> None:
 class EngineConfig:
     """What `LLM(...)` was asked for; flags of the CLI map 1:1 onto these fields."""
     model: str
-    draft: str | None = None  # None, "ngram", or a path / hub id / example alias
+    draft: str | None = None  # None or a drafter spec (drafters.registry): "ngram", "model:PATH", ...
     num_speculative_tokens: int = 5
     ngram_sizes: tuple[int, ...] = (4, 3, 2)  # tried longest first
     dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None: bf16 on CUDA, fp32 on CPU

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import DRAFT_NGRAM, KernelConfig, SamplingParams, check_decode_kernel
+from ..config import KernelConfig, SamplingParams, check_decode_kernel
+from ..drafters.registry import parse_drafter_spec
 
 PROMPT_SETS = ("humaneval", "seed")
 PEERS = ("transformers",)
@@ -453,7 +454,7 @@ def environment(s: BenchSettings, llm, monitor: GpuMonitor) -> dict:
 
     commit, dirty = git_commit()
     models = [model_files(s.model, "target")]
-    models += [model_files(d, "draft") for d in s.drafts if d != DRAFT_NGRAM]
+    models += [model_files(d, "draft") for d in s.drafts if parse_drafter_spec(d).model]
     return {
         "commit": commit, "commit_dirty": dirty, "flashdraft": __version__,
         "command": s.command,
@@ -474,7 +475,7 @@ def environment(s: BenchSettings, llm, monitor: GpuMonitor) -> dict:
 # -- the run ---------------------------------------------------------------------------------
 
 def draft_label(name: str) -> str:
-    if name == DRAFT_NGRAM or name.lower().startswith("example:"):
+    if not parse_drafter_spec(name).model or name.lower().startswith("example:"):
         return name
     return f"draft:{Path(name.rstrip('/')).name or name}"
 
@@ -593,7 +594,7 @@ def peer_modes(s: BenchSettings) -> list[tuple[str, str, str | None]]:
     """(name, mode, draft): plain, assisted generation with each draft model, prompt lookup."""
     modes = [("transformers plain", "plain", None)]
     modes += [(f"transformers assisted ({draft_label(d)})", "assisted", d)
-              for d in s.drafts if d != DRAFT_NGRAM]
+              for d in s.drafts if parse_drafter_spec(d).model]
     modes.append((f"transformers prompt lookup ({s.prompt_lookup_tokens})", "prompt_lookup", None))
     return modes
 
@@ -617,7 +618,7 @@ def summarize_peer(entry: dict, results: dict, planned: int) -> dict:
     if entry["mode"] == "plain":
         counterpart = ours_plain
     else:
-        drafter = entry["draft"] if entry["mode"] == "assisted" else DRAFT_NGRAM
+        drafter = entry["draft"] if entry["mode"] == "assisted" else "ngram"
         counterpart = max((c for c in spec if c["drafter"] == drafter), key=e2e_median,
                           default=None)
     best = max(([ours_plain] if ours_plain else []) + spec, key=e2e_median, default=None)
@@ -747,7 +748,7 @@ def run_bench(s: BenchSettings, out=None) -> dict:
         for d in s.drafts:
             llm.engine.ensure_capacity(longest, llm.get_drafter(d))
         llm.engine.ensure_capacity(longest)
-        for draft in [None] + [d for d in s.drafts if d != "ngram"]:
+        for draft in [None] + [d for d in s.drafts if parse_drafter_spec(d).model]:
             for pids in ids:
                 llm.generate({"prompt_token_ids": pids},
                              SamplingParams(temperature=0, max_tokens=1), draft=draft,
