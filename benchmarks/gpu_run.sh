@@ -9,12 +9,15 @@
 #                the model cache and checked against their SHA-256
 # tests-kernels  the GPU test suite's kernel files (megakernel, mma, CUDA graphs)
 # tests-rest     every other test file but the server's (fastapi and the OpenAI client are
-#                not on a bare image; the server tests run on the CPU in CI)
+#                not on a bare image; the server tests run on the CPU in CI); PYTEST_ARGS
+#                adds to the command, e.g. -m "not example_pair" where the pair is not staged
 # bench          `flashdraft bench` on the example pair over benchmarks/prompts/code-and-prose.jsonl:
 #                plain decoding, the 0.5B draft model and n-gram at k = 3, 5, 8, and plain
 #                decoding through the megakernel; with BASE=DIR (a `git archive` of another
 #                commit's flashdraft/ package) the same run of that version first, as the
 #                baseline of the same machine
+# shapes         random-weight step curves and plain decoding of the 1.5B and 0.5B shapes
+#                (`flashdraft bench --random-weights`), with BASE=DIR that version's first
 # mkvariants     the megakernel's off-by-default variants (O's first chunk in registers,
 #                9 consumer warps on 27 KB slots) against its default, 1.5B and 0.5B shapes
 #
@@ -65,7 +68,7 @@ for phase in "$@"; do
     ;;
   tests-rest)
     gpu_tests tests-rest tests --ignore=tests/test_server.py --ignore=tests/test_megakernel.py \
-      --ignore=tests/test_mma.py --ignore=tests/test_cuda_graphs.py
+      --ignore=tests/test_mma.py --ignore=tests/test_cuda_graphs.py ${PYTEST_ARGS:-}
     ;;
   bench)
     if [ -n "${BASE:-}" ]; then
@@ -74,6 +77,16 @@ for phase in "$@"; do
     bench new "$PWD" --draft $DRAFT --draft ngram --num-speculative-tokens 3,5,8
     bench megakernel "$PWD" --decode-kernel megakernel
     ;;
+  shapes)
+    for shape in qwen2.5-1.5b qwen2.5-0.5b; do
+      for side in ${BASE:+base} new; do
+        path=$PWD; [ $side = base ] && path=$PWD/$BASE
+        echo "--- $shape, $side"
+        PYTHONPATH=$SITE:$path python3 -m flashdraft.cli bench --random-weights --shape $shape \
+          2>&1 | grep -v Warn | tee "$OUT/shape-$shape-$side.txt" | tail -14
+      done
+    done
+    ;;
   mkvariants)
     python3 benchmarks/megakernel_step.py --out /tmp/mk --shapes qwen2.5-1.5b qwen2.5-0.5b \
       --context 160 512 --variants 8x24576 8x24576+D:OREG=1 8x27648+cw:9 \
@@ -81,7 +94,7 @@ for phase in "$@"; do
     cp /tmp/mk/megakernel_step.json "$OUT/mkvariants.json"
     ;;
   *)
-    echo "unknown phase $phase: setup, tests-kernels, tests-rest, bench or mkvariants"; exit 2
+    echo "unknown phase $phase: setup, tests-kernels, tests-rest, bench, shapes or mkvariants"; exit 2
     ;;
   esac
 done
