@@ -9,8 +9,8 @@
 #                the model cache and checked against their SHA-256 (skipped when not staged)
 # tests-kernels  the GPU test suite's kernel files (megakernel, mma, CUDA graphs)
 # tests-rest     every other test file but the server's (fastapi and the OpenAI client are
-#                not on a bare image; the server tests run on the CPU in CI); PYTEST_ARGS
-#                adds to the command, e.g. -m "not example_pair" where the pair is not staged
+#                not on a bare image; the server tests run on the CPU in CI); MARK=EXPR
+#                selects by marker, e.g. MARK="not example_pair" where the pair is not staged
 # bench          `flashdraft bench` on the example pair over benchmarks/prompts/code-and-prose.jsonl:
 #                plain decoding, the 0.5B draft model and n-gram at k = 3, 5, 8, and plain
 #                decoding through the megakernel; with BASE=DIR (a `git archive` of another
@@ -69,7 +69,7 @@ for phase in "$@"; do
     ;;
   tests-rest)
     gpu_tests tests-rest tests --ignore=tests/test_server.py --ignore=tests/test_megakernel.py \
-      --ignore=tests/test_mma.py --ignore=tests/test_cuda_graphs.py ${PYTEST_ARGS:-}
+      --ignore=tests/test_mma.py --ignore=tests/test_cuda_graphs.py ${MARK:+-m "$MARK"}
     ;;
   bench)
     if [ -n "${BASE:-}" ]; then
