@@ -40,7 +40,6 @@ def test_refused_without_cuda_with_the_reason():
 @pytest.mark.parametrize("ring", ["8x24576", "4x49152", "8x24576+bulk", "8x24576+llx",
                                   "8x24576+llattn", "8x24576+llh", "8x24576+llx+llattn+llh"])
 def test_megakernel_matches_the_model(shape, prompt, ring):
-    from flashdraft.backends.megakernel import DecodeMegakernel
     torch.manual_seed(0)
     cfg = SHAPES[shape]
     if shape == "qwen3-split-rows" and "+llx" in ring:
@@ -54,7 +53,7 @@ def test_megakernel_matches_the_model(shape, prompt, ring):
     flags = {"llx": {"LLX": 1}, "llattn": {"LLA": 7}, "llh": {"LLH": 1}}
     opts = (dict(ldgsts=False, producers=1) if option == "bulk" else
             dict(defines={k: v for o in option.split("+") if o for k, v in flags[o].items()}))
-    compared = _follow_the_model(model, prompt, lambda cache: DecodeMegakernel(
+    compared = _follow_the_model(model, prompt, lambda cache: built_or_skipped(
         model, cache, ring=ring, **opts))
     # most steps decided the token (hidden size 4,096: each logit sums 4,096 rounded terms, so
     # more near ties fall within the kernel's difference from the model)
@@ -107,7 +106,6 @@ def _same_steps_bit_for_bit(cfg, prompt: int, want_defines: dict, got_defines: d
                             **options) -> None:
     """Six chained steps of two kernels over the same cache: equal logits, tokens, cache
     (options: both kernels' other arguments, the ring and the consumer warps)."""
-    from flashdraft.backends.megakernel import DecodeMegakernel
     model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
     caches = [KVCache.for_model(cfg, 1, 1024, torch.bfloat16, "cuda") for _ in range(2)]
     torch.manual_seed(1)
@@ -220,7 +218,7 @@ def _int4_model(cfg, monkeypatch):
 @pytest.mark.parametrize("prompt", [5, 100, 700])
 @pytest.mark.parametrize("warps", [8, 12])  # 12 consumer warps: int4's default
 def test_int4_megakernel_matches_the_model(shape, prompt, warps, monkeypatch):
-    from flashdraft.backends.megakernel import DecodeMegakernel, is_int4
+    from flashdraft.backends.megakernel import is_int4
     torch.manual_seed(0)
     model = _int4_model(Q4_SHAPES[shape], monkeypatch)
     assert is_int4(model)
@@ -610,13 +608,12 @@ def test_rings_of_few_or_an_odd_number_of_slots_match_the_model(ring):
 def test_nine_consumer_warps_take_nine_rows_a_slot_and_match_the_model(shape):
     # 27 KB slots hold 9 rows of 1,536 for 9 warps (a warp a row), 3 rows a slot of wider ones
     # (3 warps a row), 1 of the widest (9 warps a row); attention's warps a head from 9
-    from flashdraft.backends.megakernel import DecodeMegakernel
     torch.manual_seed(0)
     cfg = SHAPES[shape]
     model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
     with torch.no_grad():
         model.lm_head.weight.mul_(20)
-    compared = _follow_the_model(model, 700, lambda cache: DecodeMegakernel(
+    compared = _follow_the_model(model, 700, lambda cache: built_or_skipped(
         model, cache, ring="8x27648", consumer_warps=9))
     assert compared >= (12 if cfg.hidden_size < 4096 else 8)
 

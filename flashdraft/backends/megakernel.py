@@ -44,6 +44,11 @@ SOURCE = Path(__file__).with_name("csrc") / "decode_mk.cu"
 class DoesNotFit(ValueError):
     """A kernel configuration that needs more shared memory a block than this GPU allows."""
 
+
+class _NoRoom(str):
+    """unsupported()'s reason when only shared memory is short (the constructor raises
+    DoesNotFit for it: a smaller ring or fewer warps would fit)."""
+
 # The ring of shared-memory slots a block is "SLOTSxBYTES" (DecodeMegakernel's `ring`, else
 # default_ring, the measured choice for the shape).
 CONSUMER_WARPS = 8  # bfloat16 takes rows in chunks of 8 warps
@@ -126,8 +131,8 @@ def unsupported(model: Transformer, cache: KVCache | None = None,
         return why
     need = shared_bytes(cfg, ring, q4=q4, defines={"RED_ROWS": red_rows})
     if need > limit:  # e.g. GPUs of ~100 KB a block
-        return (f"it needs {need} bytes of shared memory a block, the GPU allows {limit} "
-                f"(DecodeMegakernel(ring=...): a smaller ring)")
+        return _NoRoom(f"it needs {need} bytes of shared memory a block, the GPU allows "
+                       f"{limit} (DecodeMegakernel(ring=...): a smaller ring)")
     if cache is not None and (cache.kv.shape[2] != 1 or cache.kv.dtype != torch.bfloat16):
         return "the cache must hold one bfloat16 sequence"
     rows, most = _rows_a_block(cfg.hidden_size, sms), min(red_rows, RED_ROWS)
@@ -437,7 +442,8 @@ class DecodeMegakernel:
                              f"(1 q/k/v, 2 attention's partials, 4 its output)")
         why = unsupported(model, cache, ring, red_rows)
         if why:
-            raise ValueError(f"the decode megakernel cannot run this model: {why}")
+            error = DoesNotFit if isinstance(why, _NoRoom) else ValueError
+            raise error(f"the decode megakernel cannot run this model: {why}")
         cfg = model.cfg
         self.model, self.cache, self.cfg = model, cache, cfg
         dev = model.embed.weight.device
