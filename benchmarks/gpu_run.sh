@@ -16,6 +16,8 @@
 #                decoding through the megakernel; with BASE=DIR (a `git archive` of another
 #                commit's flashdraft/ package) the same run of that version first, as the
 #                baseline of the same machine
+# sampled        the same at T = 0.7, top-p 0.95 (plain and the 0.5B draft model, k = 5), and
+#                the seed prompts at T = 0.8 with the 0.5B draft model (k = 3, 5)
 # shapes         random-weight step curves and plain decoding of the 1.5B and 0.5B shapes
 #                (`flashdraft bench --random-weights`), with BASE=DIR that version's first
 # mkvariants     the megakernel's off-by-default variants (O's first chunk in registers,
@@ -78,6 +80,12 @@ for phase in "$@"; do
     bench new "$PWD" --draft $DRAFT --draft ngram --num-speculative-tokens 3,5,8
     bench megakernel "$PWD" --decode-kernel megakernel
     ;;
+  sampled)
+    bench t07 "$PWD" --temperature 0.7 --top-p 0.95 --seed 0 --draft $DRAFT \
+      --num-speculative-tokens 5
+    PROMPTS=seed bench seed-t08 "$PWD" --temperature 0.8 --seed 0 --draft $DRAFT \
+      --num-speculative-tokens 3,5
+    ;;
   shapes)
     for shape in qwen2.5-1.5b qwen2.5-0.5b; do
       for side in ${BASE:+base} new; do
@@ -95,7 +103,7 @@ for phase in "$@"; do
     cp /tmp/mk/megakernel_step.json "$OUT/mkvariants.json"
     ;;
   *)
-    echo "unknown phase $phase: setup, tests-kernels, tests-rest, bench, shapes or mkvariants"; exit 2
+    echo "unknown phase $phase: setup, tests-kernels, tests-rest, bench, sampled, shapes or mkvariants"; exit 2
     ;;
   esac
 done
