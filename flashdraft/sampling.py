@@ -154,7 +154,7 @@ def _check_race(logits, stats, rng, q_logits, q_stats, q_onehot):
 
 def race(logits: torch.Tensor, temperature: float, stats: RowStats, rng: torch.Tensor, *,
          fused: bool, q_logits: torch.Tensor | None = None, q_stats: RowStats | None = None,
-         q_onehot: torch.Tensor | None = None, stream: int = 0) -> torch.Tensor:
+         q_onehot: torch.Tensor | None = None, stream: int = 0, **kernel_args) -> torch.Tensor:
     """One token per row [R] (int64) drawn from w / sum w, on the device; advances rng.
 
     logits [R, V] with their RowStats give p. w = p; or, with q (the draft's logits
@@ -162,7 +162,8 @@ def race(logits: torch.Tensor, temperature: float, stats: RowStats, rng: torch.T
     q_onehot [R] token ids (a drafter without probabilities), w = p with that token removed.
     A row whose w is all zero draws from p. stream (0 .. 2**32 - 1) tells apart draws that
     share rng within one step. fused=False: the same distribution from torch's generator,
-    seeded from rng read on the host (a synchronisation; for tests and CPUs).
+    seeded from rng read on the host (a synchronisation; for tests and CPUs). kernel_args
+    (block, rows_per_program) size the fused kernel.
     """
     _check_race(logits, stats, rng, q_logits, q_stats, q_onehot)
     if not (isinstance(stream, int) and 0 <= stream < 2 ** 32):
@@ -171,7 +172,7 @@ def race(logits: torch.Tensor, temperature: float, stats: RowStats, rng: torch.T
         from .backends import sampling_kernels
         q = (None, None, None, None) if q_stats is None else (q_logits, *q_stats)
         tokens = sampling_kernels.race(logits, temperature, *stats, rng, stream, *q,
-                                       q_onehot=q_onehot)
+                                       q_onehot=q_onehot, **kernel_args)
     else:
         tokens = _race_reference(logits, temperature, stats, rng, q_logits, q_stats, q_onehot,
                                  stream)

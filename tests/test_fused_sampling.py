@@ -35,3 +35,152 @@ def test_row_stats_random_rows(top_k):
     for i, (top_p, min_p) in enumerate([(1.0, 0.0), (0.9, 0.0), (0.5, 0.0), (1.0, 0.05),
                                         (0.9, 0.05), (0.5, 0.05)]):
         check_stats(logits, (0.5, 1.0, 1.5)[i % 3], top_k, top_p, min_p)
+
+
+def adversarial_rows():
+    """Rows that make the cut hard: each a [V] float32 tensor with its name."""
+    v = 600
+    one = torch.full((v,), -5.0)
+    one[17] = 20.0  # all the mass on one token; the rest a flat floor
+    ties_p = torch.full((v,), -8.0)
+    ties_p[:3] = 2.0  # three tied tokens of ~1/3 each: top_p 0.5 cuts through them
+    ties_p[3:9] = 1.0
+    ties_k = torch.linspace(3.0, -3.0, v)
+    ties_k[:4] = 4.0
+    ties_k[4:12] = 3.5  # top_k 5 or 12 lands inside or at the end of the tie
+    flat = torch.zeros(v)  # every token a candidate: past any capacity
+    g = torch.Generator().manual_seed(3)
+    bf16 = (torch.randn(v, generator=g) * 2).bfloat16().float()  # many exact ties
+    near_flat = torch.randn(v, generator=g) * 0.05
+    return {"one": one, "ties_p": ties_p, "ties_k": ties_k, "flat": flat, "bf16": bf16,
+            "near_flat": near_flat}
+
+
+@pytest.mark.parametrize("params", [(1.0, 0, 0.5, 0.0), (1.0, 5, 1.0, 0.0), (1.0, 12, 0.9, 0.0),
+                                    (0.7, 1, 1.0, 0.0), (1.3, 0, 0.9, 0.05), (1.0, 50, 0.5, 0.05),
+                                    (1.0, 0, 1.0, 0.05), (1.0, 0, 0.95, 0.0)])
+def test_row_stats_adversarial_rows(params):
+    rows = adversarial_rows()
+    logits = torch.stack(list(rows.values())).to(DEV)
+    check_stats(logits, *params)
+
+
+def test_flat_row_takes_the_exact_path_and_large_capacity_does_not():
+    logits = torch.stack([torch.zeros(600), torch.randn(600) * 4]).to(DEV)
+    *_, flagged = K.row_stats(logits, 1.0, 5, 0.9, 0.0, **KW)
+    assert flagged.tolist() == [1, 0]
+    check_stats(logits, 1.0, 5, 0.9, 0.0)
+    check_stats(logits, 1.0, 50, 0.9, 0.0, capacity=1024)
+    check_stats(logits, 1.0, 0, 1.0, 0.0)  # nothing to cut: t = -inf, z = the row's mass
+
+
+def test_ties_share_one_fate():
+    logits = torch.tensor([[2.0, 2.0, 2.0, 1.0, 0.0, -1.0] * 50]).to(DEV)
+    got = S.row_stats(logits, 1.0, 1, 1.0, 0.0, fused=True, **KW)
+    assert (logits >= got.t[:, None]).sum().item() == 150  # top_k 1 keeps every tied max
+    p = S.probs_from_logits(logits, 1.0, top_p=0.2)
+    assert torch.equal(p > 0, logits == 2.0)
+
+
+def test_probs_from_logits_matches_plain_softmax_rules():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 2, 300, generator=g) * 2
+    p = S.probs_from_logits(logits, 0.8, top_k=20, top_p=0.9, min_p=0.02)
+    assert p.shape == logits.shape
+    torch.testing.assert_close(p.sum(-1), torch.ones(3, 2))
+    s = logits / 0.8
+    kth = s.topk(20, -1).values[..., -1:]
+    assert torch.all((p > 0) <= (s >= kth))
+    assert torch.all((p > 0) <= (s.softmax(-1) >= 0.02 * s.softmax(-1).amax(-1, keepdim=True)))
+    torch.testing.assert_close(S.probs_from_logits(logits, 0.8), s.softmax(-1))
+
+
+@pytest.mark.parametrize("bad, message", [(dict(temperature=0.0), "temperature"),
+                                          (dict(top_k=-1), "top_k"), (dict(top_p=0.0), "top_p"),
+                                          (dict(min_p=1.0), "min_p")])
+def test_bad_params_are_refused(bad, message):
+    args = {**dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0), **bad}
+    with pytest.raises(ValueError, match=message):
+        S.row_stats(torch.zeros(1, 8), fused=False, **args)
+
+
+N_DRAWS = 20000
+RACE_KW = dict(block=64, rows_per_program=1024)
+
+
+def draw(logits_row, temperature, params, rng, q_row=None, n=N_DRAWS):
+    """n draws in one call: n copies of the row, each its own Philox stream."""
+    logits = logits_row.expand(n, -1).contiguous()
+    stats = S.row_stats(logits[:1], temperature, *params, fused=True, **KW)
+    stats = S.RowStats(*(x.expand(n).contiguous() for x in stats))
+    kw = {}
+    if q_row is not None:
+        q = q_row.expand(n, -1).contiguous()
+        q_stats = S.row_stats_reference(q[:1], temperature, *params)
+        kw = dict(q_logits=q, q_stats=S.RowStats(*(x.expand(n).contiguous() for x in q_stats)))
+    tokens = S.race(logits, temperature, stats, rng, fused=True, **kw, **RACE_KW)
+    return tokens, stats
+
+
+def chi_square_p(counts, expected):
+    from scipy.stats import chisquare
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a token outside the kept set was drawn"
+    e = expected[keep].double()
+    return chisquare(counts[keep].double().numpy(), (e / e.sum() * counts.sum()).numpy()).pvalue
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_race_draws_the_right_distribution(with_q):
+    g = torch.Generator().manual_seed(11)
+    v, temperature, params = 40, 0.9, (20, 0.95, 0.01)
+    logits = (torch.randn(v, generator=g) * 1.5).to(DEV)
+    q_logits = (logits + torch.randn(v, generator=g)).to(DEV) if with_q else None
+    rng = S.make_rng(1234, DEV)
+    tokens, stats = draw(logits, temperature, params, rng, q_logits)
+    p = S.probs_from_stats(logits[None], temperature, S.RowStats(*(x[:1] for x in stats)))[0]
+    if with_q:
+        q = S.probs_from_logits(q_logits, temperature, *params)
+        w = (p - q).clamp_min(0)
+    else:
+        w = p
+    counts = torch.bincount(tokens.cpu(), minlength=v)
+    p_right = chi_square_p(counts, w.cpu())
+    # The test's power: moving 10% of the most likely token's mass elsewhere is rejected.
+    wrong = w.cpu().clone()
+    top = wrong.argmax()
+    wrong[top] *= 0.9
+    print(f"chi-square p: right {p_right:.3g}, slightly wrong {chi_square_p(counts, wrong):.3g}")
+    assert p_right > 1e-3
+    assert chi_square_p(counts, wrong) < 1e-3
+
+
+def test_race_rng_same_seed_same_tokens_and_counter_advances():
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(256, 100, generator=g) * 2).to(DEV)
+    stats = S.row_stats(logits, 1.0, fused=True, **KW)
+    a, b = S.make_rng(7, DEV), S.make_rng(7, DEV)
+    first = S.race(logits, 1.0, stats, a, fused=True, **RACE_KW)
+    assert a.tolist() == [7, 1]
+    assert torch.equal(first, S.race(logits, 1.0, stats, b, fused=True, **RACE_KW))
+    second = S.race(logits, 1.0, stats, a, fused=True, **RACE_KW)
+    assert a.tolist() == [7, 2]
+    assert (first != second).float().mean() > 0.5
+    other_stream = S.race(logits, 1.0, stats, S.make_rng(7, DEV), fused=True, stream=1,
+                          **RACE_KW)
+    assert (first != other_stream).float().mean() > 0.5
+
+
+def test_race_onehot_q_and_fallback():
+    logits = torch.tensor([[5.0, 4.0, -9.0, -9.0]] * 200).to(DEV)
+    stats = S.row_stats(logits, 1.0, 0, 1.0, 0.0, fused=True, **KW)
+    rng = S.make_rng(0, DEV)
+    drafted = torch.zeros(200, dtype=torch.int64, device=DEV)
+    tokens = S.race(logits, 1.0, stats, rng, fused=True, q_onehot=drafted, **RACE_KW)
+    assert torch.all(tokens != 0)  # the drafted token is removed from the residual
+    # q = p: w = 0 everywhere, so the row draws from p
+    tokens = S.race(logits, 1.0, stats, rng, fused=True, q_logits=logits, q_stats=stats,
+                    **RACE_KW)
+    assert set(tokens.tolist()) <= {0, 1, 2, 3} and (tokens == 0).sum() > 100
+    ref = S.race(logits, 1.0, stats, rng, fused=False, q_onehot=drafted)
+    assert torch.all(ref != 0) and rng.tolist() == [0, 3]

@@ -326,25 +326,30 @@ if triton is not None:
             tl.store(z_ptr + r, z)
 
     @triton.jit
-    def _race_kernel(logits_ptr, row_stride, V, temperature, t_ptr, m_ptr, z_ptr,
+    def _race_kernel(logits_ptr, row_stride, R, V, temperature, t_ptr, m_ptr, z_ptr,
                      q_ptr, q_stride, qt_ptr, qm_ptr, qz_ptr, onehot_ptr, rng_ptr, stream,
-                     best_ptr, arg_ptr, pbest_ptr, parg_ptr, C, BLOCK: tl.constexpr,
-                     MODE: tl.constexpr):
+                     best_ptr, arg_ptr, pbest_ptr, parg_ptr, C, ROWS: tl.constexpr,
+                     BLOCK: tl.constexpr, MODE: tl.constexpr):
         """MODE 0: w = p; 1: w = max(p - q, 0) with q from logits; 2: w = p less one token.
-        Modes 1 and 2 also run the race for p (same random numbers) for rows where w = 0."""
-        r = tl.program_id(0)
+        Modes 1 and 2 also run the race for p (same random numbers) for rows where w = 0.
+        A program takes ROWS rows (1 for a large vocabulary) and one chunk of BLOCK tokens."""
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         c = tl.program_id(1)
         offs = c * BLOCK + tl.arange(0, BLOCK)
-        s = _scaled(logits_ptr, row_stride, r, offs, V, temperature)
-        t = tl.load(t_ptr + r)
-        m = tl.load(m_ptr + r)
-        kept = (s >= t) & (offs < V)
+        inside = (rows < R)[:, None] & (offs < V)[None, :]
+        at = rows.to(tl.int64)[:, None] * row_stride + offs[None, :]
+        x = tl.load(logits_ptr + at, mask=inside, other=float("-inf")).to(tl.float32)
+        s = tl.math.div_rn(x, temperature)
+        t = tl.load(t_ptr + rows, mask=rows < R, other=0.0)[:, None]
+        m = tl.load(m_ptr + rows, mask=rows < R, other=0.0)[:, None]
+        kept = (s >= t) & inside
         log_p = tl.where(kept, s - m, float("-inf"))  # log p + log z: the same argmax
 
         seed = tl.load(rng_ptr)
         counter = tl.load(rng_ptr + 1)
-        zero = tl.zeros([BLOCK], tl.uint32)
-        r0, _, _, _ = tl.philox(seed, offs.to(tl.uint32), zero + r.to(tl.uint32),
+        zero = tl.zeros([ROWS, BLOCK], tl.uint32)
+        r0, _, _, _ = tl.philox(seed, zero + offs.to(tl.uint32)[None, :],
+                                zero + rows.to(tl.uint32)[:, None],
                                 zero + counter.to(tl.uint32), zero + stream)
         # 24 bits, offset by half a step: u in (0, 1) exactly, E = -log u in (0, inf).
         u = ((r0 >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
@@ -353,24 +358,28 @@ if triton is not None:
         if MODE == 0:
             score = log_p - log_e
         elif MODE == 1:
-            z = tl.load(z_ptr + r)
-            sq = _scaled(q_ptr, q_stride, r, offs, V, temperature)
-            qt = tl.load(qt_ptr + r)
-            qm = tl.load(qm_ptr + r)
-            qz = tl.load(qz_ptr + r)
-            p = tl.where(kept, tl.exp(s - m) / z, 0.0)
-            q = tl.where((sq >= qt) & (offs < V), tl.exp(sq - qm) / qz, 0.0)
+            z = tl.load(z_ptr + rows, mask=rows < R, other=1.0)[:, None]
+            qat = rows.to(tl.int64)[:, None] * q_stride + offs[None, :]
+            xq = tl.load(q_ptr + qat, mask=inside, other=float("-inf")).to(tl.float32)
+            sq = tl.math.div_rn(xq, temperature)
+            qt = tl.load(qt_ptr + rows, mask=rows < R, other=0.0)[:, None]
+            qm = tl.load(qm_ptr + rows, mask=rows < R, other=0.0)[:, None]
+            qz = tl.load(qz_ptr + rows, mask=rows < R, other=1.0)[:, None]
+            p = tl.where(kept, tl.exp(tl.where(kept, s - m, 0.0)) / z, 0.0)
+            q_kept = (sq >= qt) & inside
+            q = tl.where(q_kept, tl.exp(tl.where(q_kept, sq - qm, 0.0)) / qz, 0.0)
             w = p - q
             score = tl.where(w > 0, tl.log(tl.where(w > 0, w, 1.0)), float("-inf")) - log_e
         else:
-            skip = tl.load(onehot_ptr + r)
-            score = tl.where(offs == skip, float("-inf"), log_p) - log_e
-        tl.store(best_ptr + r * C + c, tl.max(score, 0))
-        tl.store(arg_ptr + r * C + c, c * BLOCK + tl.argmax(score, 0))
+            skip = tl.load(onehot_ptr + rows, mask=rows < R, other=-1)[:, None]
+            score = tl.where(offs[None, :] == skip, float("-inf"), log_p) - log_e
+        out = rows * C + c
+        tl.store(best_ptr + out, tl.max(score, 1), mask=rows < R)
+        tl.store(arg_ptr + out, c * BLOCK + tl.argmax(score, 1), mask=rows < R)
         if MODE != 0:
             pscore = log_p - log_e
-            tl.store(pbest_ptr + r * C + c, tl.max(pscore, 0))
-            tl.store(parg_ptr + r * C + c, c * BLOCK + tl.argmax(pscore, 0))
+            tl.store(pbest_ptr + out, tl.max(pscore, 1), mask=rows < R)
+            tl.store(parg_ptr + out, c * BLOCK + tl.argmax(pscore, 1), mask=rows < R)
 
 
 def _rows(logits: torch.Tensor) -> torch.Tensor:
@@ -434,7 +443,8 @@ def row_stats(logits: torch.Tensor, temperature: float, top_k: int, top_p: float
 
 def race(logits: torch.Tensor, temperature: float, t: torch.Tensor, m: torch.Tensor,
          z: torch.Tensor, rng: torch.Tensor, stream: int = 0, q_logits=None, q_t=None,
-         q_m=None, q_z=None, q_onehot=None, *, block: int = RACE_BLOCK) -> torch.Tensor:
+         q_m=None, q_z=None, q_onehot=None, *, block: int = RACE_BLOCK,
+         rows_per_program: int = 1) -> torch.Tensor:
     """Tokens [R] (int64) by the exponential race; rng is read, not advanced."""
     _require(logits)
     logits = _rows(logits)
@@ -452,8 +462,10 @@ def race(logits: torch.Tensor, temperature: float, t: torch.Tensor, m: torch.Ten
         q_args = (logits, logits.stride(0), t, m, z, t)
     if mode == 2:
         q_args = q_args[:5] + (q_onehot,)
-    _race_kernel[(R, C)](logits, logits.stride(0), V, float(temperature), t, m, z, *q_args,
-                         rng, stream, best, arg, pbest, parg, C, BLOCK=block, MODE=mode)
+    grid = (triton.cdiv(R, rows_per_program), C)
+    _race_kernel[grid](logits, logits.stride(0), R, V, float(temperature), t, m, z, *q_args,
+                       rng, stream, best, arg, pbest, parg, C, ROWS=rows_per_program,
+                       BLOCK=block, MODE=mode)
     win = arg.gather(1, best.argmax(1, keepdim=True)).squeeze(1)
     if mode:
         fallback = parg.gather(1, pbest.argmax(1, keepdim=True)).squeeze(1)
