@@ -68,21 +68,20 @@ def row_stats_reference(logits: torch.Tensor, temperature: float, top_k: int = 0
     s = _rows(logits).float() / temperature  # [R, V]
     vocab = s.shape[-1]
     m = s.amax(-1)  # [R]
-    ordered = s.sort(-1, descending=True).values  # [R, V]
-    e = torch.exp(ordered - m[:, None])
     neg_inf = torch.full_like(m, float("-inf"))
-    t_k = ordered[:, top_k - 1] if 0 < top_k < vocab else neg_inf
-    in_k = ordered >= t_k[:, None]
+    t_k = torch.topk(s, top_k, dim=-1).values[:, -1] if 0 < top_k < vocab else neg_inf
     t_p = neg_inf
-    if top_p < 1.0:
-        e_k = torch.where(in_k, e, 0.0)
+    if top_p < 1.0:  # the only rule that needs the row in order
+        ordered = s.sort(-1, descending=True).values  # [R, V]
+        in_k = ordered >= t_k[:, None]
+        e_k = torch.where(in_k, torch.exp(ordered - m[:, None]), 0.0)
         before = e_k.cumsum(-1) - e_k
         # Kept positions form a prefix; its least value takes the ties after it along.
         keep = in_k & (before < top_p * e_k.sum(-1, keepdim=True))
         t_p = torch.where(keep, ordered, float("inf")).amin(-1)
     t_min = m + math.log(min_p) if min_p > 0.0 else neg_inf
     t = torch.maximum(torch.maximum(t_k, t_p), t_min)
-    z = torch.where(ordered >= t[:, None], e, 0.0).sum(-1)
+    z = torch.where(s >= t[:, None], torch.exp(s - m[:, None]), 0.0).sum(-1)
     return RowStats(t, m, z)
 
 

@@ -383,8 +383,7 @@ if triton is not None:
 
 
 def _rows(logits: torch.Tensor) -> torch.Tensor:
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [rows, vocab], got shape {tuple(logits.shape)}")
+    """logits [R, V] (checked by flashdraft.sampling) with unit stride along the vocabulary."""
     return logits if logits.stride(1) == 1 else logits.contiguous()
 
 
@@ -455,13 +454,9 @@ def race(logits: torch.Tensor, temperature: float, t: torch.Tensor, m: torch.Ten
     best = torch.empty(R, C, dtype=torch.float32, device=dev)
     arg = torch.empty(R, C, dtype=torch.int32, device=dev)
     pbest, parg = (torch.empty_like(best), torch.empty_like(arg)) if mode else (best, arg)
-    if mode == 1:
-        q_logits = _rows(q_logits)
-        q_args = (q_logits, q_logits.stride(0), q_t, q_m, q_z, t)
-    else:
-        q_args = (logits, logits.stride(0), t, m, z, t)
-    if mode == 2:
-        q_args = q_args[:5] + (q_onehot,)
+    # q's rows (mode 1) or stand-ins the kernel does not read, and the one-hot ids (mode 2)
+    q_src, q_t, q_m, q_z = (_rows(q_logits), q_t, q_m, q_z) if mode == 1 else (logits, t, m, z)
+    q_args = (q_src, q_src.stride(0), q_t, q_m, q_z, q_onehot if mode == 2 else t)
     grid = (triton.cdiv(R, rows_per_program), C)
     _race_kernel[grid](logits, logits.stride(0), R, V, float(temperature), t, m, z, *q_args,
                        rng, stream, best, arg, pbest, parg, C, ROWS=rows_per_program,
