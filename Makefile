@@ -6,12 +6,18 @@ PY := $(VENV)/bin/python
 # the CPU build (the cpu extra pins it). `make EXTRAS=cpu,test` or `EXTRAS=test` chooses.
 EXTRAS ?= $(if $(shell command -v nvidia-smi 2>/dev/null),test,cpu,test)
 
+# The `reference` extra of pyproject.toml (what the tests compare with), to install without its
+# dependencies.
+REFERENCE = $(PY) -c "from importlib.metadata import requires; print(*(r.split(';')[0] for r in \
+	requires('flashdraft') if 'extra == \"reference\"' in r))"
+
 .PHONY: install demo test test-fast clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	$(PY) -m pip install -q --no-deps $$($(REFERENCE))
 	touch $@
 
 install: $(VENV)/.installed

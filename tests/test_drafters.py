@@ -285,8 +285,7 @@ def test_registry_makes_each_kind(target, tiny_models):
     for spec in (tiny_models["qwen2-draft"], "model:" + tiny_models["qwen2-draft"]):
         d = target.get_drafter(spec)
         assert isinstance(d, DraftModelDrafter) and d.model.cfg.num_layers == 1
-    with pytest.raises(ValueError, match="not implemented yet") as err:
+    with pytest.raises(ValueError, match="no dflash_config"):  # a draft model, not a DFlash one
         target.get_drafter("dflash:" + tiny_models["qwen2-draft"])
-    assert f"'dflash:{tiny_models['qwen2-draft']}'" in str(err.value)
     with pytest.raises(ValueError, match="unknown drafter kind 'medusa'"):
         LLM(tiny_models["qwen2"], draft="medusa:heads", device="cpu", dtype="float32")

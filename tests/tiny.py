@@ -100,3 +100,38 @@ def build_model(out: str | Path, arch: str = "qwen2", seed: int = 0, *, layers: 
 
 def save_config_json(path: Path) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
+
+
+def random_dflash(cfg, seed: int = 0, scale: float = 0.12):
+    """A DFlashModel of `cfg` (drafters.dflash.DFlashConfig) with random weights, scaled as
+    build_model's so that its logits are peaked and varied."""
+    from flashdraft.drafters.dflash import DFlashModel
+
+    torch.manual_seed(seed)
+    model = DFlashModel(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, scale)
+            else:
+                p.uniform_(0.8, 1.2)
+    return model.eval()
+
+
+def build_dflash_drafter(out: str | Path, target: str | Path, seed: int = 0, *, layers: int = 1,
+                         block_size: int = 4, target_layer_ids: tuple[int, ...] = (0,),
+                         mask_token_id: int | None = None, **extra) -> Path:
+    """Save a random DFlash drafter for the tiny model at `target` to `out`, in the public
+    format (config.json with dflash_config, model.safetensors); returns `out`. extra: the
+    optional dflash_config fields (input_embedding_scale, output_multiplier, ...)."""
+    from flashdraft.config import ModelConfig
+    from flashdraft.drafters.dflash import DFlashConfig, save_dflash
+
+    t = save_config_json(target)
+    layers_cfg = ModelConfig.from_hf({**t, "model_type": "qwen3", "num_hidden_layers": layers,
+                                      "tie_word_embeddings": False})
+    cfg = DFlashConfig(layers=layers_cfg, num_target_layers=t["num_hidden_layers"],
+                       target_layer_ids=tuple(target_layer_ids), block_size=block_size,
+                       mask_token_id=t["vocab_size"] - 1 if mask_token_id is None
+                       else mask_token_id, **extra)
+    return save_dflash(random_dflash(cfg, seed), out)

@@ -5,7 +5,8 @@
     model:PATH        a draft model of the target's tokenizer: a directory, .gguf file, hub id
                       or example alias (model:example:qwen2.5-coder-0.5b)
     PATH              the same as model:PATH, as before kinds had names
-    dflash:PATH       a DFlash block drafter: named, not implemented yet
+    dflash:PATH       a DFlash block drafter for the target (drafters.dflash): a directory in
+                      the public format, or a hub id in the local cache
 
 Other code asks `parse_drafter_spec` what a spec is (e.g. whether it loads a model) instead of
 comparing names.
@@ -14,17 +15,19 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from ..config import EngineConfig
 from ..loading import Loaded, load_model
+from ..loading.hf import load_tokenizer, resolve_hf
 from .base import Drafter
+from .dflash import make_dflash_drafter
 from .draft_model import DraftModelDrafter
 from .ngram import NgramDrafter
 
 NGRAM, MODEL, DFLASH = "ngram", "model", "dflash"
 # Each kind as a user writes it, for error messages.
-KINDS = {NGRAM: "ngram[:SIZES]", MODEL: "model:PATH", DFLASH: "dflash:PATH (not implemented yet)"}
-NOT_IMPLEMENTED = {DFLASH: "DFlash block drafters"}
+KINDS = {NGRAM: "ngram[:SIZES]", MODEL: "model:PATH", DFLASH: "dflash:PATH"}
 # A spec's "word:" that names no kind but is part of a model reference (loading.examples).
 _MODEL_PREFIXES = ("example",)
 _KIND = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
@@ -83,11 +86,14 @@ def make_drafter(spec: str, target: Loaded, cfg: EngineConfig, device, dtype) ->
     """The drafter `spec` names, for requests to `target`: cfg gives the defaults (n-gram sizes, the draft model's quantization, kernels,
     CUDA graphs, decode kernel)."""
     s = parse_drafter_spec(spec)
-    if s.kind in NOT_IMPLEMENTED:
-        raise ValueError(f"drafter {spec!r}: {NOT_IMPLEMENTED[s.kind]} are not implemented yet; "
-                         f"use ngram or model:PATH")
     if s.kind == NGRAM:
         return NgramDrafter(ngram_sizes(s.arg, spec) if s.arg else cfg.ngram_sizes, device)
+    if s.kind == DFLASH:  # it runs on the target's own embedding and LM head
+        path = resolve_hf(s.arg)
+        if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+            check_same_tokenizer(target, SimpleNamespace(tokenizer=load_tokenizer(path),
+                                                         source=str(path)))
+        return make_dflash_drafter(path, target.model, device, dtype)
     draft = load_model(s.arg, dtype, device, cfg.draft_quant, kernel_config=cfg.kernels)
     check_same_tokenizer(target, draft)
     return DraftModelDrafter(draft.model, device, dtype, target.config.vocab_size,
