@@ -16,8 +16,11 @@
 #                decoding through the megakernel; with BASE=DIR (a `git archive` of another
 #                commit's flashdraft/ package) the same run of that version first, as the
 #                baseline of the same machine
-# sampled        the same at T = 0.7, top-p 0.95 (plain and the 0.5B draft model, k = 5), and
-#                the seed prompts at T = 0.8 with the 0.5B draft model (k = 3, 5)
+# tests-sampling the sampling tests (fused kernels, the engine's sampled path, CUDA graphs)
+# sampled        plain decoding and the 0.5B draft model at k = 5, at T = 0 and at T = 0.7
+#                top-p 0.95 in one run; the seed prompts at T = 0.8 with the 0.5B draft model
+#                (k = 3, 5); with BASE=DIR that version's first (without top-p where its
+#                bench has no --top-p)
 # shapes         random-weight step curves and plain decoding of the 1.5B and 0.5B shapes
 #                (`flashdraft bench --random-weights`), with BASE=DIR that version's first
 # mkvariants     the megakernel's off-by-default variants (O's first chunk in registers,
@@ -80,11 +83,25 @@ for phase in "$@"; do
     bench new "$PWD" --draft $DRAFT --draft ngram --num-speculative-tokens 3,5,8
     bench megakernel "$PWD" --decode-kernel megakernel
     ;;
+  tests-sampling)
+    gpu_tests tests-sampling tests/test_fused_sampling.py tests/test_engine_sampling.py \
+      tests/test_verify.py tests/test_speculative.py tests/test_cuda_graphs.py
+    ;;
   sampled)
-    bench t07 "$PWD" --temperature 0.7 --top-p 0.95 --seed 0 --draft $DRAFT \
+    if [ -n "${BASE:-}" ]; then
+      topp=""
+      PYTHONPATH=$SITE:$PWD/$BASE python3 -m flashdraft.cli bench --help | grep -q -- --top-p \
+        && topp="--top-p 0.95"
+      bench t07-base "$PWD/$BASE" --temperature 0,0.7 $topp \
+        --seed 0 --draft $DRAFT --num-speculative-tokens 5
+    fi
+    bench t07 "$PWD" --temperature 0,0.7 --top-p 0.95 --seed 0 --draft $DRAFT \
       --num-speculative-tokens 5
-    PROMPTS=seed bench seed-t08 "$PWD" --temperature 0.8 --seed 0 --draft $DRAFT \
-      --num-speculative-tokens 3,5
+    for side in ${BASE:+base} new; do
+      path=$PWD; [ $side = base ] && path=$PWD/$BASE
+      PROMPTS=seed bench seed-t08-$side "$path" --temperature 0.8 --seed 0 --draft $DRAFT \
+        --num-speculative-tokens 3,5
+    done
     ;;
   shapes)
     for shape in qwen2.5-1.5b qwen2.5-0.5b; do

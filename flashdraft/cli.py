@@ -80,8 +80,10 @@ def kernel_config_from(args):
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 is off")
+    p.add_argument("--top-k", type=int, default=0, help="0 is off")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="keep tokens with p >= MIN_P x the top token's p; 0 is off")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
@@ -111,7 +113,7 @@ def sampling_from(args):
     from .config import SamplingParams
 
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          max_tokens=args.max_tokens, seed=args.seed, stop=args.stop,
+                          min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed, stop=args.stop,
                           ignore_eos=args.ignore_eos)
 
 
@@ -203,7 +205,8 @@ def cmd_bench(args) -> None:
         model=args.model, drafts=tuple(args.draft or ()),
         num_speculative_tokens=parse_ints(args.num_speculative_tokens, "--num-speculative-tokens"),
         prompts=args.prompts, raw_prompts=args.raw_prompts, num_prompts=args.num_prompts,
-        max_tokens=args.max_tokens, temperatures=temperatures, seed=args.seed,
+        max_tokens=args.max_tokens, temperatures=temperatures, top_k=args.top_k,
+        top_p=args.top_p, min_p=args.min_p, seed=args.seed,
         warmup=args.warmup, output=args.output, peer=args.peer,
         ngram_sizes=parse_ints(args.ngram_sizes, "--ngram-sizes"), device=args.device,
         dtype=args.dtype, max_model_len=args.max_model_len, note=args.note,
@@ -304,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-tokens", type=int, default=128)
     b.add_argument("--temperature", default="0", metavar="T[,T...]",
                    help="temperatures to run, e.g. 0,0.7 (default 0: greedy)")
+    b.add_argument("--top-k", type=int, default=0, help="at T > 0; 0 is off")
+    b.add_argument("--top-p", type=float, default=1.0, help="at T > 0; 1 is off")
+    b.add_argument("--min-p", type=float, default=0.0, help="at T > 0; 0 is off")
     b.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i is SEED + i")
     b.add_argument("--warmup", type=int, default=1, metavar="N",
                    help="untimed requests before each configuration (default 1); when >= 1, "

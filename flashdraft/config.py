@@ -91,6 +91,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0  # keep tokens with p >= min_p · max p; 0: off
     max_tokens: int = 16
     seed: int | None = None
     stop: tuple[str, ...] | list[str] | str | None = None
@@ -106,6 +107,8 @@ class SamplingParams:
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be a whole number >= 1, or 0 / -1 to turn it off; "
                              f"got {self.top_k!r}")
+        if not isinstance(self.min_p, (int, float)) or not (0.0 <= self.min_p < 1.0):
+            raise ValueError(f"min_p must be in [0, 1) (0 turns it off), got {self.min_p!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a whole number >= 1, got {self.max_tokens!r}")
         stop = self.stop

@@ -32,8 +32,8 @@ from .backends.cuda_graphs import StepRunner, eager_step, prefill
 from .drafters.base import Draft, DraftContext, Drafter
 from .kv_cache import KVCache, grow_cache
 from .model import Transformer
-from .sampling import probs_from_logits, sample
-from .verify import greedy_result, verify_sampled
+from .sampling import SampledPick, fused_by_default, make_rng
+from .verify import SampledVerify, greedy_result
 
 
 @dataclass
@@ -165,7 +165,7 @@ class Engine:
     def __init__(self, model: Transformer, device: torch.device, dtype: torch.dtype,
                  max_model_len: int, eos_token_ids: tuple[int, ...], *,
                  cuda_graphs: bool = True, compile: bool = False, adaptive: bool = True,
-                 decode_kernel: str = "auto"):
+                 decode_kernel: str = "auto", fused_sampling: bool | None = None):
         self.model, self.device, self.dtype = model, device, dtype
         self.adaptive = adaptive  # AdaptiveSpeculation for drafters that allow it
         self.max_model_len = max_model_len
@@ -180,6 +180,14 @@ class Engine:
             refuse_unsupported(model, device)
         self.decode_kernel = decode_kernel
         self.megakernel = None  # built with each cache (ensure_capacity)
+        # Sampling (T > 0) on the device: each step's token, and a speculative step's whole
+        # acceptance rule, inside the step's graph (SampledPick, SampledVerify), keyed by one
+        # RNG state that every request resets from its seed. fused: the Triton kernels (no
+        # vocabulary sort); else their PyTorch reference (the CPU default).
+        self.fused_sampling = (fused_by_default(device) if fused_sampling is None
+                               else bool(fused_sampling))
+        self.rng = make_rng(0, device)
+        self._posts: dict[tuple, SampledPick] = {}  # one per parameter set: graphs key on it
 
     def ensure_capacity(self, length: int, drafter: Drafter | None = None) -> None:
         """Size the caches for a request before it starts; never on the hot path."""
@@ -226,7 +234,9 @@ class Engine:
         start = time.perf_counter()
         logits, hidden = prefill(self.model, prompt, self.cache, req.hidden_layers, self.runner,
                                  self.device)
-        first = self._pick(logits[:, -1], params, req.generator)
+        if not params.greedy:
+            self.rng.copy_(make_rng(req.seed))
+        first = self._pick(logits, params)
         if drafter is not None:  # its prefill, if it has one, is queued behind the target's
             drafter.begin(prompt)
         step = req.commit([int(first)])  # the one sync of the prefill; the drafter is told
@@ -262,7 +272,7 @@ class Engine:
         StepOutput, its last token [1, 1] on the device, this pass's hidden states for the
         positions it committed: [1, n + 1, hidden_size] each), or None where the draft is empty
         and the adaptive policy hands the token to plain decoding."""
-        drafter, params, generator = req.drafter, req.params, req.generator
+        params = req.params
         # Leave room for the bonus token within the budget and the context.
         budget = min(req.k, req.max_new - req.generated - 1)
         draft = self._propose(req, hidden, budget)
@@ -273,19 +283,19 @@ class Engine:
         position = len(req.tokens) - 1
         if n_draft == 0:  # nothing to verify: a plain decoding step
             logits, hidden = self._forward(last, position, req.hidden_layers)
-            next_token = self._pick(logits[:, -1], params, generator)
+            next_token = self._pick(logits, params)
             n, new = 0, [int(next_token)]
         else:
             verify_in = torch.cat([last, draft.tokens], dim=1)  # [1, n_draft + 1]
             if params.greedy:  # verified inside the step's graph
-                logits, hidden, packed = self._forward(verify_in, position, req.hidden_layers,
-                                                       post=greedy_result)
-                next_token = packed[1:2]
-            else:
-                logits, hidden = self._forward(verify_in, position, req.hidden_layers)
-                p = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)
-                num_accepted, next_token = verify_sampled(draft.tokens, draft.q, p, generator)
-                packed = torch.cat([num_accepted, next_token, draft.tokens[0]])
+                post = greedy_result
+            else:  # so is sampled verification, with the draft's q loaded first
+                post = self._sampled_post(params, draft.q_logits is not None, n_draft + 1)
+                if draft.q_logits is not None:
+                    post.load(draft.q_logits[0])
+            logits, hidden, packed = self._forward(verify_in, position, req.hidden_layers,
+                                                   post=post)
+            next_token = packed[1:2]
             result = packed.tolist()  # the step's one synchronisation
             n, new = result[0], result[2:2 + result[0]] + [result[1]]
         # The pass ran over [last, d_1 … d_k]: the rows of last and the n accepted drafts are
@@ -340,22 +350,44 @@ class Engine:
             mk.launch()
             token = mk.token_out.view(1, 1)
         else:
-            logits, _ = self._forward(last, position, ())
-            token = self._pick(logits[:, -1], req.params, req.generator).view(1, 1)
+            if req.params.greedy:
+                logits, _ = self._forward(last, position, ())
+                token = logits[:, -1].argmax(-1)
+            else:  # drawn inside the step's graph
+                _, _, token = self._forward(last, position, (), post=self._sampled_post(req.params))
+            token = token.view(1, 1)
         return token, req.reader.start(token)
 
-    def _pick(self, logits: torch.Tensor, params: SamplingParams, generator) -> torch.Tensor:
-        # logits: [1, vocab] -> [1]
+    def _pick(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """The token after logits [1, T, vocab]'s last row: [1] on the device."""
         if params.greedy:
-            return logits.argmax(-1)
-        return sample(probs_from_logits(logits, params.temperature, params.top_k, params.top_p),
-                      generator)
+            return logits[:, -1].argmax(-1)
+        return self._sampled_post(params)(None, logits)
+
+    def _sampled_post(self, params: SamplingParams, with_q: bool | None = None,
+                      rows: int = 0) -> SampledPick:
+        """The post that samples a plain step's token (with_q None), or verifies a sampled
+        speculative step of `rows` tokens against a draft with q (with_q) or one-hot drafts.
+        One object per parameter set, kept: graphs are captured per object. Its q buffer holds
+        as many rows as a graph step can verify, more where a longer step asks."""
+        filt = (params.temperature, params.top_k, params.top_p, params.min_p)
+        post = self._posts.get((filt, with_q))
+        if post is None or with_q and post.q.shape[0] < rows:
+            vocab = self.model.cfg.vocab_size
+            if with_q is None:
+                post = SampledPick(*filt, self.rng, fused=self.fused_sampling, vocab=vocab)
+            else:
+                graph_rows = self.runner.max_graph_tokens if self.runner is not None else 0
+                post = SampledVerify(*filt, self.rng, fused=self.fused_sampling, vocab=vocab,
+                                     with_q=with_q, capacity=max(rows, graph_rows))
+            self._posts[(filt, with_q)] = post
+        return post
 
     def _propose(self, req: "_Request", hidden: list[torch.Tensor], k: int) -> Draft:
         """The request's drafter's draft of at most k tokens (none where k <= 0)."""
         if k <= 0:
             return Draft(torch.empty(1, 0, dtype=torch.long, device=self.device))
-        return req.drafter.propose(DraftContext(req.tokens, req.params, req.generator, hidden), k)
+        return req.drafter.propose(DraftContext(req.tokens, req.params, req.seed, hidden), k)
 
 
 class _Request:
@@ -369,8 +401,10 @@ class _Request:
         self.params, self.max_new, self.metrics = params, max_new, metrics
         self.stop_ids = set(params.stop_token_ids) | (
             set() if params.ignore_eos else set(eos_token_ids))
-        self.generator = (None if params.seed is None else
-                          torch.Generator(device).manual_seed(params.seed))
+        # The seed of the request's RNG state; drawn from torch's generator where the request
+        # names none (torch.manual_seed then fixes it too).
+        self.seed = (params.seed % 2 ** 63 if params.seed is not None
+                     else int(torch.randint(0, 2 ** 62, (1,))))
         self.drafter, self.k = drafter, k
         self.hidden_layers = drafter.hidden_layers if drafter is not None else ()
         # Drafters that read the target's hidden states need every step to be theirs.

@@ -125,6 +125,12 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     return (probs / race).argmax(-1)
 
 
+def fused_by_default(device: torch.device | str) -> bool:
+    """Whether sampling on `device` takes the fused kernels: on a GPU with Triton."""
+    from .backends import sampling_kernels
+    return torch.device(device).type == "cuda" and sampling_kernels.triton is not None
+
+
 def make_rng(seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """A fresh RNG state for `race`: int64 [2] = (seed, counter 0) on the device."""
     if not (isinstance(seed, int) and 0 <= seed < 2 ** 63):
@@ -179,16 +185,84 @@ def race(logits: torch.Tensor, temperature: float, stats: RowStats, rng: torch.T
     return tokens
 
 
-def _race_reference(logits, temperature, stats, rng, q_logits, q_stats, q_onehot, stream):
+def _reference_generator(rng: torch.Tensor, stream: int, purpose: int) -> torch.Generator:
+    """torch's generator for the PyTorch paths, seeded from rng read on the host (a sync) by
+    a mix of integers that is the same in every process (unlike hash())."""
     seed, counter = rng.tolist()
-    generator = torch.Generator(device=logits.device)
-    generator.manual_seed(hash((seed, counter, stream)) & (2 ** 63 - 1))
+    mixed = (seed * 0x9E3779B97F4A7C15 + counter * 0xBF58476D1CE4E5B9
+             + stream * 0x94D049BB133111EB + purpose) % 2 ** 63
+    generator = torch.Generator(device=rng.device)
+    generator.manual_seed(mixed)
+    return generator
+
+
+def _race_reference(logits, temperature, stats, rng, q_logits, q_stats, q_onehot, stream):
+    generator = _reference_generator(rng, stream, 0)
     p = probs_from_stats(logits, temperature, stats)
     if q_stats is not None:
         w = (p - probs_from_stats(q_logits, temperature, q_stats)).clamp_min(0)
-    elif q_onehot is not None:
-        w = p.scatter(1, q_onehot.long()[:, None], 0.0)
+    elif q_onehot is not None:  # an id of -1 removes nothing
+        ids = torch.arange(p.shape[-1], device=p.device)
+        w = torch.where(ids[None, :] == q_onehot.long()[:, None], 0.0, p)
     else:
         w = p
     w = torch.where(w.sum(-1, keepdim=True) > 0, w, p)
     return sample(w, generator)
+
+
+def uniform(rng: torch.Tensor, n: int, *, fused: bool, stream: int = 0) -> torch.Tensor:
+    """n uniform numbers in (0, 1) (float32 [n]) keyed by rng and stream, on rng's device;
+    rng is read, not advanced (the step's `race` advances it). fused=False: torch's generator
+    seeded from rng read on the host."""
+    if not (isinstance(stream, int) and 0 <= stream < 2 ** 32):
+        raise ValueError(f"stream must be a whole number in [0, 2**32), got {stream!r}")
+    if fused:
+        from .backends import sampling_kernels
+        return sampling_kernels.uniform(rng, n, stream)
+    u = torch.rand(n, device=rng.device, generator=_reference_generator(rng, stream, 1))
+    return u.clamp_min(2.0 ** -25)  # (0, 1), as the kernel's
+
+
+def prob_at(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+            stats: RowStats) -> torch.Tensor:
+    """p of one token per row: logits [R, V], tokens [R] -> [R] (float32), from RowStats."""
+    s = logits.gather(1, tokens.long()[:, None]).squeeze(1).float() / temperature
+    return torch.where(s >= stats.t, torch.exp(s - stats.m) / stats.z, 0.0)
+
+
+def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """logits [..., V'] cut or padded with -inf to [..., vocab]: checkpoints of one tokenizer
+    pad their embeddings differently (e.g. 151,936 vs 152,064 rows)."""
+    extra = vocab - logits.shape[-1]
+    if extra < 0:
+        return logits[..., :vocab]
+    return torch.nn.functional.pad(logits, (0, extra), value=float("-inf")) if extra else logits
+
+
+class SampledPick:
+    """A step's `post` that draws the next token from its last row: (tokens, logits
+    [1, T, V]) -> [1] int64, on the device, advancing `state` (the RNG state, int64 [2], as
+    make_rng gives). A function of tensors only, so that it runs inside the step's CUDA graph;
+    graph captures leave `state` as they found it (`StepRunner`). Graphs are keyed by the
+    object: keep one per parameter set and state (identity is its equality).
+
+    vocab: the width of the distribution (rows are cut or padded with -inf to it); None: the
+    logits' own."""
+
+    def __init__(self, temperature: float, top_k: int, top_p: float, min_p: float,
+                 state: torch.Tensor, *, fused: bool, stream: int = 0, vocab: int | None = None):
+        check_params(temperature, top_k, top_p, min_p)
+        self.temperature, self.top_k, self.top_p, self.min_p = temperature, top_k, top_p, min_p
+        self.state, self.fused, self.stream, self.vocab = state, fused, stream, vocab
+
+    def stats(self, rows: torch.Tensor) -> RowStats:
+        return row_stats(rows, self.temperature, self.top_k, self.top_p, self.min_p,
+                         fused=self.fused)
+
+    def fit(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows if self.vocab is None else fit_vocab(rows, self.vocab)
+
+    def __call__(self, tokens: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor:
+        rows = self.fit(logits[0, -1:])  # [1, V]
+        return race(rows, self.temperature, self.stats(rows), self.state, fused=self.fused,
+                    stream=self.stream)

@@ -9,6 +9,11 @@ Outputs:
 - next token: the *recovered* token, drawn from norm(max(p_{n+1} - q_{n+1}, 0)), when d_{n+1}
   was rejected; the *bonus* token, drawn from p_{k+1}, when all k were accepted.
 
+`SampledVerify` is the same rule as a step's `post`: p and q built from logits and RowStats
+(no sort), the accept test, the residual's draw at the first rejected position, all on the
+device and inside the step's CUDA graph. `verify_sampled` is its PyTorch statement, from
+probabilities, kept as the reference.
+
 At temperature 0 the rule is prefix matching against the target's argmax, and the next token
 is the argmax at position n + 1. Everything stays on the device: the caller reads n (and the
 tokens) back in one transfer per step.
@@ -17,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import sample
+from .sampling import RowStats, SampledPick, prob_at, race, sample, uniform
 
 
 def verify_greedy(draft: torch.Tensor, target_logits: torch.Tensor):
@@ -76,3 +81,62 @@ def verify_sampled(draft: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
     # mass = 0 only when p_{n+1} = q_{n+1}, where a rejection has probability 0: fall back to p.
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_next)
     return num_accepted, sample(residual, generator)
+
+
+# Streams of one step's random numbers: the acceptance tests' and the race's (SampledPick's 0).
+ACCEPT_STREAM = 1
+
+
+class SampledVerify(SampledPick):
+    """Sampled verification of a step over tokens [1, k+1] = [last token, d_1 … d_k] as the
+    step's `post`, packed like `greedy_result`: int64 [k + 2] = [n, next token, d_1 … d_k].
+
+    q: the draft's logits, loaded into this object's buffer [capacity, V] before the step
+    (`load`), with with_q=True; else the drafts are one-hot (n-gram lookup). The target's and
+    the draft's rows get the same temperature / top-k / top-p / min-p. One RNG state for the
+    step (`state`): the k acceptance numbers and the race of the next token share its
+    counter, which the race advances."""
+
+    def __init__(self, temperature: float, top_k: int, top_p: float, min_p: float,
+                 state: torch.Tensor, *, fused: bool, vocab: int, with_q: bool,
+                 capacity: int = 0):
+        super().__init__(temperature, top_k, top_p, min_p, state, fused=fused, vocab=vocab)
+        self.q = (torch.zeros(capacity, vocab, dtype=torch.float32, device=state.device)
+                  if with_q else None)
+
+    def load(self, q_logits: torch.Tensor) -> None:
+        """The draft's logits [k, V] (any float dtype) into the buffer the step reads."""
+        if self.q is None or q_logits.shape[0] > self.q.shape[0]:
+            raise ValueError(f"this verifier holds {0 if self.q is None else self.q.shape[0]} "
+                             f"rows of q, not {q_logits.shape[0]}")
+        self.q[:q_logits.shape[0]].copy_(self.fit(q_logits), non_blocking=True)
+
+    def __call__(self, tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        drafts = tokens[0, 1:]  # [k]
+        k = drafts.shape[0]
+        rows = self.fit(logits[0])  # [k + 1, V]
+        p_stats = self.stats(rows)
+        p_d = prob_at(rows[:k], drafts, self.temperature, RowStats(*(x[:k] for x in p_stats)))
+        if self.q is not None:
+            q_rows = self.q[:k]
+            q_stats = self.stats(q_rows)
+            q_d = prob_at(q_rows, drafts, self.temperature, q_stats)
+        else:
+            q_d = torch.ones_like(p_d)
+        # Accept d_i with probability min(1, p/q), as verify_sampled does.
+        u = uniform(self.state, k, fused=self.fused, stream=ACCEPT_STREAM)
+        n = (u * q_d < p_d).int().cumprod(0).sum().long().view(1)  # [1]
+        row = rows.index_select(0, n)  # [1, V]: p_{n+1}
+        stats = RowStats(*(x.index_select(0, n) for x in p_stats))
+        rejected = n < k
+        at = n.clamp(max=k - 1)  # the rejected draft's row (any, when all were accepted)
+        if self.q is not None:  # w = max(p - q, 0); q = 0 (t = inf) for the bonus token
+            q_at = RowStats(*(x.index_select(0, at) for x in q_stats))
+            q_at = q_at._replace(t=torch.where(rejected, q_at.t, float("inf")))
+            token = race(row, self.temperature, stats, self.state, fused=self.fused,
+                         q_logits=q_rows.index_select(0, at), q_stats=q_at)
+        else:  # w = p less the rejected draft; nothing removed for the bonus token
+            skip = torch.where(rejected, drafts.index_select(0, at), -1)
+            token = race(row, self.temperature, stats, self.state, fused=self.fused,
+                         q_onehot=skip)
+        return torch.cat([n, token, drafts])

@@ -9,7 +9,8 @@ import torch
 from scipy import stats
 
 from flashdraft.config import ModelConfig, SamplingParams
-from flashdraft.drafters import DraftModelDrafter
+from flashdraft.backends import kernels as K
+from flashdraft.drafters import Draft, DraftModelDrafter
 from flashdraft.engine import Engine
 from flashdraft.kv_cache import KVCache
 from flashdraft.model import Transformer
@@ -52,25 +53,98 @@ def exact_marginal(model, params):
     return joint
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p, n", [(1.0, 0, 1.0, 3000), (0.8, 5, 0.9, 4000)])
-def test_engine_samples_from_the_target(temperature, top_k, top_p, n):
-    target, draft = tiny(0, layers=2), tiny(1)
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=3,
-                            seed=0, ignore_eos=True)
-    engine = Engine(target, torch.device("cpu"), torch.float32, 64, ())
-    drafter = DraftModelDrafter(draft, torch.device("cpu"), torch.float32, V)
+class FixedDrafter:
+    """Drafts 3, 4, … every step, without probabilities (a one-hot q)."""
+    hidden_layers = ()
+
+    def __init__(self, device):
+        self.device = device
+
+    def begin(self, prompt):
+        pass
+
+    def propose(self, ctx, k):
+        return Draft(torch.arange(3, 3 + k, device=self.device).view(1, k))
+
+    def commit(self, tokens):
+        pass
+
+
+def engine_counts(params, n, drafter_kind="model", fused=False, device="cpu"):
+    """Counts of (token 2, token 3) over n seeds: [V * V]."""
+    device = torch.device(device)
+    target, draft = tiny(0, layers=2).to(device), tiny(1).to(device)
+    engine = Engine(target, device, torch.float32, 64, (), fused_sampling=fused, adaptive=False)
+    drafter = (DraftModelDrafter(draft, device, torch.float32, V, fused_sampling=fused)
+               if drafter_kind == "model" else FixedDrafter(device))
     counts = torch.zeros(V * V, dtype=torch.float64)
     for i in range(n):
         p = SamplingParams(**{**params.__dict__, "seed": i})
         steps = list(engine.run(PROMPT, p, drafter, k=2))
         tokens = [t for s in steps for t in s.token_ids]
         counts[tokens[1] * V + tokens[2]] += 1
-    expected = exact_marginal(target, params).flatten() * n
-    assert counts[expected == 0].sum() == 0
+    return counts
+
+
+def chi2_against_target(counts, params):
+    """(the chi-square p-value of counts against the target's exact joint distribution, the
+    number of counts where the target has no mass)."""
+    n = counts.sum()
+    expected = exact_marginal(tiny(0, layers=2), params).flatten() * n
+    impossible = counts[expected == 0].sum()
     keep = expected > 5
     obs, exp = counts[keep], expected[keep]
     if expected[~keep].sum() > 0:  # pool the rare cells into one
         obs = torch.cat([obs, counts[~keep].sum()[None]])
         exp = torch.cat([exp, expected[~keep].sum()[None]])
     exp = exp / exp.sum() * obs.sum()
-    assert stats.chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3
+    return stats.chisquare(obs.numpy(), exp.numpy()).pvalue, impossible
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, n", [(1.0, 0, 1.0, 3000), (0.8, 5, 0.9, 4000)])
+def test_engine_samples_from_the_target(temperature, top_k, top_p, n):
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=3,
+                            seed=0, ignore_eos=True)
+    pvalue, impossible = chi2_against_target(engine_counts(params, n), params)
+    assert pvalue > 1e-3 and impossible == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="the Triton path end to end takes minutes on the interpreter")
+@pytest.mark.parametrize("drafter_kind, min_p", [("model", 0.0), ("fixed", 0.1)])
+def test_fused_sampling_in_the_engine_samples_from_the_target(drafter_kind, min_p):
+    """The Triton path end to end: the draft's tokens drawn by its race, the verification's
+    acceptance and residual by SampledVerify, with q from logits (draft model) or one-hot
+    (FixedDrafter, as n-gram lookup's). On a CPU the same SampledVerify runs with the PyTorch
+    primitives (the test above), and each fused primitive is tested against its reference
+    (test_fused_sampling.py)."""
+    params = SamplingParams(temperature=0.9, top_k=6, top_p=0.95, min_p=min_p, max_tokens=3,
+                            seed=0, ignore_eos=True)
+    counts = engine_counts(params, 4000, drafter_kind, fused=True, device="cuda")
+    pvalue, impossible = chi2_against_target(counts, params)
+    assert pvalue > 1e-3 and impossible == 0
+    # Power: the same counts do not pass for the target at another temperature.
+    pvalue, impossible = chi2_against_target(counts, SamplingParams(**{**params.__dict__,
+                                                                     "temperature": 0.6}))
+    assert pvalue < 1e-3 or impossible > 0
+
+
+FUSED = torch.cuda.is_available() or K.INTERPRET
+
+
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not FUSED, reason="the fused kernels need a GPU or TRITON_INTERPRET=1"))])
+def test_a_seed_gives_one_output_and_seeds_differ(fused):
+    device = torch.device("cuda" if fused and torch.cuda.is_available() else "cpu")
+    target, draft = tiny(0, layers=2).to(device), tiny(1).to(device)
+    engine = Engine(target, device, torch.float32, 64, (), fused_sampling=fused)
+    drafter = DraftModelDrafter(draft, device, torch.float32, V, fused_sampling=fused)
+
+    def run(seed, with_drafter):
+        p = SamplingParams(temperature=1.0, max_tokens=12, seed=seed, ignore_eos=True)
+        steps = engine.run(PROMPT, p, drafter if with_drafter else None, k=3)
+        return [t for s in steps for t in s.token_ids]
+    for with_drafter in (False, True):
+        outs = [run(seed, with_drafter) for seed in (7, 7, 8, 7)]
+        assert outs[0] == outs[1] == outs[3] and len(outs[0]) == 12
+        assert any(run(seed, with_drafter) != outs[0] for seed in (8, 9, 10))

@@ -15,9 +15,10 @@ persistent input buffers before each replay, and the outputs (logits, hidden sta
 the graph's own buffers, overwritten by the next replay of the same graph. The cache's tensors
 are captured by address, so a new cache (a longer request) drops the graphs.
 
-A step may carry work on its outputs into its graph (`post`: greedy verification, whose few
-small kernels would otherwise each be launched from Python between the step and the one host
-synchronisation of a speculative step).
+A step may carry work on its outputs into its graph (`post`: greedy or sampled verification,
+or a sampled token, whose small kernels would otherwise each be launched from Python between
+the step and the one host synchronisation of a speculative step). A post with a `state`
+tensor (an RNG state it advances on the device) finds it unchanged by the capture.
 
 Graphs are captured lazily, the first time a (T, kv_len bucket, hidden layers, last_only, post)
 combination is asked for; steps longer than `max_graph_tokens` and every call on a CPU run
@@ -227,7 +228,11 @@ class StepRunner:
             return logits, hidden, (post(static_tokens, logits) if post is not None else None)
         # Warm up on a side stream (compilation, cuBLAS workspaces, the allocator) before
         # capturing. The warm-up writes the same keys and values at the same positions as the
-        # replay that follows, so it changes nothing the step would not.
+        # replay that follows, so it changes nothing the step would not; a post's RNG state,
+        # which the warm-up advances, is put back (a seed gives the same tokens whether or not
+        # a step was captured on the way).
+        state = getattr(post, "state", None)
+        saved = state.clone() if state is not None else None
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -239,6 +244,8 @@ class StepRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits, hidden, post_out = run()
+        if saved is not None:
+            state.copy_(saved)
         torch.cuda.synchronize(self.device)
         self.stats.captures += 1
         self.stats.capture_s += time.perf_counter() - began

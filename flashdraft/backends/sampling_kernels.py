@@ -382,19 +382,48 @@ if triton is not None:
             tl.store(parg_ptr + out, c * BLOCK + tl.argmax(pscore, 1), mask=rows < R)
 
 
+    @triton.jit
+    def _uniform_kernel(rng_ptr, stream, out_ptr, n, BLOCK: tl.constexpr):
+        """n numbers in (0, 1) from Philox keyed by (seed; index, 2**31 - 1, counter, stream):
+        a row word no race uses (races have fewer rows)."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        seed = tl.load(rng_ptr)
+        counter = tl.load(rng_ptr + 1)
+        zero = tl.zeros([BLOCK], tl.uint32)
+        r0, _, _, _ = tl.philox(seed, zero + offs.to(tl.uint32),
+                                tl.full([BLOCK], 2147483647, tl.uint32),
+                                zero + counter.to(tl.uint32), zero + stream)
+        u = ((r0 >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        tl.store(out_ptr + offs, u, mask=offs < n)
+
+
+def uniform(rng: torch.Tensor, n: int, stream: int = 0, *, block: int = 128) -> torch.Tensor:
+    """float32 [n] in (0, 1) keyed by rng (seed, counter) and stream; rng is read only."""
+    _require(rng)
+    out = torch.empty(n, dtype=torch.float32, device=rng.device)
+    if n:
+        _uniform_kernel[(triton.cdiv(n, block),)](rng, stream, out, n, BLOCK=block)
+    return out
+
+
 def _rows(logits: torch.Tensor) -> torch.Tensor:
     """logits [R, V] (checked by flashdraft.sampling) with unit stride along the vocabulary."""
     return logits if logits.stride(1) == 1 else logits.contiguous()
 
 
 def row_stats(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-              min_p: float, *, capacity: int = CAPACITY, bins_per_nat: int = BINS_PER_NAT,
-              num_bins: int = NUM_BINS, chunk: int = CHUNK, sub: int = SUB):
+              min_p: float, *, capacity: int | None = None, bins_per_nat: int = BINS_PER_NAT,
+              num_bins: int = NUM_BINS, chunk: int | None = None, sub: int | None = None):
     """(t, m, z, flagged) [R] each for logits [R, V]; arguments already checked (top_k < V).
-    flagged: rows K4 could not settle from its candidates, answered by the exact kernel."""
+    flagged: rows K4 could not settle from its candidates, answered by the exact kernel.
+    capacity, chunk, sub: CAPACITY, CHUNK, SUB, or less for a vocabulary smaller than them."""
     _require(logits)
     logits = _rows(logits)
     R, V = logits.shape
+    width = max(16, triton.next_power_of_2(V))
+    sub = min(SUB, width) if sub is None else sub
+    chunk = min(CHUNK, max(sub, width)) if chunk is None else chunk
+    capacity = min(CAPACITY, width) if capacity is None else capacity
     dev = logits.device
     if capacity & (capacity - 1) or num_bins & (num_bins - 1) or chunk % sub:
         raise ValueError(f"capacity ({capacity}) and num_bins ({num_bins}) must be powers of "
@@ -442,12 +471,14 @@ def row_stats(logits: torch.Tensor, temperature: float, top_k: int, top_p: float
 
 def race(logits: torch.Tensor, temperature: float, t: torch.Tensor, m: torch.Tensor,
          z: torch.Tensor, rng: torch.Tensor, stream: int = 0, q_logits=None, q_t=None,
-         q_m=None, q_z=None, q_onehot=None, *, block: int = RACE_BLOCK,
+         q_m=None, q_z=None, q_onehot=None, *, block: int | None = None,
          rows_per_program: int = 1) -> torch.Tensor:
-    """Tokens [R] (int64) by the exponential race; rng is read, not advanced."""
+    """Tokens [R] (int64) by the exponential race; rng is read, not advanced. block:
+    RACE_BLOCK, or less for a smaller vocabulary."""
     _require(logits)
     logits = _rows(logits)
     R, V = logits.shape
+    block = min(RACE_BLOCK, max(16, triton.next_power_of_2(V))) if block is None else block
     C = triton.cdiv(V, block)
     dev = logits.device
     mode = 0 if q_logits is None and q_onehot is None else 1 if q_logits is not None else 2

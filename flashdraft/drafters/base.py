@@ -28,7 +28,10 @@ from ..config import SamplingParams
 @dataclass
 class Draft:
     tokens: torch.Tensor  # [batch, k] int64, on the target's device; k may be 0
-    q: torch.Tensor | None = None  # [batch, k, vocab] draft probabilities; None: one-hot
+    # [batch, k, target vocab]: the logits the drafts were sampled from, at the request's
+    # temperature / top-k / top-p / min-p (so q is these logits under the same rule as p).
+    # None: a one-hot q (drafts that were not sampled: n-gram lookup, argmax drafts).
+    q_logits: torch.Tensor | None = None
 
 
 @dataclass
@@ -36,7 +39,9 @@ class DraftContext:
     tokens: list[int]  # the committed sequence: prompt + generated; the target's cache holds
                        # all of it but the last token
     params: SamplingParams
-    generator: torch.Generator | None
+    # The request's seed (drawn at random where the request named none): a drafter that
+    # samples keys its own RNG state with it (sampling.make_rng), so a seed gives one output.
+    seed: int | None
     # The target's hidden states at the positions that entered its cache since the previous
     # proposal: the prompt's before the first, then the rows of the verification pass over
     # [last, d_1 … d_k] whose tokens were committed (with n accepted, its first n + 1 rows).

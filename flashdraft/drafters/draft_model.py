@@ -25,16 +25,27 @@ import torch
 from ..backends.cuda_graphs import StepRunner, eager_step, prefill
 from ..kv_cache import KVCache, grow_cache
 from ..model import Transformer
-from ..sampling import probs_from_logits, sample
+from ..sampling import SampledPick, fit_vocab, fused_by_default, make_rng
 from .base import Draft, DraftContext
+
+# The draft's race draws from a stream of its own (its RNG state is its own too).
+DRAFT_STREAM = 2
 
 
 class DraftModelDrafter:
     hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, model: Transformer, device: torch.device, dtype: torch.dtype,
-                 target_vocab: int, *, cuda_graphs: bool = True, decode_kernel: str = "graph"):
+                 target_vocab: int, *, cuda_graphs: bool = True, decode_kernel: str = "graph",
+                 fused_sampling: bool | None = None):
         self.model, self.device, self.dtype = model, device, dtype
+        # Sampled drafts: each step's token drawn inside its graph (SampledPick) from an RNG
+        # state of the drafter's own, keyed by the request's seed in its first proposal.
+        self.fused_sampling = (fused_by_default(device) if fused_sampling is None
+                               else fused_sampling)
+        self.rng = make_rng(0, device)
+        self._picks: dict[tuple, SampledPick] = {}
+        self._seeded = False
         # Each one-token draft step replayed as a CUDA graph; None on a CPU (eager).
         self.runner = (StepRunner(model, device)
                        if cuda_graphs and torch.device(device).type == "cuda" else None)
@@ -83,6 +94,15 @@ class DraftModelDrafter:
         prefill(self.model, prompt, self.cache, (), self.runner, self.device)
         self.n_cached = self.length = len(prompt)
         self._proposal = None
+        self._seeded = False
+
+    def _pick(self, params) -> SampledPick:
+        key = (params.temperature, params.top_k, params.top_p, params.min_p)
+        pick = self._picks.get(key)
+        if pick is None:
+            pick = self._picks[key] = SampledPick(*key, self.rng, fused=self.fused_sampling,
+                                                  stream=DRAFT_STREAM, vocab=self.target_vocab)
+        return pick
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, k: int) -> Draft:
@@ -91,8 +111,12 @@ class DraftModelDrafter:
         params = ctx.params
         feed = torch.tensor([ctx.tokens[self.n_cached:]], device=self.device)
         start = self.n_cached
-        tokens, probs = [], []
+        tokens, q_rows = [], []
         mk = self.megakernel if params.greedy else None
+        pick = None if params.greedy else self._pick(params)
+        if pick is not None and not self._seeded:  # the request's first sampled proposal
+            self.rng.copy_(make_rng(ctx.seed or 0))
+            self._seeded = True
         chained = False  # the megakernel's steps from here on need no inputs
         for i in range(k):
             if mk is not None and feed.shape[1] == 1:
@@ -105,17 +129,17 @@ class DraftModelDrafter:
                 continue
             # 1 or 2 tokens (graphed): the first of a request feeds the target's first token,
             # later ones what the target added after the kept drafts.
+            # A sampled step draws its token inside its graph (pick), from logits that the
+            # next replay overwrites: the row is copied out as q's.
             if self.runner is not None and feed.shape[1] <= 2:
-                logits, _ = self.runner(feed, start, self.cache, last_only=True)
+                out = self.runner(feed, start, self.cache, last_only=True, post=pick)
             else:
-                logits, _ = eager_step(self.model, feed, start, self.cache, last_only=True)
-            logits = self._fit_vocab(logits[:, -1])  # [1, target vocab]
-            if params.greedy:
-                token = logits.argmax(-1)
+                out = eager_step(self.model, feed, start, self.cache, last_only=True, post=pick)
+            if pick is None:
+                token = fit_vocab(out[0][:, -1], self.target_vocab).argmax(-1)  # [1]
             else:
-                q = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)
-                token = sample(q, ctx.generator)
-                probs.append(q)
+                token = out[2]
+                q_rows.append(pick.fit(out[0][:, -1]).clone())  # [1, target vocab]
             tokens.append(token)
             start += feed.shape[1]
             feed = token.view(1, 1)
@@ -130,16 +154,8 @@ class DraftModelDrafter:
         else:
             host = drafted
         self._proposal = (len(ctx.tokens), host, event)
-        q = torch.stack(probs, dim=1) if probs else None  # [1, k, vocab]
-        return Draft(drafted, q)
-
-    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        extra = self.target_vocab - logits.shape[-1]
-        if extra < 0:
-            return logits[..., :self.target_vocab]
-        if extra > 0:
-            return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
-        return logits
+        q_logits = torch.stack(q_rows, dim=1) if q_rows else None  # [1, k, target vocab]
+        return Draft(drafted, q_logits)
 
     def commit(self, tokens: list[int]) -> None:
         proposal, self._proposal = self._proposal, None

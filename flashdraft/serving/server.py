@@ -92,7 +92,7 @@ class ApiError(Exception):
 
 
 # Fields whose name SamplingParams puts first in its error messages.
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids")
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "stop", "stop_token_ids")
 
 
 def _param_error(e: ValueError) -> ApiError:
@@ -126,6 +126,7 @@ class GenerationRequest(BaseModel):
     temperature: float | None = None  # None: 1.0, as OpenAI
     top_p: float | None = None
     top_k: int | None = None  # an extension, as in vLLM
+    min_p: float | None = None  # an extension, as in vLLM
     seed: int | None = None
     stop: Any = None  # a string or a list of strings; SamplingParams checks it
     stop_token_ids: list[int] | None = None  # extension
@@ -496,7 +497,7 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
             params = SamplingParams(
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=req.top_k or 0, seed=req.seed, stop=req.stop,
+                top_k=req.top_k or 0, min_p=req.min_p or 0.0, seed=req.seed, stop=req.stop,
                 stop_token_ids=req.stop_token_ids, ignore_eos=bool(req.ignore_eos))
         except ValueError as e:
             raise _param_error(e)

@@ -76,6 +76,10 @@ class BenchSettings:
     num_prompts: int | None = None  # the first N prompts of the set; None: all
     max_tokens: int = 128
     temperatures: tuple[float, ...] = (0.0,)
+    # applied at every temperature > 0 (greedy ignores them)
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
     seed: int = 0
     # untimed requests per configuration before its timed ones (plus, when >= 1, those that
     # capture the CUDA graphs the timed ones will need: `warmup_indices`)
@@ -118,6 +122,10 @@ class BenchSettings:
             raise ValueError(f"--temperature takes numbers >= 0 (0 is greedy), e.g. 0,0.7; "
                              f"got {self.temperatures!r}")
         object.__setattr__(self, "temperatures", temps)
+        try:
+            SamplingParams(temperature=1.0, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
+        except ValueError as e:
+            raise ValueError(f"--{str(e).replace('_', '-', 1)}") from None
         if self.raw_prompts and self.prompts != "humaneval":
             raise ValueError(f"--raw-prompts applies to --prompts humaneval only (got "
                              f"--prompts {self.prompts}); in a JSONL file each line chooses: "
@@ -306,6 +314,10 @@ def summarize(requests: list[dict], plain: dict | None, planned: int, k: int) ->
         # of the generated tokens, those from plain steps run ahead (AdaptiveSpeculation's)
         "plain_tokens": sum(m.get("plain_tokens", 0) for m in metrics),
         "tau": generated / passes if passes else None,
+        # decode time per target pass after the prefill's: what one step costs, drafting and
+        # verification together (plain decoding: one token's step)
+        "step_s": ratio(sum(m["decode_time_s"] for m in metrics),
+                        passes - sum(1 for m in metrics if m["target_passes"])),
         "acceptance_rate": sum(accepted) / sum(drafted) if drafted else None,
         "per_position_acceptance": [  # None where no step drafted that far
             ratio(sum(1 for n in accepted if n > i), sum(1 for d in drafted if d > i))
@@ -494,7 +506,8 @@ def configurations(s: BenchSettings) -> list[Configuration]:
 
 def sampling(s: BenchSettings, temperature: float, index: int) -> SamplingParams:
     # Every configuration gets the same seed for the same prompt.
-    return SamplingParams(temperature=temperature, max_tokens=s.max_tokens, seed=s.seed + index)
+    return SamplingParams(temperature=temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                          max_tokens=s.max_tokens, seed=s.seed + index)
 
 
 def warmup_indices(ids: list[list[int]], s: BenchSettings, k: int, bucket: int = 256) -> list[int]:
@@ -863,6 +876,12 @@ def format_markdown(results: dict, full: bool = False) -> str:
                                       if f["path"].endswith((".gguf", ".safetensors")))
         lines += ["", "models: " + "; ".join(f"{m['role']} {m['ref']} ({weights(m)})"
                                              for m in env["models"])]
+    filters = [f"{name} {s[key]:g}" for name, key, off in
+               (("top-k", "top_k", 0), ("top-p", "top_p", 1.0), ("min-p", "min_p", 0.0))
+               if s.get(key, off) != off]
+    if filters and any(t > 0 for t in s["temperatures"]):
+        lines += ["", f"sampling at T > 0: {', '.join(filters)}; seed of prompt i: "
+                      f"{s['seed']} + i"]
     if env["command"]:
         lines += ["", f"command: `{env['command']}`"]
     if s["note"]:
@@ -874,7 +893,7 @@ def format_markdown(results: dict, full: bool = False) -> str:
                  for c in configs)
     util = any(c["summary"]["gpu_utilisation_percent"] for c in configs)
     head = ["configuration", "T", "tokens/s median (p10–p90)", "e2e tokens/s", "TTFT ms",
-            "TPOT ms", "τ", "acceptance", "plain steps", "speedup", "same as plain"]
+            "TPOT ms", "step ms", "τ", "acceptance", "plain steps", "speedup", "same as plain"]
     head += ["peak memory"] * memory + ["GPU util"] * util
     rows = []
     for c in configs:
@@ -885,7 +904,8 @@ def format_markdown(results: dict, full: bool = False) -> str:
                f"{c['temperature']:g}", _rate(m["tokens_per_s"]),
                _f(m["e2e_tokens_per_s"] and m["e2e_tokens_per_s"]["median"]),
                _f(m["ttft_s"] and m["ttft_s"]["median"], ".1f", 1000),
-               _f(m["tpot_s"] and m["tpot_s"]["median"], ".2f", 1000), _f(m["tau"], ".2f"),
+               _f(m["tpot_s"] and m["tpot_s"]["median"], ".2f", 1000),
+               _f(m.get("step_s"), ".2f", 1000), _f(m["tau"], ".2f"),
                _f(m["acceptance_rate"], ".1%"),
                # tokens from plain steps run ahead while drafting did not pay
                "—" if c["drafter"] is None else _f(ratio(m.get("plain_tokens", 0),
