@@ -932,6 +932,7 @@ class _ChainedSteps:
         self.model, self.cache = model, cache
         self.token_in, self.pos_in, self.token_out = (torch.zeros(1, dtype=torch.long)
                                                       for _ in range(3))
+        self.logits = torch.zeros(model.cfg.vocab_size)
         self.starts = self.launches = 0
 
     def start(self, token, position):
@@ -943,6 +944,7 @@ class _ChainedSteps:
         p = int(self.pos_in)
         logits, _ = self.model(self.token_in.view(1, 1), torch.tensor([[p]]), self.cache,
                                kv_len=p + 1)
+        self.logits.copy_(logits[0, -1])
         self.token_out.copy_(logits[0, -1].argmax().view(1))
         self.token_in.copy_(self.token_out)
         self.pos_in.fill_(p + 1)
@@ -983,3 +985,43 @@ def test_engine_routes_greedy_plain_steps_through_the_kernel_and_chains_them(mon
         sampled = SamplingParams(temperature=0.9, max_tokens=12, seed=3, ignore_eos=True)
         assert _run(engine, prompts[1], sampled) == _run(plain_engine, prompts[1], sampled)
         assert (mk.starts, mk.launches) == before
+
+
+def _self_drafting(model, device, dtype):
+    """A sampled speculative request whose draft model is the target itself, its one-token
+    steps through the megakernel (or its stand-in): q = p row for row, so every draft is
+    kept exactly when each step's input is the token drawn before it at its position."""
+    from flashdraft.config import SamplingParams
+    from flashdraft.drafters.draft_model import DraftModelDrafter
+    from flashdraft.engine import Engine, RequestMetrics
+    engine = Engine(model, device, dtype, 256, ())
+    drafter = DraftModelDrafter(model, device, dtype, model.cfg.vocab_size,
+                                decode_kernel="graph")
+    drafter.use_megakernel = True  # built by ensure_capacity, as with decode_kernel="auto"
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=40, seed=4, ignore_eos=True)
+    prompt = torch.randint(0, model.cfg.vocab_size, (12,),
+                           generator=torch.Generator().manual_seed(5)).tolist()
+    metrics = RequestMetrics()
+    with torch.inference_mode():
+        out = [t for s in engine.run(prompt, params, drafter, 4, metrics) for t in s.token_ids]
+    assert len(out) == 40 and metrics.drafted_tokens >= 16
+    return drafter, metrics
+
+
+def test_draft_models_sampled_steps_feed_the_kernel_the_tokens_drawn(monkeypatch):
+    from flashdraft.backends import megakernel
+    monkeypatch.setattr(megakernel, "DecodeMegakernel", _ChainedSteps)
+    model = build_random_model(SHAPES["hd64-llama"], torch.float32, "cpu", seed=2)
+    drafter, metrics = _self_drafting(model, torch.device("cpu"), torch.float32)
+    assert drafter.megakernel.launches >= metrics.drafted_tokens - metrics.target_passes
+    assert metrics.acceptance_rate == 1.0, metrics.accepted_per_step
+
+
+@pytest.mark.gpu
+def test_draft_models_sampled_steps_through_the_megakernel():
+    """The real kernel: its logits are not the graphs' bit for bit, so q is p only nearly."""
+    cfg = SHAPES["hd128-split-down"]
+    model = build_random_model(cfg, torch.bfloat16, "cuda", seed=3)
+    drafter, metrics = _self_drafting(model, torch.device("cuda"), torch.bfloat16)
+    assert drafter.megakernel is not None
+    assert metrics.acceptance_rate >= 0.8, metrics.accepted_per_step

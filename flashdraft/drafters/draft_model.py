@@ -11,10 +11,15 @@ that kept n drafts, m = n: the recovered token never equals the rejected draft (
 is the target's argmax, which d_{n+1} was not; sampled: the residual has no mass there).
 
 With `decode_kernel="megakernel"` (or "auto", the engine's default, where the kernel can run
-the draft model and CUDA graphs are on), greedy proposals feed one token at a time through
-`flashdraft.backends.megakernel` (one kernel a token, each step chained on the one before) wherever a
-step feeds one token. The drafts are only proposals, so this changes how fast the target's
-output comes, never what it is.
+the draft model and CUDA graphs are on), proposals feed one token at a time through
+`flashdraft.backends.megakernel` (one kernel a token) wherever a step feeds one token: greedy
+steps chained on the one before, sampled ones each given the token drawn from the logits of
+the one before (q is those logits, so it is exactly the distribution the draft came from).
+The drafts are only proposals, so this changes how fast the target's output comes, never what
+it is.
+
+Sampled drafts are drawn on the device (`SampledPick`, inside the step's graph on the graph
+path) from an RNG state of the drafter's own, keyed by the request's seed.
 """
 from __future__ import annotations
 
@@ -112,7 +117,7 @@ class DraftModelDrafter:
         feed = torch.tensor([ctx.tokens[self.n_cached:]], device=self.device)
         start = self.n_cached
         tokens, q_rows = [], []
-        mk = self.megakernel if params.greedy else None
+        mk = self.megakernel
         pick = None if params.greedy else self._pick(params)
         if pick is not None and not self._seeded:  # the request's first sampled proposal
             self.rng.copy_(make_rng(ctx.seed or 0))
@@ -120,6 +125,15 @@ class DraftModelDrafter:
         chained = False  # the megakernel's steps from here on need no inputs
         for i in range(k):
             if mk is not None and feed.shape[1] == 1:
+                if pick is not None:  # sampled: each step's input is the token drawn
+                    mk.start(feed, start)  # from the step before's logits
+                    mk.launch()
+                    logits = mk.logits.view(1, 1, -1)
+                    feed = pick(None, logits).view(1, 1)
+                    q_rows.append(pick.fit(logits[:, -1]).clone())
+                    tokens.append(feed.view(1))
+                    start += 1
+                    continue
                 if not chained:
                     mk.start(feed, start)
                     chained = True
