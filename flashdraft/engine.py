@@ -16,8 +16,16 @@ Plain decoding's steps are CUDA graphs of the model's kernels, or, with
 Qwen2 / Qwen3 / Llama in bfloat16 or int4) for greedy requests without a drafter. Its tokens
 can differ from the graphs' where two logits nearly tie; speculative requests (their plain
 stretches included) stay on the graphs, so their output is the graph path's plain decoding. (A
-draft model's greedy steps take the megakernel wherever it runs unless decode_kernel="graph":
+draft model's one-token steps take the megakernel wherever it runs unless decode_kernel="graph":
 drafts only propose, so that changes no output.)
+
+Sampling (T > 0) runs on the device and inside the same graphs: a plain step's token is drawn
+by its graph (`SampledPick`), and a speculative step's whole acceptance rule — p and q from
+logits with temperature / top-k / top-p / min-p and no vocabulary sort, the accept tests, the
+residual or bonus draw — is its verification graph's `post` (`SampledVerify`), so a sampled
+step costs a greedy one's launches and one host read. The random numbers come from Philox
+keyed by one RNG state on the device (seed, counter), reset from the request's seed and
+advanced by each step's graph: a seed gives the same output on the same GPU and settings.
 """
 from __future__ import annotations
 
