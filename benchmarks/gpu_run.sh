@@ -17,7 +17,8 @@
 #                commit's flashdraft/ package) the same run of that version first, as the
 #                baseline of the same machine
 # tests-sampling the sampling tests (fused kernels, the engine's sampled path, CUDA graphs)
-# sampled        plain decoding and the 0.5B draft model at k = 5, at T = 0 and at T = 0.7
+# sampled        sampling_step.py (what sampling adds to a step); plain decoding and the
+#                0.5B draft model at k = 5, at T = 0 and at T = 0.7
 #                top-p 0.95 in one run; the seed prompts at T = 0.8 with the 0.5B draft model
 #                (k = 3, 5); with BASE=DIR that version's first (without top-p where its
 #                bench has no --top-p)
@@ -88,6 +89,7 @@ for phase in "$@"; do
       tests/test_verify.py tests/test_speculative.py tests/test_cuda_graphs.py
     ;;
   sampled)
+    python3 benchmarks/sampling_step.py --out "$OUT/sampling-step.json"
     if [ -n "${BASE:-}" ]; then
       topp=""
       PYTHONPATH=$SITE:$PWD/$BASE python3 -m flashdraft.cli bench --help | grep -q -- --top-p \
