@@ -157,3 +157,48 @@ def test_top_k_top_p_shape_the_distribution():
     assert full[0] < 0.7 < full[0] + full[1]  # so exactly two tokens remain
     assert (probs[0, 2:] == 0).all() and probs[0, :2].sum() == pytest.approx(1.0)
     assert probs_from_logits(logits, 1.0, top_p=0.01)[0, 0] == 1.0
+
+
+FUSED_MODES = [False, pytest.param(True, marks=pytest.mark.skipif(
+    not (torch.cuda.is_available() or __import__("flashdraft.backends.kernels",
+                                                 fromlist=["INTERPRET"]).INTERPRET),
+    reason="the fused kernels need a GPU or TRITON_INTERPRET=1"))]
+
+
+@pytest.mark.parametrize("fused", FUSED_MODES)
+def test_sampled_verify_post_edge_cases(fused):
+    """SampledVerify, the acceptance rule as a graph's post, where the outcome is certain: a
+    draft the target gives no mass (top-k cuts it) is rejected and never the next token; a
+    draft whose q is p is always kept, and all kept gives the bonus token from the last row;
+    a one-hot draft of a token with all the target's mass is kept."""
+    from flashdraft.sampling import make_rng
+    from flashdraft.verify import SampledVerify
+    dev = torch.device("cuda" if fused and torch.cuda.is_available() else "cpu")
+    logits = torch.randn(1, 4, V, generator=torch.Generator().manual_seed(0)).to(dev)
+    logits[0, 0, 2] = 30.0  # d_1 = 2: p = 1 in float32
+    logits[0, 1, 5] = -9.0  # d_2 = 5: outside the top 2
+    tokens = torch.tensor([[0, 2, 5, 1]], device=dev)
+    rng = make_rng(3, dev)
+    for seed in range(5):
+        rng.copy_(make_rng(seed))
+        onehot_post = SampledVerify(1.0, 2, 1.0, 0.0, rng, fused=fused, vocab=V, with_q=False)
+        n, nxt, *drafts = onehot_post(tokens, logits).tolist()
+        top2 = logits[0, 1].topk(2).indices.tolist()
+        assert n == 1 and nxt in top2 and drafts == [2, 5, 1]
+        q_post = SampledVerify(1.0, 2, 1.0, 0.0, rng, fused=fused, vocab=V, with_q=True,
+                               capacity=3)
+        q_post.load(logits[0, :3])
+        counter = int(rng[1])
+        n, nxt, *_ = q_post(tokens, logits).tolist()
+        # d_2 = 5 has p = q = 0 (u · q < p fails): rejected; max(p - q, 0) = 0 there, so the
+        # next token comes from p
+        assert n == 1 and nxt in top2
+        assert int(rng[1]) == counter + 1  # one step, one advance
+    same = torch.tensor([[0, 2, 3, 4]], device=dev)  # q = p everywhere: all kept
+    for seed in range(5):
+        rng.copy_(make_rng(seed))
+        wide = SampledVerify(1.0, 0, 1.0, 0.0, rng, fused=fused, vocab=V, with_q=True,
+                             capacity=3)
+        wide.load(logits[0, :3])
+        n, nxt, *_ = wide(same, logits).tolist()
+        assert n == 3 and 0 <= nxt < V
