@@ -47,3 +47,14 @@ def tiny_models(tmp_path_factory):
 @pytest.fixture(scope="session")
 def device():
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for a module: matrices of tiny models gain nothing from threads, a
+    busy machine makes threads that wait for each other many times slower (thousands of tiny
+    requests), and a seeded training run should not depend on how work is split."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

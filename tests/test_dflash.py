@@ -23,16 +23,7 @@ from tests.tiny import build_dflash_drafter, build_model, build_tokenizer, rando
 BLOCK = 4  # the tiny drafters' trained block: the last token and 3 masks
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps", "for i in range(10):\n    print(i)\nfor"]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Matrices this small gain nothing from threads, and on a busy machine threads that wait
-    for each other make the sampled test's thousands of requests many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

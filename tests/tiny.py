@@ -48,8 +48,10 @@ def build_tokenizer(out: Path, vocab_size: int = 384):
 def build_model(out: str | Path, arch: str = "qwen2", seed: int = 0, *, layers: int = 2,
                 hidden: int = 64, heads: int = 4, kv_heads: int = 2, tie: bool = False,
                 rope_scaling: dict | None = None, tokenizer_from: str | Path | None = None,
-                dtype=torch.float32, max_positions: int = 512) -> Path:
-    """Save a random `arch` model with our tiny tokenizer to `out`; returns `out`."""
+                dtype=torch.float32, max_positions: int = 512, layer_std: float = 0.12) -> Path:
+    """Save a random `arch` model with our tiny tokenizer to `out`; returns `out`. layer_std:
+    the spread of the layers' matrices (small: the next token depends mostly on the last one,
+    so greedy output soon cycles, text a drafter can learn in seconds)."""
     import transformers
 
     out = Path(out)
@@ -89,7 +91,7 @@ def build_model(out: str | Path, arch: str = "qwen2", seed: int = 0, *, layers: 
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
-                p.normal_(0.0, 0.3 if "embed" in name or "lm_head" in name else 0.12)
+                p.normal_(0.0, 0.3 if "embed" in name or "lm_head" in name else layer_std)
             elif "bias" in name:
                 p.normal_(0.0, 0.1)
             else:  # norm weights

@@ -184,8 +184,8 @@ class DFlashConfig:
 
 def _norm(module: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     """RMSNorm in plain PyTorch: the drafter trains through it (the model's fused kernels have
-    no backward)."""
-    return F.rms_norm(x, module.weight.shape, module.weight, module.eps)
+    no backward), its weight in x's dtype (under autocast, float32 weights meet bfloat16 x)."""
+    return F.rms_norm(x, module.weight.shape, module.weight.to(x.dtype), module.eps)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -300,14 +300,16 @@ def load_dflash(path: str | Path, dtype: torch.dtype = torch.float32,
     return model.to(device).eval()
 
 
-def save_dflash(model: DFlashModel, path: str | Path) -> Path:
-    """Write `model` as a DFlash drafter directory in the public format; returns the path."""
+def save_dflash(model: DFlashModel, path: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write `model` as a DFlash drafter directory in the public format, its tensors in dtype
+    (None: as they are); returns the path."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     c = model.cfg.layers
-    ours = model.state_dict()
+    dtype = dtype or next(model.parameters()).dtype
+    ours = {name: t.to(dtype) for name, t in model.state_dict().items()}
     sizes = {"q_proj": c.num_heads * c.head_dim, "k_proj": c.num_kv_heads * c.head_dim,
              "v_proj": c.num_kv_heads * c.head_dim, "gate_proj": c.intermediate_size,
              "up_proj": c.intermediate_size}
@@ -321,7 +323,7 @@ def save_dflash(model: DFlashModel, path: str | Path) -> Path:
         state.update({s: p.contiguous() for s, p in zip(src, parts)})
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     hf = model.cfg.to_hf()
-    hf["torch_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    hf["torch_dtype"] = str(dtype).removeprefix("torch.")
     (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return path
 
