@@ -49,7 +49,7 @@ from ..config import ModelConfig
 from ..kv_cache import KVCache
 from ..loading.hf import our_sources, read_hf
 from ..model import Block, RMSNorm, Transformer, rope_cos_sin, rope_frequencies
-from ..sampling import make_rng, race, row_stats
+from ..sampling import fused_by_default, make_rng, race, row_stats
 from .base import Draft, DraftContext
 
 # The drafter's own RNG state draws on a stream apart from the target's draws.
@@ -349,10 +349,9 @@ class DFlashDrafter:
         self.hidden_layers = cfg.hidden_layers
         # DraftContext.hidden comes in ascending layer order; fc reads target_layer_ids' order.
         self._order = [self.hidden_layers.index(j + 1) for j in cfg.target_layer_ids]
-        if fused_sampling is None:
-            from ..sampling import fused_by_default
-            fused_sampling = fused_by_default(self.device)
-        self.fused_sampling = fused_sampling  # the drafts' race: the Triton kernels or PyTorch
+        # The drafts' race: the Triton kernels (a GPU's default) or their PyTorch reference.
+        self.fused_sampling = (fused_by_default(self.device) if fused_sampling is None
+                               else fused_sampling)
         self.rng = make_rng(0, self.device)
         self._seeded = False
         self.cache: KVCache | None = None
