@@ -522,8 +522,10 @@ def train_drafter(s: TrainSettings, out=None) -> TrainResult:
             evaluate(elapsed)
             last_eval = time.perf_counter()
         bar.update(round(elapsed) - bar.n)
-        bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{result.train_tokens / elapsed:.0f}",
-                        tau=f"{result.tau:.2f}", refresh=False)
+        shown = {"loss": f"{result.loss:.3f}", "tok_s": f"{result.train_tokens / elapsed:.0f}"}
+        if result.tau_curve:
+            shown["tau"] = f"{result.tau:.2f}"
+        bar.set_postfix(shown, refresh=False)
     evaluate(elapsed)
     bar.set_postfix(loss=f"{result.loss:.3f}", tau=f"{result.tau:.2f}")
     bar.close()
