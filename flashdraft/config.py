@@ -187,7 +187,7 @@ class EngineConfig:
     quantization: str | None = None  # None | "int8" | "int4": weight-only, applied at load
     # the draft model's: None or "none" (full precision), "int8", "int4"; "auto": the target's
     draft_quantization: str | None = "auto"
-    # decode plainly while drafting does not pay (engine.AdaptiveSpeculation); False: every
+    # decode plainly while drafting does not pay (the cost model (flashdraft.scheduling)); False: every
     # step drafts up to num_speculative_tokens
     adaptive_speculation: bool = True
     # greedy one-token steps of plain decoding and of a draft model: "graph" (CUDA graphs of the

@@ -1,7 +1,9 @@
 """The speculative loop: prefill -> propose -> verify -> commit -> stop.
 
-Plain decoding is one target pass per token (`_decode_plainly`); a speculative request falls
-back to it in stretches where drafting does not pay (`AdaptiveSpeculation`).
+Plain decoding is one target pass per token (`_decode_plainly`). A speculative request
+chooses before each step how many tokens to draft, or to decode plainly for a stretch, from
+the step costs and acceptance the engine measures as it runs (`scheduling`: k = argmax of
+expected tokens per second; never a draft that the measurements say loses to plain).
 
 The sequence invariant: `tokens` is prompt + generated, and the target's cache holds the
 keys and values of all of `tokens` but the last, so every verification pass runs over
@@ -41,6 +43,7 @@ from .drafters.base import Draft, DraftContext, Drafter
 from .kv_cache import KVCache, grow_cache
 from .model import Transformer
 from .sampling import SampledPick, fused_by_default, make_rng
+from .scheduling import CostModel, SpeculationPlanner
 from .verify import SampledVerify, greedy_result
 
 
@@ -54,6 +57,8 @@ class RequestMetrics:
     accepted_tokens: int = 0
     accepted_per_step: list[int] = field(default_factory=list)  # n of each speculative step
     drafted_per_step: list[int] = field(default_factory=list)  # k of each speculative step
+    # the planner's expected tokens E(k) of each speculative step (achieved: n + 1)
+    predicted_per_step: list[float] = field(default_factory=list)
     plain_tokens: int = 0  # from plain steps run ahead (plain decoding: all but the first)
     ttft_s: float = 0.0
     decode_time_s: float = 0.0  # from the first generated token to the last
@@ -110,58 +115,6 @@ class StepOutput:
     stop_string: str | None = None  # the stop string that ended the request, if any
 
 
-class AdaptiveSpeculation:
-    """When drafting stops paying, decode plainly for a while.
-
-    Plain decoding runs one step ahead and never waits for the host. A speculative step that
-    drafts nothing, or only tokens the target rejects, costs a plain step plus a host
-    synchronisation (and the drafter's and the wider verification's work). So: after a step
-    that drafted nothing (the n-gram drafter found no match), or after MISSES steps in a row
-    that kept no draft, the engine decodes plainly; at least `stretch` tokens (1 after an empty
-    draft; after misses FIRST, doubling up to LONGEST while drafting keeps failing, back to
-    FIRST once a draft is kept), then on until the drafter's `can_propose(tokens)` says it has
-    something (drafters without one: at once). An empty draft is not verified: its token is
-    the first of the plain stretch. A plain step computes exactly what a speculative step
-    would for its token, so greedy output does not change; sampled output keeps its
-    distribution (the random draws differ, so a seed gives other tokens than without it).
-
-    Known cost: the probe reads the context up to the token before the step ahead's, and the
-    draft starts after it; where the step ahead's token breaks the match, the draft is empty
-    and plain decoding restarts, with a gap of the host's lookup and one launch.
-
-    policy.after_step(drafted, accepted)   after each speculative step
-    policy.plain                           whether the next tokens are decoded plainly
-    policy.resume(tokens)                  after each plain token: draft again from the next?
-    """
-    MISSES, FIRST, LONGEST = 2, 4, 64
-
-    def __init__(self, drafter: Drafter):
-        self.probe = getattr(drafter, "can_propose", None)
-        self.misses, self.backoff = 0, self.FIRST
-        self.stretch = 0  # plain tokens still to decode before drafting again
-
-    @property
-    def plain(self) -> bool:
-        return self.stretch > 0
-
-    def after_step(self, drafted: int, accepted: int) -> None:
-        if drafted == 0:
-            self.stretch = 1
-        elif accepted == 0:
-            self.misses += 1
-            if self.misses >= self.MISSES:
-                self.stretch, self.misses = self.backoff, 0
-                self.backoff = min(2 * self.backoff, self.LONGEST)
-        else:
-            self.misses, self.backoff = 0, self.FIRST
-
-    def resume(self, tokens: list[int]) -> bool:
-        self.stretch = max(0, self.stretch - 1)
-        if self.stretch == 0 and self.probe is not None and not self.probe(tokens):
-            self.stretch = 1  # nothing to draft yet: one more plain token, then ask again
-        return self.stretch == 0
-
-
 def _sync(device: torch.device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -175,7 +128,10 @@ class Engine:
                  cuda_graphs: bool = True, compile: bool = False, adaptive: bool = True,
                  decode_kernel: str = "auto", fused_sampling: bool | None = None):
         self.model, self.device, self.dtype = model, device, dtype
-        self.adaptive = adaptive  # AdaptiveSpeculation for drafters that allow it
+        # Speculation chosen per step by the cost model (scheduling.SpeculationPlanner) for
+        # drafters that allow it; False: k drafts at every step.
+        self.adaptive = adaptive
+        self.costs = CostModel(model)  # this engine's measured step costs and acceptance
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
         self.cache: KVCache | None = None
@@ -235,7 +191,7 @@ class Engine:
         # decoding's tokens) nor from the cache's size, which earlier, longer requests set.
         self.cache.split_len = kernels.split_length(len(prompt) + max_new)
         req = _Request(prompt, params, max_new, drafter, k, metrics, self.eos_token_ids,
-                       self.adaptive, self.device)
+                       self.device, self.costs if self.adaptive else None)
         if self.decode_kernel == "megakernel" and drafter is None and params.greedy:
             req.megakernel = self.megakernel
 
@@ -279,14 +235,17 @@ class Engine:
         its cache, each [1, n_new, hidden_size] (DraftContext.hidden). Returns (the step's
         StepOutput, its last token [1, 1] on the device, this pass's hidden states for the
         positions it committed: [1, n + 1, hidden_size] each), or None where the draft is empty
-        and the adaptive policy hands the token to plain decoding."""
+        and the planner hands the token to plain decoding."""
+        began = time.perf_counter()
         params = req.params
         # Leave room for the bonus token within the budget and the context.
         budget = min(req.k, req.max_new - req.generated - 1)
+        if req.policy is not None and budget > 0:
+            budget = req.policy.choose(budget)
         draft = self._propose(req, hidden, budget)
         n_draft = draft.tokens.shape[1]
         if n_draft == 0 and req.policy is not None:
-            req.policy.after_step(0, 0)  # an empty draft is not verified: decode it plainly
+            req.policy.after_step(0, 0, 0.0)  # an empty draft is not verified: decode it plainly
             return None
         position = len(req.tokens) - 1
         if n_draft == 0:  # nothing to verify: a plain decoding step
@@ -316,9 +275,11 @@ class Engine:
             m.accepted_tokens += n
             m.drafted_per_step.append(n_draft)
             m.accepted_per_step.append(n)
+            if req.policy is not None:
+                m.predicted_per_step.append(round(req.policy.predicted, 3))
         step = req.commit(new)  # the drafter is told which tokens
         if req.policy is not None:
-            req.policy.after_step(n_draft, n)
+            req.policy.after_step(n_draft, n, time.perf_counter() - began)
         return step, next_token.view(1, 1), hidden
 
     def _decode_plainly(self, req: "_Request", last: torch.Tensor):
@@ -329,14 +290,23 @@ class Engine:
         the last, which it returns for the caller to yield: (that StepOutput, its token on the
         device, the time it was read if the request finished there, else None). The last is
         where the request finishes (the step ahead is dropped: its cache entry lies past the
-        last token, and the capacity has room for it), or the one after the adaptive policy
+        last token, and the capacity has room for it), or the one after the planner
         said to draft again: the step ahead's, read as the next token."""
         cur = self._plain_step(req, last, len(req.tokens) - 1)
+        # The interval between tokens is what a plain token costs (its first one in a stretch
+        # also waits for the launch): the cost model's plain step, where the graphs run it.
+        timed = req.megakernel is None
+        read_at = None
         while True:
             ahead = None
             if req.generated + 1 < req.max_new:  # a token may follow cur's
                 ahead = self._plain_step(req, cur[0], len(req.tokens))
-            step = req.commit([req.reader.read(cur[1])], plain=True)
+            token = req.reader.read(cur[1])
+            now = time.perf_counter()
+            if timed and read_at is not None:
+                self.costs.add_plain(now - read_at)
+            read_at = now
+            step = req.commit([token], plain=True)
             if step.finish_reason is not None:  # the step ahead is not the request's
                 return step, cur[0], time.perf_counter()
             yield step
@@ -404,7 +374,8 @@ class _Request:
 
     def __init__(self, prompt: list[int], params: SamplingParams, max_new: int,
                  drafter: Drafter | None, k: int, metrics: RequestMetrics,
-                 eos_token_ids: tuple[int, ...], adaptive: bool, device: torch.device):
+                 eos_token_ids: tuple[int, ...], device: torch.device,
+                 costs: CostModel | None):
         self.tokens, self.n_prompt = list(prompt), len(prompt)
         self.params, self.max_new, self.metrics = params, max_new, metrics
         self.stop_ids = set(params.stop_token_ids) | (
@@ -416,8 +387,10 @@ class _Request:
         self.drafter, self.k = drafter, k
         self.hidden_layers = drafter.hidden_layers if drafter is not None else ()
         # Drafters that read the target's hidden states need every step to be theirs.
-        self.policy = (AdaptiveSpeculation(drafter) if drafter is not None and adaptive
-                       and not drafter.hidden_layers else None)
+        # A seeded sampled request's choices follow from its tokens alone (reproducible).
+        timed = params.greedy or params.seed is None
+        self.policy = (SpeculationPlanner(costs, drafter, timed) if drafter is not None
+                       and costs is not None and not drafter.hidden_layers else None)
         self.reader = TokenReader(device)  # plain decoding's, kept for every stretch
         self.megakernel = None  # plain decoding's steps, where the engine uses one
 

@@ -3,7 +3,6 @@ token."""
 import pytest
 
 from flashdraft import LLM, SamplingParams
-from flashdraft.engine import AdaptiveSpeculation
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps", "for i in range(10):\n    print(i)\nfor"]
 
@@ -30,10 +29,16 @@ def check_counts(m):
 @pytest.mark.parametrize("drafter", ["perfect", "poor", "ngram"])
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_greedy_speculative_equals_plain(target, plain, tiny_models, drafter, k):
+    """k drafts at every step (the cost model off: on a CPU it rightly finds that a draft model
+    as large as the target never pays), and the output is plain decoding's."""
     name = {"perfect": tiny_models["qwen2"], "poor": tiny_models["qwen2-draft"],
             "ngram": "ngram"}[drafter]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    outs = target.generate(PROMPTS, params, draft=name, num_speculative_tokens=k)
+    target.engine.adaptive = False
+    try:
+        outs = target.generate(PROMPTS, params, draft=name, num_speculative_tokens=k)
+    finally:
+        target.engine.adaptive = True
     for out, want in zip(outs, plain):
         assert out.token_ids == want
         assert out.finish_reason == "length"
@@ -95,48 +100,6 @@ def test_decode_time_ends_with_the_last_token_not_with_its_reader(target, tiny_m
             time.sleep(1.0)
             steps.close()
     assert m.generated_tokens == 20 and m.decode_time_s < 0.9
-
-
-def test_adaptive_speculation_policy():
-    """Two steps in a row that keep no draft: 4 plain tokens, then 8, 16 … 64 while drafting
-    keeps failing, 4 again after a kept draft; an empty draft: plain until the drafter's probe
-    finds something; a drafter without a probe resumes when the stretch ends."""
-    class Drafter:
-        hidden_layers = ()
-        answer = True
-
-        def can_propose(self, tokens):
-            return self.answer
-
-    def drain(p):
-        n = 1
-        while not p.resume([]):
-            n += 1
-        return n
-    d = Drafter()
-    p = AdaptiveSpeculation(d)
-    p.after_step(3, 1)
-    p.after_step(3, 0)
-    assert not p.plain
-    lengths = []
-    for _ in range(6):
-        p.after_step(3, 0)
-        p.after_step(3, 0)
-        lengths.append(drain(p))
-    assert lengths == [4, 8, 16, 32, 64, 64]
-    p.after_step(5, 2)  # a kept draft
-    p.after_step(5, 0)
-    p.after_step(5, 0)
-    assert drain(p) == 4
-    p.after_step(0, 0)  # nothing drafted
-    d.answer = False
-    assert [p.resume([]) for _ in range(3)] == [False] * 3 and p.plain
-    d.answer = True
-    assert p.resume([]) and not p.plain
-    del Drafter.can_propose
-    p = AdaptiveSpeculation(Drafter())
-    p.after_step(0, 0)
-    assert p.resume([])
 
 
 @pytest.mark.parametrize("k", [3, 8])

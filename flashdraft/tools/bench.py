@@ -93,7 +93,7 @@ class BenchSettings:
     max_model_len: int | None = None
     cuda_graphs: bool = True
     compile: bool = False
-    # engine.AdaptiveSpeculation on, off, or each drafter × k both ways: (True,), (False,),
+    # the cost model (flashdraft.scheduling) on, off, or each drafter × k both ways: (True,), (False,),
     # (True, False)
     adaptive_speculation: tuple[bool, ...] = (True,)
     quantization: str | None = None  # of the target: None | "int8" | "int4"
@@ -164,7 +164,7 @@ class Configuration:
     k: int  # 0 for plain decoding
     temperature: float
     label: str  # the drafter's short name, "plain" for plain decoding
-    adaptive: bool = True  # engine.AdaptiveSpeculation on (False: a draft at every step)
+    adaptive: bool = True  # the cost model (flashdraft.scheduling) on (False: a draft at every step)
 
     @property
     def name(self) -> str:
@@ -240,6 +240,10 @@ def prompt_ids(llm, prompt: BenchPrompt) -> list[int]:
 
 # -- figures ---------------------------------------------------------------------------------
 
+def mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
 def spread(values: list[float]) -> dict | None:
     """Median, p10 and p90 over prompts (linear interpolation), plus mean, min and max."""
     if not values:
@@ -311,7 +315,7 @@ def summarize(requests: list[dict], plain: dict | None, planned: int, k: int) ->
         "target_passes": passes,
         "drafted_tokens": sum(m["drafted_tokens"] for m in metrics),
         "accepted_tokens": sum(m["accepted_tokens"] for m in metrics),
-        # of the generated tokens, those from plain steps run ahead (AdaptiveSpeculation's)
+        # of the generated tokens, those from plain steps run ahead (the cost model's plain stretches)
         "plain_tokens": sum(m.get("plain_tokens", 0) for m in metrics),
         "tau": generated / passes if passes else None,
         # decode time per target pass after the prefill's: what one step costs, drafting and
@@ -323,6 +327,12 @@ def summarize(requests: list[dict], plain: dict | None, planned: int, k: int) ->
             ratio(sum(1 for n in accepted if n > i), sum(1 for d in drafted if d > i))
             for i in range(width)],
         "accepted_tokens_histogram": histogram,
+        # the cost model's choices: k drafted per speculative step, and the tokens it expected
+        # of them against what they gave (n + 1)
+        "drafted_histogram": [sum(1 for d in drafted if d == j) for j in range(width + 1)],
+        "predicted_step_tokens": mean([e for m in metrics for e in m.get("predicted_per_step", [])]),
+        "achieved_step_tokens": mean([n + 1 for m in metrics if m.get("predicted_per_step")
+                                      for n in m["accepted_per_step"]]),
         "token_accounting_ok": all(r["token_accounting"]["ok"] for r in requests),
         "speedup": None, "e2e_speedup": None,
         "identical_to_plain": None, "compared_with_plain": None,
@@ -893,7 +903,8 @@ def format_markdown(results: dict, full: bool = False) -> str:
                  for c in configs)
     util = any(c["summary"]["gpu_utilisation_percent"] for c in configs)
     head = ["configuration", "T", "tokens/s median (p10–p90)", "e2e tokens/s", "TTFT ms",
-            "TPOT ms", "step ms", "τ", "acceptance", "plain steps", "speedup", "same as plain"]
+            "TPOT ms", "step ms", "τ", "acceptance", "plain steps", "step tokens expected / got",
+            "speedup", "same as plain"]
     head += ["peak memory"] * memory + ["GPU util"] * util
     rows = []
     for c in configs:
@@ -910,6 +921,8 @@ def format_markdown(results: dict, full: bool = False) -> str:
                # tokens from plain steps run ahead while drafting did not pay
                "—" if c["drafter"] is None else _f(ratio(m.get("plain_tokens", 0),
                                                           m["generated_tokens"]), ".0%"),
+               "—" if m.get("predicted_step_tokens") is None else
+               f"{m['predicted_step_tokens']:.2f} / {m['achieved_step_tokens']:.2f}",
                "1.00×" if c["drafter"] is None else _f(m["speedup"], ".2f") + "×", same]
         if memory:
             mem = m["peak_memory_bytes"]

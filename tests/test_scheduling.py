@@ -1,0 +1,144 @@
+"""The cost model that chooses k (or plain decoding) per step, with injected costs."""
+import pytest
+
+from flashdraft.scheduling import (FIRST_STRETCH, LONGEST_STRETCH, CostModel, SpeculationPlanner,
+                                   best_k, expected_tokens)
+
+P = 0.010  # seconds a plain token
+
+
+def line(a, b):
+    return lambda k: a + b * k
+
+
+@pytest.mark.parametrize("alpha, step, want", [
+    # a draft model at a third of the target a token: pays at high acceptance, not at low
+    (0.9, line(1.1 * P, P / 3), range(5, 9)),
+    (0.85, line(1.1 * P, P / 3), range(3, 7)),
+    (0.35, line(1.1 * P, P / 3), [0]),
+    # nearly free drafts (n-gram lookup) pay even at modest acceptance, and go long
+    (0.5, line(1.05 * P, 0.02 * P), range(3, 7)),
+    (0.9, line(1.05 * P, 0.02 * P), [8]),
+    # a verification that costs twice a plain step: E(k) < 2 at this acceptance, never pays
+    (0.4, line(2.0 * P, 0.0), [0]),
+])
+def test_best_k_picks_plain_where_speculation_cannot_pay_and_the_right_k_where_it_can(
+        alpha, step, want):
+    k, e, rate = best_k([alpha] * 8, step, P, 8)
+    assert k in want, (k, e, rate)
+    # the choice is the best over every k, plain included
+    rates = [1 / P] + [expected_tokens([alpha] * 8, j) / step(j) for j in range(1, 9)]
+    assert rate == pytest.approx(max(rates))
+
+
+def test_expected_tokens():
+    assert expected_tokens([1.0] * 4, 4) == 5
+    assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens([0.0, 1.0], 2) == 1
+
+
+class Drafter:
+    hidden_layers = ()
+    cost_hint = 1 / 3
+    answer = True
+
+    def can_propose(self, tokens):
+        return self.answer
+
+
+def drain(planner):
+    """Plain tokens until the planner drafts again."""
+    n = 1
+    while not planner.resume([]):
+        n += 1
+    return n
+
+
+def measured(model, drafter, step_s, steps=20, k=5, accepted=5):
+    """A planner whose engine has seen plain tokens of P seconds and these steps."""
+    for _ in range(10):
+        model.add_plain(P)
+    planner = SpeculationPlanner(model, drafter)
+    for _ in range(steps):
+        planner.after_step(k, accepted, step_s)
+    return planner
+
+
+def test_planner_measures_plain_first_then_drafts_while_it_pays():
+    model, d = CostModel(), Drafter()
+    planner = SpeculationPlanner(model, d)
+    assert planner.plain and drain(planner) == FIRST_STRETCH  # nothing measured yet
+    for _ in range(8):
+        model.add_plain(P)
+    # every draft of 5 kept, at 2.8 plain steps a step: 6 tokens for 2.8 -> speculate, long
+    for k in (5, 3, 8, 5, 4):
+        planner.after_step(k, k, P * (1.1 + k / 3))
+    assert not planner.plain and planner.choose(8) >= 6
+    assert planner.predicted > 6
+
+
+def test_planner_goes_plain_when_drafts_are_rejected_and_backs_off_its_probes():
+    model, d = CostModel(), Drafter()
+    planner = measured(model, d, P * 2.8, steps=3, accepted=5)
+    lengths = []
+    for _ in range(6):  # every probe keeps nothing
+        while not planner.plain:
+            planner.after_step(5, 0, P * 2.8)
+        lengths.append(drain(planner))
+    assert lengths[0] <= FIRST_STRETCH * 2 and lengths[-1] == LONGEST_STRETCH
+    assert lengths == sorted(lengths)
+    for _ in range(6):  # drafts are kept again: back to short stretches and speculation
+        planner.after_step(5, 5, P * 2.8)
+    assert not planner.plain and planner.backoff == FIRST_STRETCH
+
+
+def test_an_outlier_step_does_not_move_the_plain_estimate():
+    model = CostModel()
+    for _ in range(10):
+        model.add_plain(P)
+    model.add_plain(50 * P)  # a graph captured on the way
+    assert model.plain.value == pytest.approx(P)
+
+
+def test_empty_draft_takes_plain_tokens_until_the_drafter_can_propose():
+    model, d = CostModel(), Drafter()
+    planner = measured(model, d, P * 1.2, accepted=5)
+    planner.after_step(0, 0, 0.0)  # nothing drafted
+    d.answer = False
+    assert [planner.resume([]) for _ in range(3)] == [False] * 3 and planner.plain
+    d.answer = True
+    assert planner.resume([]) and not planner.plain
+
+
+def test_step_times_fit_a_line_in_k_and_acceptance_is_per_request_and_per_drafter():
+    model, d = CostModel(), Drafter()
+    planner = measured(model, d, 0.0, steps=0)
+    for k in (2, 4, 6, 8) * 3:
+        planner.after_step(k, k, P * (1.0 + 0.25 * k))
+    costs = model.of(d)
+    assert model.step_time(costs, 5) == pytest.approx(P * 2.25)
+    assert planner.acceptance()[:4] == pytest.approx([1.0] * 4)
+    # a new request of the same drafter starts from what the drafter kept, then follows its
+    # own prompt
+    second = SpeculationPlanner(model, d)
+    assert second.acceptance()[0] > 0.9
+    for _ in range(6):
+        second.after_step(4, 0, P * 2.0)
+    assert second.acceptance()[0] < 0.2 < model.of(d).acceptance[0].value
+
+
+def test_an_untimed_planner_chooses_from_its_own_drafts_alone():
+    """A seeded sampled request: the same accepted counts give the same choices whatever the
+    engine measured before or the steps' wall times."""
+    def choices(model, times):
+        planner = SpeculationPlanner(model, d, timed=False)
+        out = []
+        for t, n in zip(times, [5, 4, 0, 0, 5, 3, 0, 0, 0, 1]):
+            out.append(planner.choose(8) if not planner.plain else 0)
+            if planner.plain:
+                drain(planner)
+            planner.after_step(out[-1] or 5, n, t)
+        return out
+    d = Drafter()
+    busy = measured(CostModel(), d, P * 9.0, accepted=0).model
+    assert choices(CostModel(), [P] * 10) == choices(busy, [P * 5] * 10)
