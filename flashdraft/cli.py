@@ -19,17 +19,19 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True,
                         "example alias (example:qwen2.5-coder-1.5b)")
     if draft:
         p.add_argument("--draft", default=None,
-                       help="the drafter: ngram (or ngram:4,3,2), model:PATH, or a draft model's path, "
-                            "id or alias (same tokenizer as the target)")
+                       help="the drafter: ngram (or ngram:4,3,2), model:PATH, dflash:DIR (a DFlash "
+                            "block drafter), or a draft model's path, id or alias (same "
+                            "tokenizer as the target)")
         p.add_argument("--num-speculative-tokens", type=int, default=5, metavar="K",
-                       help="tokens drafted per step (default 5)")
+                       help="the most tokens drafted per step; the cost model chooses fewer, "
+                            "or plain decoding, where that is faster (default 5)")
         p.add_argument("--ngram-sizes", default="4,3,2",
                        help="n-gram sizes for --draft ngram, tried longest first (default 4,3,2)")
         p.add_argument("--no-adaptive-speculation", dest="adaptive_speculation",
                        action="store_false",
-                       help="draft at every step, even while drafts keep failing (default: "
-                            "decode plainly for a while when they do; greedy output is the "
-                            "same either way)")
+                       help="draft K tokens at every step (default: the cost model chooses "
+                            "k, or plain decoding, each step; greedy output is the same "
+                            "either way)")
     p.add_argument("--device", default=None,
                    help="cpu, cuda or cuda:N (default: cuda when present)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -250,6 +252,22 @@ def cmd_demo(args) -> None:
         dtype=args.dtype, output=args.output))
 
 
+def cmd_train_drafter(args) -> None:
+    from .tools.train_drafter import TrainSettings, train_drafter
+
+    train_drafter(TrainSettings(
+        target=args.target, output=args.output, data=args.data, source=args.source,
+        layers=args.layers, block_size=args.block_size, minutes=args.minutes,
+        max_steps=args.max_steps, gamma=args.gamma,
+        target_layer_ids=(parse_ints(args.target_layer_ids, "--target-layer-ids")
+                          if args.target_layer_ids else None),
+        mask_token_id=args.mask_token_id, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, responses_per_prompt=args.responses_per_prompt,
+        max_len=args.max_len, batch_size=args.batch_size, anchors=args.anchors, lr=args.lr,
+        heldout=args.heldout, seed=args.seed, device=args.device, dtype=args.dtype,
+        progress=not args.no_progress))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashdraft", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -286,8 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--context", type=int, default=512,
                    help="with --random-weights: tokens in the cache while timing (default 512)")
     b.add_argument("--draft", action="append", default=None, metavar="DRAFT",
-                   help="a drafter spec (ngram, ngram:SIZES, model:PATH, or a path / id / "
-                        "alias); repeatable")
+                   help="a drafter spec (ngram, ngram:SIZES, model:PATH, dflash:DIR, or a "
+                        "path / id / alias); repeatable")
     b.add_argument("--num-speculative-tokens", default="5", metavar="K[,K...]",
                    help="values of k to sweep, e.g. 1,3,5,7,10,16 (default 5)")
     b.add_argument("--ngram-sizes", default="4,3,2",
@@ -370,6 +388,49 @@ def build_parser() -> argparse.ArgumentParser:
                                    "configuration the flags give, where models are cached")
     add_kernel_args(e)
     e.set_defaults(func=cmd_env)
+
+    tr = sub.add_parser("train-drafter", help="train a DFlash drafter for a target by "
+                                              "self-distillation (its own responses)")
+    tr.add_argument("--target", required=True,
+                    help="the target model (directory, hub id in the cache, .gguf or alias)")
+    tr.add_argument("--output", required=True, metavar="DIR",
+                    help="where the drafter goes (public DFlash format; load it as dflash:DIR)")
+    tr.add_argument("--data", default="builtin", metavar="builtin|FILE|DIR",
+                    help="prompts: the shipped set, a .jsonl ({\"prompt\"} or {\"messages\"} a "
+                         "line) or .txt file, or a directory of them (default builtin)")
+    tr.add_argument("--source", default="generate", choices=["generate", "text"],
+                    help="generate: train on the target's responses to the prompts; text: on "
+                         "the supplied text as it is (cheaper); labels are the target's argmax")
+    tr.add_argument("--layers", type=int, default=1, help="drafter layers (default 1)")
+    tr.add_argument("--block-size", type=int, default=16,
+                    help="B: drafts up to B - 1 tokens a step (default 16)")
+    tr.add_argument("--minutes", type=float, default=10.0,
+                    help="training time, data generation not included (default 10)")
+    tr.add_argument("--max-steps", type=int, default=None, help="or stop after this many steps")
+    tr.add_argument("--gamma", type=float, default=7.0,
+                    help="the loss weight of block position j is exp(-(j-1)/gamma) (default 7)")
+    tr.add_argument("--target-layer-ids", default=None, metavar="J[,J...]",
+                    help="0-based target layers the drafter reads (default: spread as the "
+                         "reference does)")
+    tr.add_argument("--mask-token-id", type=int, default=None,
+                    help="default: the first embedding row past the tokenizer's tokens")
+    tr.add_argument("--max-new-tokens", type=int, default=256,
+                    help="of each generated response (default 256)")
+    tr.add_argument("--temperature", type=float, default=0.0,
+                    help="of the generated responses (default 0, greedy)")
+    tr.add_argument("--responses-per-prompt", type=int, default=1,
+                    help="responses sampled per prompt (needs --temperature > 0)")
+    tr.add_argument("--max-len", type=int, default=1024, help="tokens a training sequence")
+    tr.add_argument("--batch-size", type=int, default=8, help="sequences a step (default 8)")
+    tr.add_argument("--anchors", type=int, default=16, help="blocks a sequence a step (default 16)")
+    tr.add_argument("--lr", type=float, default=6e-4)
+    tr.add_argument("--heldout", type=float, default=0.05,
+                    help="share of sequences kept for the tau estimate (default 0.05)")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--device", default=None)
+    tr.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    tr.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
+    tr.set_defaults(func=cmd_train_drafter)
 
     return parser
 
