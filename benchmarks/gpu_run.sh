@@ -22,6 +22,12 @@
 #                top-p 0.95 in one run; the seed prompts at T = 0.8 with the 0.5B draft model
 #                (k = 3, 5); with BASE=DIR that version's first (without top-p where its
 #                bench has no --top-p)
+# dflash-train   `flashdraft train-drafter` for the target (MINUTES, default 8; RESPONSES of
+#                the target a training prompt, default 4; DFLASH_LAYERS, default 1) into
+#                /root/dflash, its train_log.json (the τ-vs-minutes curve) to $OUT
+# dflash-bench   HumanEval by chat template (NUM_PROMPTS, default 20), greedy, and the seed
+#                prompts at T = 0.8: plain, the trained DFlash drafter and the 0.5B draft model
+#                at k = 5 and 15
 # shapes         random-weight step curves and plain decoding of the 1.5B and 0.5B shapes
 #                (`flashdraft bench --random-weights`), with BASE=DIR that version's first
 # mkvariants     the megakernel's off-by-default variants (O's first chunk in registers,
@@ -104,6 +110,20 @@ for phase in "$@"; do
       PROMPTS=seed bench seed-t08-$side "$path" --temperature 0.8 --seed 0 --draft $DRAFT \
         --num-speculative-tokens 3,5
     done
+    ;;
+  dflash-train)
+    # a DFlash drafter for the target, trained here (it lives as long as the machine)
+    python3 -m flashdraft.cli train-drafter --target $TARGET --output /root/dflash \
+      --layers ${DFLASH_LAYERS:-1} --block-size 16 --minutes ${MINUTES:-8} \
+      --responses-per-prompt ${RESPONSES:-4} --temperature 0.8 --max-new-tokens 256 \
+      --no-progress 2>&1 | grep -v Warn | tail -30
+    cp /root/dflash/train_log.json "$OUT/dflash-train-log.json"
+    ;;
+  dflash-bench)
+    bench dflash-humaneval "$PWD" --prompts humaneval --num-prompts ${NUM_PROMPTS:-20} \
+      --draft dflash:/root/dflash --draft $DRAFT --num-speculative-tokens 5,15
+    PROMPTS=seed bench dflash-seed-t08 "$PWD" --temperature 0.8 --seed 0 \
+      --draft dflash:/root/dflash --draft $DRAFT --num-speculative-tokens 5,15
     ;;
   shapes)
     for shape in qwen2.5-1.5b qwen2.5-0.5b; do
