@@ -60,6 +60,10 @@ class RequestMetrics:
     # the planner's expected tokens E(k) of each speculative step (achieved: n + 1)
     predicted_per_step: list[float] = field(default_factory=list)
     plain_tokens: int = 0  # from plain steps run ahead (plain decoding: all but the first)
+    # GPU time (CUDA events; wall time on a CPU) of the speculative steps' drafting and
+    # verification, summed over the steps that verified a draft
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
     ttft_s: float = 0.0
     decode_time_s: float = 0.0  # from the first generated token to the last
     total_time_s: float = 0.0
@@ -242,7 +246,9 @@ class Engine:
         budget = min(req.k, req.max_new - req.generated - 1)
         if req.policy is not None and budget > 0:
             budget = req.policy.choose(budget)
+        req.timer.mark(0)
         draft = self._propose(req, hidden, budget)
+        req.timer.mark(1)
         n_draft = draft.tokens.shape[1]
         if n_draft == 0 and req.policy is not None:
             req.policy.after_step(0, 0, 0.0)  # an empty draft is not verified: decode it plainly
@@ -263,7 +269,11 @@ class Engine:
             logits, hidden, packed = self._forward(verify_in, position, req.hidden_layers,
                                                    post=post)
             next_token = packed[1:2]
+            req.timer.mark(2)
             result = packed.tolist()  # the step's one synchronisation
+            drafting, verifying = req.timer.read()
+            req.metrics.draft_time_s += drafting
+            req.metrics.verify_time_s += verifying
             n, new = result[0], result[2:2 + result[0]] + [result[1]]
         # The pass ran over [last, d_1 … d_k]: the rows of last and the n accepted drafts are
         # committed, the rest are rejected drafts'. Views: nothing is copied (nor computed, when
@@ -392,6 +402,7 @@ class _Request:
         self.policy = (SpeculationPlanner(costs, drafter, timed) if drafter is not None
                        and costs is not None and not drafter.hidden_layers else None)
         self.reader = TokenReader(device)  # plain decoding's, kept for every stretch
+        self.timer = StepTimer(device)  # a speculative step's drafting and verification
         self.megakernel = None  # plain decoding's steps, where the engine uses one
 
     @property
@@ -418,6 +429,30 @@ class _Request:
         if self.generated >= self.max_new:
             return StepOutput(new, "length")
         return StepOutput(new)
+
+
+class StepTimer:
+    """Times the parts of a speculative step without a synchronisation of its own: CUDA
+    events marked between them, read after the step's one host read has passed them (wall
+    time on a CPU, where every step is synchronous)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.marks = ([torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.cuda
+                      else [0.0] * 3)
+
+    def mark(self, i: int) -> None:
+        if self.cuda:
+            self.marks[i].record()
+        else:
+            self.marks[i] = time.perf_counter()
+
+    def read(self) -> tuple[float, float]:
+        """(seconds from mark 0 to 1, from 1 to 2), once the work before mark 2 is done."""
+        a, b, c = self.marks
+        if self.cuda:
+            return a.elapsed_time(b) / 1e3, b.elapsed_time(c) / 1e3
+        return b - a, c - b
 
 
 class TokenReader:

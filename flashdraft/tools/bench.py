@@ -318,6 +318,9 @@ def summarize(requests: list[dict], plain: dict | None, planned: int, k: int) ->
         # of the generated tokens, those from plain steps run ahead (the cost model's plain stretches)
         "plain_tokens": sum(m.get("plain_tokens", 0) for m in metrics),
         "tau": generated / passes if passes else None,
+        # GPU time a verified speculative step spends drafting and verifying, on average
+        "draft_s": ratio(sum(m.get("draft_time_s", 0.0) for m in metrics), len(drafted)),
+        "verify_s": ratio(sum(m.get("verify_time_s", 0.0) for m in metrics), len(drafted)),
         # decode time per target pass after the prefill's: what one step costs, drafting and
         # verification together (plain decoding: one token's step)
         "step_s": ratio(sum(m["decode_time_s"] for m in metrics),
@@ -903,7 +906,7 @@ def format_markdown(results: dict, full: bool = False) -> str:
                  for c in configs)
     util = any(c["summary"]["gpu_utilisation_percent"] for c in configs)
     head = ["configuration", "T", "tokens/s median (p10–p90)", "e2e tokens/s", "TTFT ms",
-            "TPOT ms", "step ms", "τ", "acceptance", "plain steps", "step tokens expected / got",
+            "TPOT ms", "step ms", "draft / verify ms", "τ", "acceptance", "plain steps", "step tokens expected / got",
             "speedup", "same as plain"]
     head += ["peak memory"] * memory + ["GPU util"] * util
     rows = []
@@ -916,7 +919,10 @@ def format_markdown(results: dict, full: bool = False) -> str:
                _f(m["e2e_tokens_per_s"] and m["e2e_tokens_per_s"]["median"]),
                _f(m["ttft_s"] and m["ttft_s"]["median"], ".1f", 1000),
                _f(m["tpot_s"] and m["tpot_s"]["median"], ".2f", 1000),
-               _f(m.get("step_s"), ".2f", 1000), _f(m["tau"], ".2f"),
+               _f(m.get("step_s"), ".2f", 1000),
+               "—" if m.get("draft_s") is None else
+               f"{m['draft_s'] * 1000:.2f} / {m['verify_s'] * 1000:.2f}",
+               _f(m["tau"], ".2f"),
                _f(m["acceptance_rate"], ".1%"),
                # tokens from plain steps run ahead while drafting did not pay
                "—" if c["drafter"] is None else _f(ratio(m.get("plain_tokens", 0),
