@@ -994,7 +994,7 @@ def _self_drafting(model, device, dtype):
     from flashdraft.config import SamplingParams
     from flashdraft.drafters.draft_model import DraftModelDrafter
     from flashdraft.engine import Engine, RequestMetrics
-    engine = Engine(model, device, dtype, 256, ())
+    engine = Engine(model, device, dtype, 256, (), adaptive=False)  # a draft every step
     drafter = DraftModelDrafter(model, device, dtype, model.cfg.vocab_size,
                                 decode_kernel="graph")
     drafter.use_megakernel = True  # built by ensure_capacity, as with decode_kernel="auto"
