@@ -160,7 +160,6 @@ class SpeculationPlanner:
     planner.plain                      whether the next tokens are decoded plainly
     planner.choose(k_max) -> k         before a speculative step: how many to draft
     planner.after_step(k, n, seconds)  after it: drafted, accepted, its wall time
-    planner.plain_token(seconds)       after each plain token: the interval since the last
     planner.resume(tokens)             after each plain token: draft again from the next?
     """
 
@@ -193,12 +192,8 @@ class SpeculationPlanner:
 
     def choose(self, k_max: int) -> int:
         """k for the next step (>= 1; plain decoding is chosen by after_step's stretches)."""
-        k, e, _ = best_k(self.acceptance(), self._step_time, self._plain_s, k_max)
-        if k == 0:  # a probe after a stretch: the best k as if plain were not an option
-            k = max(range(1, k_max + 1), key=lambda j: expected_tokens(self.acceptance(), j)
-                    / self._step_time(j))
-            e = expected_tokens(self.acceptance(), k)
-        self.predicted = e
+        # A probe after a plain stretch drafts too: the best k as if plain were not an option.
+        k, self.predicted, _ = best_k(self.acceptance(), self._step_time, float("inf"), k_max)
         return k
 
     def after_step(self, drafted: int, accepted: int, seconds: float) -> None:
@@ -225,9 +220,6 @@ class SpeculationPlanner:
             self.backoff = min(2 * self.backoff, LONGEST_STRETCH)
         else:
             self.backoff = FIRST_STRETCH
-
-    def plain_token(self, seconds: float) -> None:
-        self.model.add_plain(seconds)
 
     def resume(self, tokens: list[int]) -> bool:
         self.stretch = max(0, self.stretch - 1)
