@@ -18,8 +18,9 @@ Then p_x = e_x / z for kept x and 0 otherwise, z = the kept mass. `RowStats` (t,
 a row needs: `probs_from_stats` and `race` rebuild p from the logits as they read them.
 
 `row_stats(..., fused=True)` finds them without sorting the vocabulary (Triton,
-`backends.sampling_kernels`); `row_stats_reference` sorts. Both give the same t, bit for bit,
-save where a cumulative mass lands within rounding of top_p · Z_k.
+`backends.sampling_kernels`: a descent through histograms of the row down to a cell of few
+enough tokens to sort); `row_stats_reference` sorts. Both give the same t, bit for bit, save
+where a cumulative mass lands within rounding of top_p · Z_k.
 
 Sampling is the exponential race: argmax over kept x of log w_x - log E_x, E_x ~ Exp(1), is
 distributed as w / sum w, and needs neither a cumulative sum nor a host round trip. The fused
@@ -55,6 +56,14 @@ def check_params(temperature: float, top_k: int = 0, top_p: float = 1.0,
         raise ValueError(f"min_p must be in [0, 1) (0: off), got {min_p!r}")
 
 
+def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """s = logits.float() / temperature, correctly rounded on every device, as the kernels
+    compute it: PyTorch's CUDA division by a Python number multiplies by its reciprocal
+    instead, which can differ in the last bit (and then t and m would too)."""
+    x = logits.float()
+    return x / x.new_full((), float(temperature)) if x.is_cuda else x / temperature
+
+
 def _rows(logits: torch.Tensor) -> torch.Tensor:
     if logits.dim() != 2:
         raise ValueError(f"logits must be [rows, vocab], got shape {tuple(logits.shape)}")
@@ -65,7 +74,7 @@ def row_stats_reference(logits: torch.Tensor, temperature: float, top_k: int = 0
                         top_p: float = 1.0, min_p: float = 0.0) -> RowStats:
     """logits [R, V] -> RowStats, by sorting each row (the definition, in PyTorch)."""
     check_params(temperature, top_k, top_p, min_p)
-    s = _rows(logits).float() / temperature  # [R, V]
+    s = scaled(_rows(logits), temperature)  # [R, V]
     vocab = s.shape[-1]
     m = s.amax(-1)  # [R]
     neg_inf = torch.full_like(m, float("-inf"))
@@ -102,7 +111,7 @@ def row_stats(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: f
 
 def probs_from_stats(logits: torch.Tensor, temperature: float, stats: RowStats) -> torch.Tensor:
     """logits [R, V] and their RowStats -> p [R, V] (float32)."""
-    s = _rows(logits).float() / temperature
+    s = scaled(_rows(logits), temperature)
     e = torch.exp(s - stats.m[:, None])
     return torch.where(s >= stats.t[:, None], e / stats.z[:, None], 0.0)
 
@@ -226,7 +235,7 @@ def uniform(rng: torch.Tensor, n: int, *, fused: bool, stream: int = 0) -> torch
 def prob_at(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
             stats: RowStats) -> torch.Tensor:
     """p of one token per row: logits [R, V], tokens [R] -> [R] (float32), from RowStats."""
-    s = logits.gather(1, tokens.long()[:, None]).squeeze(1).float() / temperature
+    s = scaled(logits.gather(1, tokens.long()[:, None]).squeeze(1), temperature)
     return torch.where(s >= stats.t, torch.exp(s - stats.m) / stats.z, 0.0)
 
 

@@ -1,7 +1,7 @@
 """The fused sampling kernels (flashdraft.backends.sampling_kernels) against the sort-based
 reference (flashdraft.sampling), on the CPU through Triton's interpreter (conftest sets
-TRITON_INTERPRET=1) or on the GPU. Small capacities and few bins make the exact (bisection)
-path run too."""
+TRITON_INTERPRET=1) or on the GPU. Small capacities and few bins make the descent's deeper
+levels and the exact (bisection) path run too."""
 import pytest
 import torch
 
@@ -23,7 +23,7 @@ def check_stats(logits, temperature, top_k, top_p, min_p, **kw):
     assert torch.equal(got.m, want.m), args
     assert torch.equal(got.t, want.t), (args, got.t, want.t)
     torch.testing.assert_close(got.z, want.z, rtol=1e-5, atol=0, msg=lambda m: f"{args}: {m}")
-    s = logits.float() / temperature
+    s = S.scaled(logits, temperature)
     assert torch.equal(s >= got.t[:, None], s >= want.t[:, None]), args
 
 
@@ -72,6 +72,24 @@ def test_flat_row_takes_the_exact_path_and_large_capacity_does_not():
     check_stats(logits, 1.0, 5, 0.9, 0.0)
     check_stats(logits, 1.0, 50, 0.9, 0.0, capacity=1024)
     check_stats(logits, 1.0, 0, 1.0, 0.0)  # nothing to cut: t = -inf, z = the row's mass
+
+
+@pytest.mark.parametrize("params", [(1.0, 0, 0.95, 0.0), (0.7, 0, 0.5, 0.0), (1.0, 0, 1.0, 0.02),
+                                    (1.0, 0, 0.9, 0.05), (1.0, 20, 0.95, 0.0), (1.0, 50, 1.0, 0.0)])
+def test_wide_flat_and_peaked_rows_settle_without_the_exact_path(params):
+    """Rows whose cut cell holds many more tokens than the capacity (a flat row of 6,000
+    tokens) or lies far below the max (a peaked row: one token 40 nats above the rest) are
+    settled by the descent's deeper levels, not by the exact kernel."""
+    g = torch.Generator().manual_seed(9)
+    flat = torch.randn(6000, generator=g) * 0.2
+    peaked = torch.randn(6000, generator=g) * 2.0
+    peaked[123] = 45.0
+    wide = torch.randn(6000, generator=g) * 3.0
+    logits = torch.stack([flat, peaked, wide]).to(DEV)
+    kw = dict(capacity=64, num_bins=32, chunk=512, sub=512)
+    *_, flagged = K.row_stats(logits, *params, **kw)
+    assert flagged.tolist() == [0, 0, 0], params
+    check_stats(logits, *params, **kw)
 
 
 def test_ties_share_one_fate():

@@ -3,31 +3,38 @@
 `row_stats` finds, for each row of logits, the threshold t on s = logits / temperature that
 top-k, top-p and min-p imply, the row max m and the kept mass z (semantics in
 `flashdraft.sampling`), in a fixed number of launches and without a host synchronisation,
-so that it runs inside a CUDA graph:
+so that it runs inside a CUDA graph. Each kernel has a grid (R, C), a program per chunk of
+a row; the last program of a row to finish (an atomic counter, reset by that program) does
+the row's reduction, so no launch exists only to reduce:
 
-- K1 `_partials_kernel`, grid (R, C): each chunk's max and sum of exp(s - chunk max);
-  program (r, 0) also zeroes row r's candidate counter.
-- K2 `_histogram_kernel`, grid (R, C): with m from the partials, each token falls in the
-  bin min(floor((m - s) · G), NB - 1) (G bins per nat, the last bin everything deeper);
-  each chunk's mass and count per bin.
-- K3 `_collect_kernel`, grid (R, C): from the row's histogram, the cut bin beta (where the
-  cumulative count reaches top_k, or the cumulative mass top_p · Z, or min-p's depth), one
-  bin deeper as a margin for rounding; every token of a bin <= beta becomes a candidate,
-  written to a per-row buffer at a slot claimed with an atomic counter, as one int64: an
-  order-preserving int32 key of s above the token id.
-- K4 `_select_kernel`, grid (R): sorts the candidates (at most CAP), and finds t_k, Z_k,
-  t_p, t_min, t and z among them. Bins are monotone in s, so the candidates are the top of
-  the row in order; the kernel flags the row when they may not hold the cut (more than CAP
-  of them, fewer than top_k, or less than the top-p mass with no min-p cut to stand in).
+- K1 `_partials_kernel`: each chunk's max and sum of exp(s - chunk max); the last program,
+  the row's m and mass Z.
+- Levels 0 … L-1 `_level_kernel` (a descent): a token's cell is floor((m - s) · scale),
+  monotone in s; a cell of level l is NB cells of level l + 1. Level 0 counts tokens and
+  adds up their mass per bin of the whole row; level l only those of the cut cell of level
+  l - 1. The last program picks the bin where the cut lies (where the cumulative count
+  reaches top_k; else the shallower of where the cumulative mass reaches top_p · Z and of
+  min-p's cell) and keeps the count and mass above it. The descent stops (later levels
+  return at once) when the cut cell holds at most CAP tokens (with top-k: the cell and
+  everything above it).
+- `_collect_kernel`: writes the tokens of the cut cell (with top-k, also everything above
+  it) to a per-row buffer at slots claimed with an atomic counter, as one int64 each: an
+  order-preserving int32 key of s above the token id; the last program sorts them and finds
+  t and z (the cut inside the cell, from the mass above it). It flags a row whose
+  candidates overflow CAP: more than CAP tokens within one finest cell (1 / (scale / NB^0)
+  nats), or a top-k cut below the deepest cell.
 - K4b `_exact_kernel`, grid (R): nothing unless the row is flagged; then the exact answer
-  by bisection over the 32-bit keys with full passes over the row. Slow, and rare: a flat
-  row of many near-equal tokens.
+  by bisection over the 32-bit keys with full passes over the row. Slow, and for rows that
+  practically never occur.
 
-Without top-k, top-p or min-p only K1 and K4 run (t = -inf, z = the row's mass).
+Without top-k, top-p or min-p only K1 runs (t = -inf, z = the row's mass).
 
 `race` draws one token per row by the exponential race over the kept tokens, with Philox
 random numbers keyed by (seed; token, row, counter, stream): each program takes its chunk's
-winner, and a torch argmax over the chunks picks the row's.
+winner, and the last program of a row the row's.
+
+The kernels of one device share a buffer of counters (zero between launches): launch them
+from one stream at a time.
 """
 from __future__ import annotations
 
@@ -40,12 +47,16 @@ from .kernels import INTERPRET, triton
 if triton is not None:
     import triton.language as tl
 
-# Bins per nat below the row max, and bins in all (the last one holds everything deeper):
-# 64 bins of 1/4 nat reach 15.75 nats, beyond any cut a sampler asks for in practice.
-BINS_PER_NAT = 4
+# Bins per level and levels of the descent: the finest cells are 1 / (G · NB^(L-1)) nats.
 NUM_BINS = 64
-# Most candidates a row keeps for the sort; more go to the exact (bisection) path.
-CAPACITY = 2048
+LEVELS = 3
+# Bins per nat of level 0, G: top-p and min-p look 32 nats deep (cells of 1/8192 nat), top-k
+# 128 nats (1/2048 nat); the deepest bin holds everything beyond, -inf included.
+BINS_PER_NAT = 2.0
+BINS_PER_NAT_TOP_K = 0.5
+# Most candidates the last program sorts (top-k asks for at least 2 · top_k, up to the most).
+CAPACITY = 512
+MAX_CAPACITY = 4096
 # Tokens per program of the row-wise kernels, and per step of their inner loops.
 CHUNK = 2048
 SUB = 128
@@ -68,13 +79,28 @@ def _require(x: torch.Tensor) -> None:
                            f"{x.device.type} tensor. Pass fused=False for the PyTorch reference")
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """int32 [n] of the device's shared counters, zero between launches (each kernel's last
+    programs reset theirs). Grown outside graph captures: the first call for a size runs
+    eagerly (a graph's warm-up)."""
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < n:
+        have = _COUNTERS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return have[:n]
+
+
 if triton is not None:
     @triton.jit
     def _scaled(logits_ptr, row_stride, r, offs, V, temperature):
-        """s = logits / temperature (correctly rounded, as PyTorch's division), -inf beyond V."""
+        """s = logits / temperature, correctly rounded (as flashdraft.sampling.scaled), -inf
+        beyond V; -0.0 made +0.0, so that equal values have equal keys."""
         x = tl.load(logits_ptr + r.to(tl.int64) * row_stride + offs, mask=offs < V,
                     other=float("-inf")).to(tl.float32)
-        return tl.math.div_rn(x, temperature)
+        s = tl.math.div_rn(x, temperature)
+        return tl.where(s == 0.0, 0.0, s)
 
     @triton.jit
     def _key(s):
@@ -88,23 +114,23 @@ if triton is not None:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _bins(s, m, G: tl.constexpr, NB: tl.constexpr):
-        depth = tl.minimum((m - s) * G, NB - 1)
-        return tl.floor(depth).to(tl.int32)
+    def _cell(s, m, scale, NCELL: tl.constexpr):
+        """A token's finest cell, floor((m - s) · scale), the deepest holding everything beyond
+        (-inf too): monotone in s, so the cells keep the row's order."""
+        return tl.floor(tl.minimum((m - s) * scale, NCELL - 1)).to(tl.int32)
 
     @triton.jit
-    def _row_max_and_mass(pmax_ptr, psum_ptr, r, C, C_PAD: tl.constexpr):
-        """m and Z = sum exp(s - m) of row r from its chunks' partials."""
-        cidx = tl.arange(0, C_PAD)
-        cmax = tl.load(pmax_ptr + r * C + cidx, mask=cidx < C, other=float("-inf"))
-        csum = tl.load(psum_ptr + r * C + cidx, mask=cidx < C, other=0.0)
-        m = tl.max(cmax, 0)
-        z = tl.sum(tl.where(cidx < C, csum * tl.exp(cmax - m), 0.0), 0)
-        return m, z
+    def _last(counter_ptr, n):
+        """Whether this program is the last of the n sharing the counter to get here; that one
+        resets it. The atomic's acquire-release order makes the others' stores visible."""
+        last = tl.atomic_add(counter_ptr, 1, sem="acq_rel") == n - 1
+        tl.store(counter_ptr, 0, mask=last)
+        return last
 
     @triton.jit
-    def _partials_kernel(logits_ptr, row_stride, V, temperature, pmax_ptr, psum_ptr, count_ptr,
-                         C, CHUNK: tl.constexpr, SUB: tl.constexpr):
+    def _partials_kernel(logits_ptr, row_stride, V, temperature, pmax_ptr, psum_ptr, m_ptr,
+                         zrow_ptr, t_ptr, z_ptr, flag_ptr, count_ptr, C, C_PAD: tl.constexpr,
+                         CHUNK: tl.constexpr, SUB: tl.constexpr, FILTER: tl.constexpr):
         r = tl.program_id(0)
         c = tl.program_id(1)
         start = c * CHUNK
@@ -125,124 +151,174 @@ if triton is not None:
         csum = tl.sum(tl.where(seen, run_sum * tl.exp(tl.where(seen, run_max - cmax, 0.0)), 0.0), 0)
         tl.store(pmax_ptr + r * C + c, cmax)
         tl.store(psum_ptr + r * C + c, csum)
-        if c == 0:
-            tl.store(count_ptr + r, 0)
+        if _last(count_ptr + r, C):
+            cidx = tl.arange(0, C_PAD)
+            cmax = tl.load(pmax_ptr + r * C + cidx, mask=cidx < C, other=float("-inf"))
+            csum = tl.load(psum_ptr + r * C + cidx, mask=cidx < C, other=0.0)
+            m = tl.max(cmax, 0)
+            z = tl.sum(tl.where(cidx < C, csum * tl.exp(cmax - m), 0.0), 0)
+            tl.store(m_ptr + r, m)
+            tl.store(zrow_ptr + r, z)
+            if not FILTER:
+                tl.store(t_ptr + r, float("-inf"))
+                tl.store(z_ptr + r, z)
+                tl.store(flag_ptr + r, 0)
 
     @triton.jit
-    def _histogram_kernel(logits_ptr, row_stride, V, temperature, pmax_ptr, psum_ptr,
-                          hmass_ptr, hcount_ptr, C, C_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                          SUB: tl.constexpr, G: tl.constexpr, NB: tl.constexpr):
+    def _level_kernel(logits_ptr, row_stride, V, temperature, m_ptr, zrow_ptr, st_ptr, sm_ptr,
+                      hmass_ptr, hcount_ptr, count_ptr, top_k, top_p, log_min_p, scale, C,
+                      C_PAD: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                      NB: tl.constexpr, LOG: tl.constexpr, LEVELS: tl.constexpr,
+                      LEVEL: tl.constexpr, CAP: tl.constexpr, HAS_K: tl.constexpr,
+                      HAS_P: tl.constexpr, HAS_MIN: tl.constexpr):
+        """One level of the descent. The row's state st [8] (int32): prefix (the cut cell at
+        the last level done), levels done, done, whether top-p's cut chose the cell, count
+        above the cell, count in it; sm [2] (float32): mass above the cell, mass in it."""
         r = tl.program_id(0)
         c = tl.program_id(1)
-        m, _ = _row_max_and_mass(pmax_ptr, psum_ptr, r, C, C_PAD)
-        bidx = tl.arange(0, NB)
-        mass = tl.zeros([NB], tl.float32)
-        count = tl.zeros([NB], tl.int32)
+        st = st_ptr + r * 8
+        sm = sm_ptr + r * 2
+        SHIFT: tl.constexpr = LOG * (LEVELS - 1 - LEVEL)
+        NCELL: tl.constexpr = 1 << (LOG * LEVELS)
+        prefix = 0
+        busy = True
+        if LEVEL > 0:
+            prefix = tl.load(st)
+            busy = tl.load(st + 2) == 0
+        if busy:
+            m = tl.load(m_ptr + r)
+            bidx = tl.arange(0, NB)
+            mass = tl.zeros([NB], tl.float32)
+            count = tl.zeros([NB], tl.int32)
+            for i in range(0, CHUNK, SUB):
+                offs = c * CHUNK + i + tl.arange(0, SUB)
+                s = _scaled(logits_ptr, row_stride, r, offs, V, temperature)
+                cell = _cell(s, m, scale, NCELL)
+                inside = offs < V
+                if LEVEL > 0:
+                    inside = inside & ((cell >> (SHIFT + LOG)) == prefix)
+                onehot = (((cell >> SHIFT) & (NB - 1))[:, None] == bidx[None, :]) & inside[:, None]
+                mass += tl.sum(tl.where(onehot, tl.exp(s - m)[:, None], 0.0), 0)
+                count += tl.sum(onehot.to(tl.int32), 0)
+            out = (r * C + c) * NB + bidx
+            tl.store(hmass_ptr + out, mass)
+            tl.store(hcount_ptr + out, count)
+            if _last(count_ptr + r, C):
+                cidx = tl.arange(0, C_PAD)
+                at = (r * C + cidx[:, None]) * NB + bidx[None, :]
+                inside = (cidx < C)[:, None]
+                mass = tl.sum(tl.load(hmass_ptr + at, mask=inside, other=0.0), 0)
+                count = tl.sum(tl.load(hcount_ptr + at, mask=inside, other=0), 0)
+                count_above = 0
+                mass_above = 0.0
+                if LEVEL > 0:
+                    count_above = tl.load(st + 4)
+                    mass_above = tl.load(sm)
+                if HAS_K:
+                    d = tl.min(tl.where(count_above + tl.cumsum(count, 0) >= top_k, bidx,
+                                        NB - 1), 0)
+                    p_hit = 0
+                else:
+                    d_p = NB
+                    if HAS_P:
+                        thr = top_p * tl.load(zrow_ptr + r)
+                        d_p = tl.min(tl.where(mass_above + tl.cumsum(mass, 0) >= thr, bidx, NB),
+                                     0)
+                    d_min = NB
+                    if HAS_MIN:
+                        min_cell = _cell(m + log_min_p, m, scale, NCELL)
+                        d_min = tl.where((min_cell >> (SHIFT + LOG)) == prefix,
+                                         (min_cell >> SHIFT) & (NB - 1), NB)
+                    d = tl.minimum(d_p, d_min)
+                    p_hit = (d_p <= d_min).to(tl.int32)
+                    # No cut inside the cell (top-p's mass short of top_p · Z by rounding):
+                    # its deepest bin with mass, kept whole.
+                    deepest = tl.max(tl.where(mass > 0, bidx, 0), 0)
+                    p_hit = tl.where(d == NB, 1, p_hit)
+                    d = tl.where(d == NB, deepest, d)
+                count_above += tl.sum(tl.where(bidx < d, count, 0), 0)
+                mass_above += tl.sum(tl.where(bidx < d, mass, 0.0), 0)
+                cell_n = tl.sum(tl.where(bidx == d, count, 0), 0)
+                if HAS_K:
+                    fits = count_above + cell_n <= CAP
+                else:
+                    fits = cell_n <= CAP
+                tl.store(st, prefix * NB + d)
+                tl.store(st + 1, LEVEL + 1)
+                tl.store(st + 2, (fits | (LEVEL == LEVELS - 1)).to(tl.int32))
+                tl.store(st + 3, p_hit)
+                tl.store(st + 4, count_above)
+                tl.store(st + 5, cell_n)
+                tl.store(sm, mass_above)
+                tl.store(sm + 1, tl.sum(tl.where(bidx == d, mass, 0.0), 0))
+
+    @triton.jit
+    def _collect_kernel(logits_ptr, row_stride, V, temperature, m_ptr, zrow_ptr, st_ptr, sm_ptr,
+                        ncand_ptr, cand_ptr, count_ptr, t_ptr, z_ptr, flag_ptr, top_k, top_p,
+                        log_min_p, scale, C, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                        LOG: tl.constexpr, LEVELS: tl.constexpr, CAP: tl.constexpr,
+                        HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_MIN: tl.constexpr):
+        r = tl.program_id(0)
+        c = tl.program_id(1)
+        NCELL: tl.constexpr = 1 << (LOG * LEVELS)
+        st = st_ptr + r * 8
+        prefix = tl.load(st)
+        shift = LOG * (LEVELS - tl.load(st + 1))
+        m = tl.load(m_ptr + r)
         for i in range(0, CHUNK, SUB):
             offs = c * CHUNK + i + tl.arange(0, SUB)
             s = _scaled(logits_ptr, row_stride, r, offs, V, temperature)
-            e = tl.exp(s - m)
-            onehot = (_bins(s, m, G, NB)[:, None] == bidx[None, :]) & (offs < V)[:, None]
-            mass += tl.sum(tl.where(onehot, e[:, None], 0.0), 0)
-            count += tl.sum(onehot.to(tl.int32), 0)
-        out = (r * C + c) * NB + bidx
-        tl.store(hmass_ptr + out, mass)
-        tl.store(hcount_ptr + out, count)
-
-    @triton.jit
-    def _collect_kernel(logits_ptr, row_stride, V, temperature, pmax_ptr, psum_ptr,
-                        hmass_ptr, hcount_ptr, count_ptr, cand_ptr, beta_ptr,
-                        top_k, top_p, bin_min, C, C_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                        SUB: tl.constexpr, G: tl.constexpr, NB: tl.constexpr,
-                        CAP: tl.constexpr, HAS_K: tl.constexpr, HAS_P: tl.constexpr,
-                        HAS_MIN: tl.constexpr):
-        r = tl.program_id(0)
-        c = tl.program_id(1)
-        m, z = _row_max_and_mass(pmax_ptr, psum_ptr, r, C, C_PAD)
-        cidx = tl.arange(0, C_PAD)
-        bidx = tl.arange(0, NB)
-        at = (r * C + cidx[:, None]) * NB + bidx[None, :]
-        inside = (cidx < C)[:, None]
-        beta = NB - 1
-        if HAS_K:
-            counts = tl.sum(tl.load(hcount_ptr + at, mask=inside, other=0), 0)
-            beta = tl.min(tl.where(tl.cumsum(counts, 0) >= top_k, bidx, NB - 1), 0)
-        elif HAS_P:
-            mass = tl.sum(tl.load(hmass_ptr + at, mask=inside, other=0.0), 0)
-            beta = tl.min(tl.where(tl.cumsum(mass, 0) >= top_p * z, bidx, NB - 1), 0)
-        if HAS_MIN and not HAS_K:
-            beta = tl.minimum(beta, bin_min)
-        beta = tl.minimum(beta + 1, NB - 1)
-        if c == 0:
-            tl.store(beta_ptr + r, beta)
-        for i in range(0, CHUNK, SUB):
-            offs = c * CHUNK + i + tl.arange(0, SUB)
-            s = _scaled(logits_ptr, row_stride, r, offs, V, temperature)
-            picked = (_bins(s, m, G, NB) <= beta) & (offs < V)
+            top = _cell(s, m, scale, NCELL) >> shift
+            if HAS_K:  # the cut cell and everything above it
+                picked = (top <= prefix) & (offs < V)
+            else:  # the cut cell
+                picked = (top == prefix) & (offs < V)
             n_picked = tl.sum(picked.to(tl.int32), 0)
             if n_picked > 0:
-                base = tl.atomic_add(count_ptr + r, n_picked)
+                base = tl.atomic_add(ncand_ptr + r, n_picked)
                 slot = base + tl.cumsum(picked.to(tl.int32), 0) - picked.to(tl.int32)
                 packed = (_key(s).to(tl.int64) << 32) | offs.to(tl.int64)
                 tl.store(cand_ptr + r.to(tl.int64) * CAP + slot, packed,
                          mask=picked & (slot < CAP))
-
-    @triton.jit
-    def _select_kernel(pmax_ptr, psum_ptr, count_ptr, cand_ptr, beta_ptr, t_ptr, m_ptr, z_ptr,
-                       flag_ptr, V, top_k, top_p, log_min_p, bin_min, C, C_PAD: tl.constexpr,
-                       CAP: tl.constexpr, FILTER: tl.constexpr, HAS_K: tl.constexpr,
-                       HAS_P: tl.constexpr, HAS_MIN: tl.constexpr):
-        r = tl.program_id(0)
-        m, z_row = _row_max_and_mass(pmax_ptr, psum_ptr, r, C, C_PAD)
-        tl.store(m_ptr + r, m)
-        if not FILTER:
-            tl.store(t_ptr + r, float("-inf"))
-            tl.store(z_ptr + r, z_row)
-        else:
-            n = tl.load(count_ptr + r)
-            beta = tl.load(beta_ptr + r)
+        if _last(count_ptr + r, C):
+            n = tl.atomic_xchg(ncand_ptr + r, 0)
             idx = tl.arange(0, CAP)
-            packed = tl.load(cand_ptr + r.to(tl.int64) * CAP + idx, mask=idx < n,
+            valid = idx < n
+            packed = tl.load(cand_ptr + r.to(tl.int64) * CAP + idx, mask=valid,
                              other=-9223372036854775808)
             packed = tl.sort(packed, descending=True)
-            valid = idx < n
             s = tl.where(valid, _unkey((packed >> 32).to(tl.int32)), float("-inf"))
             e = tl.where(valid, tl.exp(s - m), 0.0)
-            flag = n > CAP
-            whole_row = n == V
-            # min-p's cut stands in for an uncovered top-p cut when every token at or above
-            # it is a candidate: K3's beta went a bin past min-p's depth.
-            min_ok = whole_row
-            if HAS_MIN:
-                min_ok = min_ok | (beta > bin_min)
-            t_k = float("-inf")
-            in_k = valid
-            z_k = z_row
-            if HAS_K:
-                t_k = tl.max(tl.where(idx == top_k - 1, s, float("-inf")), 0)
-                in_k = valid & (s >= t_k)
-                z_k = tl.sum(tl.where(in_k, e, 0.0), 0)
-                flag = flag | (n < top_k)
-            t_p = float("-inf")
-            if HAS_P:
-                e_k = tl.where(in_k, e, 0.0)
-                before = tl.cumsum(e_k, 0) - e_k
-                thr = top_p * z_k
-                t_p = tl.min(tl.where(in_k & (before < thr), s, float("inf")), 0)
-                if not HAS_K:
-                    covered = (tl.sum(e_k, 0) >= thr) | whole_row
-                    # Uncovered: t_p lies below every candidate, so below min-p's cut.
-                    t_p = tl.where(covered, t_p, float("-inf"))
-                    flag = flag | ((covered | min_ok) == 0)
-            elif not HAS_K:
-                flag = flag | (min_ok == 0)
             t_min = float("-inf")
             if HAS_MIN:
                 t_min = m + log_min_p
-            t = tl.maximum(tl.maximum(t_k, t_p), t_min)
+            if HAS_K:  # every token at or above the k-th is a candidate
+                t_k = tl.max(tl.where(idx == top_k - 1, s, float("-inf")), 0)
+                in_k = valid & (s >= t_k)
+                e_k = tl.where(in_k, e, 0.0)
+                t_p = float("-inf")
+                if HAS_P:
+                    before = tl.cumsum(e_k, 0) - e_k
+                    t_p = tl.min(tl.where(in_k & (before < top_p * tl.sum(e_k, 0)), s,
+                                          float("inf")), 0)
+                t = tl.maximum(tl.maximum(t_k, t_p), t_min)
+                z = tl.sum(tl.where(valid & (s >= t), e, 0.0), 0)
+            else:  # the cut cell's tokens, below mass_above
+                mass_above = tl.load(sm_ptr + r * 2)
+                t_p = float("-inf")
+                if HAS_P:
+                    before = mass_above + tl.cumsum(e, 0) - e
+                    t_p = tl.min(tl.where(valid & (before < top_p * tl.load(zrow_ptr + r)), s,
+                                          float("inf")), 0)
+                    # The cell's first token is always kept when top-p's cut chose it (the
+                    # mass above can pass top_p · Z by rounding only).
+                    t_p = tl.where(t_p == float("inf"), tl.max(s, 0), t_p)
+                    t_p = tl.where(tl.load(st + 3) != 0, t_p, float("-inf"))
+                t = tl.maximum(t_p, t_min)
+                z = mass_above + tl.sum(tl.where(valid & (s >= t), e, 0.0), 0)
             tl.store(t_ptr + r, t)
-            tl.store(z_ptr + r, tl.sum(tl.where(valid & (s >= t), e, 0.0), 0))
-            tl.store(flag_ptr + r, flag.to(tl.int32))
+            tl.store(z_ptr + r, z)
+            tl.store(flag_ptr + r, (n > CAP).to(tl.int32))
 
     @triton.jit
     def _count_at_least(logits_ptr, row_stride, V, temperature, kappa, SUB: tl.constexpr):
@@ -267,13 +343,13 @@ if triton is not None:
         return total
 
     @triton.jit
-    def _exact_kernel(logits_ptr, row_stride, V, temperature, pmax_ptr, psum_ptr, flag_ptr,
-                      t_ptr, z_ptr, top_k, top_p, log_min_p, C, C_PAD: tl.constexpr,
-                      SUB: tl.constexpr, HAS_K: tl.constexpr, HAS_P: tl.constexpr,
-                      HAS_MIN: tl.constexpr):
+    def _exact_kernel(logits_ptr, row_stride, V, temperature, m_ptr, zrow_ptr, flag_ptr,
+                      t_ptr, z_ptr, top_k, top_p, log_min_p, SUB: tl.constexpr,
+                      HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_MIN: tl.constexpr):
         r = tl.program_id(0)
         if tl.load(flag_ptr + r) != 0:
-            m, z_row = _row_max_and_mass(pmax_ptr, psum_ptr, r, C, C_PAD)
+            m = tl.load(m_ptr + r)
+            z_row = tl.load(zrow_ptr + r)
             key_k = -2147483648
             t_k = float("-inf")
             z_k = z_row
@@ -328,11 +404,13 @@ if triton is not None:
     @triton.jit
     def _race_kernel(logits_ptr, row_stride, R, V, temperature, t_ptr, m_ptr, z_ptr,
                      q_ptr, q_stride, qt_ptr, qm_ptr, qz_ptr, onehot_ptr, rng_ptr, stream,
-                     best_ptr, arg_ptr, pbest_ptr, parg_ptr, C, ROWS: tl.constexpr,
-                     BLOCK: tl.constexpr, MODE: tl.constexpr):
+                     best_ptr, arg_ptr, pbest_ptr, parg_ptr, token_ptr, count_ptr, C,
+                     C_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                     MODE: tl.constexpr):
         """MODE 0: w = p; 1: w = max(p - q, 0) with q from logits; 2: w = p less one token.
         Modes 1 and 2 also run the race for p (same random numbers) for rows where w = 0.
-        A program takes ROWS rows (1 for a large vocabulary) and one chunk of BLOCK tokens."""
+        A program takes ROWS rows (1 for a large vocabulary) and one chunk of BLOCK tokens;
+        the last of a row group's programs writes the rows' tokens."""
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         c = tl.program_id(1)
         offs = c * BLOCK + tl.arange(0, BLOCK)
@@ -380,6 +458,27 @@ if triton is not None:
             pscore = log_p - log_e
             tl.store(pbest_ptr + out, tl.max(pscore, 1), mask=rows < R)
             tl.store(parg_ptr + out, c * BLOCK + tl.argmax(pscore, 1), mask=rows < R)
+        if _last(count_ptr + tl.program_id(0), C):
+            token = _winner(best_ptr, arg_ptr, rows, R, C, C_PAD)
+            if MODE != 0:  # rows whose w is all zero draw from p
+                chunks = tl.arange(0, C_PAD)
+                at = rows[:, None] * C + chunks[None, :]
+                ok = (rows < R)[:, None] & (chunks < C)[None, :]
+                best = tl.max(tl.load(best_ptr + at, mask=ok, other=float("-inf")), 1)
+                token = tl.where(best > float("-inf"), token,
+                                 _winner(pbest_ptr, parg_ptr, rows, R, C, C_PAD))
+            tl.store(token_ptr + rows, token.to(tl.int64), mask=rows < R)
+
+    @triton.jit
+    def _winner(best_ptr, arg_ptr, rows, R, C, C_PAD: tl.constexpr):
+        """Each row's token of the highest score over its chunks (the first chunk on a tie)."""
+        chunks = tl.arange(0, C_PAD)
+        at = rows[:, None] * C + chunks[None, :]
+        ok = (rows < R)[:, None] & (chunks < C)[None, :]
+        best = tl.load(best_ptr + at, mask=ok, other=float("-inf"))
+        arg = tl.load(arg_ptr + at, mask=ok, other=0)
+        first = tl.argmax(best, 1)
+        return tl.sum(tl.where(chunks[None, :] == first[:, None], arg, 0), 1)
 
 
     @triton.jit
@@ -412,60 +511,67 @@ def _rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 def row_stats(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-              min_p: float, *, capacity: int | None = None, bins_per_nat: int = BINS_PER_NAT,
-              num_bins: int = NUM_BINS, chunk: int | None = None, sub: int | None = None):
+              min_p: float, *, capacity: int | None = None, bins_per_nat: float | None = None,
+              num_bins: int = NUM_BINS, levels: int = LEVELS, chunk: int | None = None,
+              sub: int | None = None):
     """(t, m, z, flagged) [R] each for logits [R, V]; arguments already checked (top_k < V).
-    flagged: rows K4 could not settle from its candidates, answered by the exact kernel.
-    capacity, chunk, sub: CAPACITY, CHUNK, SUB, or less for a vocabulary smaller than them."""
+    flagged: rows the candidates could not settle, answered by the exact kernel.
+    capacity, bins_per_nat, chunk, sub: CAPACITY (2 · top_k with top-k, up to MAX_CAPACITY),
+    BINS_PER_NAT (BINS_PER_NAT_TOP_K with top-k), CHUNK, SUB, or less for a vocabulary
+    smaller than them; num_bins (a power of two) and levels size the descent."""
     _require(logits)
     logits = _rows(logits)
     R, V = logits.shape
+    has_k, has_p, has_min = top_k > 0, top_p < 1.0, min_p > 0.0
+    filt = has_k or has_p or has_min
     width = max(16, triton.next_power_of_2(V))
     sub = min(SUB, width) if sub is None else sub
     chunk = min(CHUNK, max(sub, width)) if chunk is None else chunk
-    capacity = min(CAPACITY, width) if capacity is None else capacity
-    dev = logits.device
-    if capacity & (capacity - 1) or num_bins & (num_bins - 1) or chunk % sub:
+    if capacity is None:
+        capacity = CAPACITY
+        if has_k:
+            capacity = min(max(capacity, triton.next_power_of_2(2 * top_k)), MAX_CAPACITY)
+        capacity = min(capacity, width)
+    if bins_per_nat is None:
+        bins_per_nat = BINS_PER_NAT_TOP_K if has_k else BINS_PER_NAT
+    log_bins = num_bins.bit_length() - 1
+    if (capacity & (capacity - 1) or num_bins != 1 << log_bins or chunk % sub
+            or not 1 <= levels or log_bins * levels > 30):
         raise ValueError(f"capacity ({capacity}) and num_bins ({num_bins}) must be powers of "
-                         f"two, and chunk ({chunk}) a multiple of sub ({sub})")
+                         f"two, chunk ({chunk}) a multiple of sub ({sub}), and num_bins ** "
+                         f"levels ({levels}) at most 2 ** 30")
     C = triton.cdiv(V, chunk)
     C_PAD = triton.next_power_of_2(C)
+    dev = logits.device
     temperature = float(temperature)
-    has_k, has_p, has_min = top_k > 0, top_p < 1.0, min_p > 0.0
-    filt = has_k or has_p or has_min
     log_min_p = math.log(min_p) if has_min else 0.0
-    bin_min = min(int(math.floor(-log_min_p * bins_per_nat)), num_bins - 1)
+    scale = float(bins_per_nat) * num_bins ** (levels - 1)
     f32 = dict(dtype=torch.float32, device=dev)
-    pmax = torch.empty(R, C, **f32)
-    psum = torch.empty(R, C, **f32)
-    count = torch.empty(R, dtype=torch.int32, device=dev)
-    t = torch.empty(R, **f32)
-    m = torch.empty(R, **f32)
-    z = torch.empty(R, **f32)
-    flag = torch.zeros(R, dtype=torch.int32, device=dev)
+    pmax, psum = torch.empty(R, C, **f32), torch.empty(R, C, **f32)
+    m, zrow, t, z = (torch.empty(R, **f32) for _ in range(4))
+    flag = torch.empty(R, dtype=torch.int32, device=dev)
+    count, ncand = _counters(dev, 2 * R).view(2, R)
     stride = logits.stride(0)
-    _partials_kernel[(R, C)](logits, stride, V, temperature, pmax, psum, count, C,
-                             CHUNK=chunk, SUB=sub)
+    _partials_kernel[(R, C)](logits, stride, V, temperature, pmax, psum, m, zrow, t, z, flag,
+                             count, C, C_PAD=C_PAD, CHUNK=chunk, SUB=sub, FILTER=filt)
+    if not filt:
+        return t, m, z, flag
     flags = dict(HAS_K=has_k, HAS_P=has_p, HAS_MIN=has_min)
-    if filt:
-        hmass = torch.empty(R, C, num_bins, **f32)
-        hcount = torch.empty(R, C, num_bins, dtype=torch.int32, device=dev)
-        cand = torch.empty(R, capacity, dtype=torch.int64, device=dev)
-        beta = torch.empty(R, dtype=torch.int32, device=dev)
-        _histogram_kernel[(R, C)](logits, stride, V, temperature, pmax, psum, hmass, hcount, C,
-                                  C_PAD=C_PAD, CHUNK=chunk, SUB=sub, G=bins_per_nat,
-                                  NB=num_bins)
-        _collect_kernel[(R, C)](logits, stride, V, temperature, pmax, psum, hmass, hcount,
-                                count, cand, beta, top_k, top_p, bin_min, C, C_PAD=C_PAD,
-                                CHUNK=chunk, SUB=sub, G=bins_per_nat, NB=num_bins,
-                                CAP=capacity, **flags)
-    else:
-        cand = beta = count
-    _select_kernel[(R,)](pmax, psum, count, cand, beta, t, m, z, flag, V, top_k, top_p,
-                         log_min_p, bin_min, C, C_PAD=C_PAD, CAP=capacity, FILTER=filt, **flags)
-    if filt:
-        _exact_kernel[(R,)](logits, stride, V, temperature, pmax, psum, flag, t, z, top_k,
-                            top_p, log_min_p, C, C_PAD=C_PAD, SUB=sub, **flags)
+    rows = dict(CHUNK=chunk, SUB=sub, LOG=log_bins, LEVELS=levels, CAP=capacity)
+    state = torch.empty(R, 8, dtype=torch.int32, device=dev)
+    state_mass = torch.empty(R, 2, **f32)
+    hmass = torch.empty(R, C, num_bins, **f32)
+    hcount = torch.empty(R, C, num_bins, dtype=torch.int32, device=dev)
+    for level in range(levels):
+        _level_kernel[(R, C)](logits, stride, V, temperature, m, zrow, state, state_mass, hmass,
+                              hcount, count, top_k, top_p, log_min_p, scale, C, C_PAD=C_PAD,
+                              NB=num_bins, LEVEL=level, **rows, **flags)
+    cand = torch.empty(R, capacity, dtype=torch.int64, device=dev)
+    _collect_kernel[(R, C)](logits, stride, V, temperature, m, zrow, state, state_mass, ncand,
+                            cand, count, t, z, flag, top_k, top_p, log_min_p, scale, C, **rows,
+                            **flags)
+    _exact_kernel[(R,)](logits, stride, V, temperature, m, zrow, flag, t, z, top_k, top_p,
+                        log_min_p, SUB=sub, **flags)
     return t, m, z, flag
 
 
@@ -485,15 +591,13 @@ def race(logits: torch.Tensor, temperature: float, t: torch.Tensor, m: torch.Ten
     best = torch.empty(R, C, dtype=torch.float32, device=dev)
     arg = torch.empty(R, C, dtype=torch.int32, device=dev)
     pbest, parg = (torch.empty_like(best), torch.empty_like(arg)) if mode else (best, arg)
+    tokens = torch.empty(R, dtype=torch.int64, device=dev)
+    groups = triton.cdiv(R, rows_per_program)
     # q's rows (mode 1) or stand-ins the kernel does not read, and the one-hot ids (mode 2)
     q_src, q_t, q_m, q_z = (_rows(q_logits), q_t, q_m, q_z) if mode == 1 else (logits, t, m, z)
     q_args = (q_src, q_src.stride(0), q_t, q_m, q_z, q_onehot if mode == 2 else t)
-    grid = (triton.cdiv(R, rows_per_program), C)
-    _race_kernel[grid](logits, logits.stride(0), R, V, float(temperature), t, m, z, *q_args,
-                       rng, stream, best, arg, pbest, parg, C, ROWS=rows_per_program,
-                       BLOCK=block, MODE=mode)
-    win = arg.gather(1, best.argmax(1, keepdim=True)).squeeze(1)
-    if mode:
-        fallback = parg.gather(1, pbest.argmax(1, keepdim=True)).squeeze(1)
-        win = torch.where(best.amax(1) > float("-inf"), win, fallback)
-    return win.long()
+    _race_kernel[(groups, C)](logits, logits.stride(0), R, V, float(temperature), t, m, z,
+                              *q_args, rng, stream, best, arg, pbest, parg, tokens,
+                              _counters(dev, groups), C, C_PAD=triton.next_power_of_2(C),
+                              ROWS=rows_per_program, BLOCK=block, MODE=mode)
+    return tokens
