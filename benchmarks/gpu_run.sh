@@ -16,12 +16,13 @@
 #                decoding through the megakernel; with BASE=DIR (a `git archive` of another
 #                commit's flashdraft/ package) the same run of that version first, as the
 #                baseline of the same machine
-# tests-sampling the sampling tests (fused kernels, the engine's sampled path, CUDA graphs)
-# sampled        sampling_step.py (what sampling adds to a step); plain decoding and the
-#                0.5B draft model at k = 5, at T = 0 and at T = 0.7
+# tests-sampling the sampling tests (fused kernels, verification, CUDA graphs, DFlash) but the
+#                engine's end-to-end chi-square, which tests-engine-sampling runs (minutes)
+# sampling-step  sampling_step.py (what sampling adds to a step), flat and peaked rows, with
+#                each post's kernels by time
+# sampled        plain decoding and the 0.5B draft model at k = 5, at T = 0 and at T = 0.7
 #                top-p 0.95 in one run; the seed prompts at T = 0.8 with the 0.5B draft model
-#                (k = 3, 5); with BASE=DIR that version's first (without top-p where its
-#                bench has no --top-p)
+#                (k = 3, 5); with BASE=DIR that version's seed run first
 # dflash-train   `flashdraft train-drafter` for the target (MINUTES, default 8; RESPONSES of
 #                the target a training prompt, default 4; DFLASH_LAYERS, default 1) into
 #                /root/dflash, its train_log.json (the τ-vs-minutes curve) to $OUT
@@ -91,18 +92,20 @@ for phase in "$@"; do
     bench megakernel "$PWD" --decode-kernel megakernel
     ;;
   tests-sampling)
-    gpu_tests tests-sampling tests/test_fused_sampling.py tests/test_engine_sampling.py \
-      tests/test_verify.py tests/test_speculative.py tests/test_cuda_graphs.py
+    gpu_tests tests-sampling tests/test_fused_sampling.py tests/test_verify.py \
+      tests/test_speculative.py tests/test_cuda_graphs.py tests/test_dflash.py \
+      tests/test_engine_sampling.py -k "not fused_sampling_in_the_engine"
+    ;;
+  tests-engine-sampling)
+    gpu_tests tests-engine-sampling tests/test_engine_sampling.py -k fused_sampling_in_the_engine
+    ;;
+  sampling-step)
+    for rows in flat peaked; do
+      python3 benchmarks/sampling_step.py --rows $rows --profile \
+        --out "$OUT/sampling-step-$rows.json" 2>&1 | grep -v Warn
+    done
     ;;
   sampled)
-    python3 benchmarks/sampling_step.py --out "$OUT/sampling-step.json"
-    if [ -n "${BASE:-}" ]; then
-      topp=""
-      PYTHONPATH=$SITE:$PWD/$BASE python3 -m flashdraft.cli bench --help | grep -q -- --top-p \
-        && topp="--top-p 0.95"
-      bench t07-base "$PWD/$BASE" --temperature 0,0.7 $topp \
-        --seed 0 --draft $DRAFT --num-speculative-tokens 5
-    fi
     bench t07 "$PWD" --temperature 0,0.7 --top-p 0.95 --seed 0 --draft $DRAFT \
       --num-speculative-tokens 5
     for side in ${BASE:+base} new; do
@@ -142,7 +145,7 @@ for phase in "$@"; do
     cp /tmp/mk/megakernel_step.json "$OUT/mkvariants.json"
     ;;
   *)
-    echo "unknown phase $phase: setup, tests-kernels, tests-rest, bench, sampled, shapes or mkvariants"; exit 2
+    echo "unknown phase $phase (the list is at the top of this file)"; exit 2
     ;;
   esac
 done
