@@ -9,12 +9,16 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_5")
+# The layer types of a Qwen3.5 hybrid decoder (flashdraft.hybrid); config.json's model types
+# that name one (the multimodal checkpoint, its text model)
+HYBRID_LAYER_TYPES = ("linear_attention", "full_attention")
+HYBRID_MODEL_TYPES = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5"}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str  # "llama" | "qwen2" | "qwen3"
+    arch: str  # "llama" | "qwen2" | "qwen3" | "qwen3_5" (the hybrid: flashdraft.hybrid)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -31,6 +35,17 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Qwen3.5's hybrid decoder (arch "qwen3_5"): each layer's type (HYBRID_LAYER_TYPES), the
+    # Gated DeltaNet layers' heads and their short convolution, rope on the first
+    # partial_rotary_factor of each head's dimensions, and the full attention's sigmoid gate
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    partial_rotary_factor: float = 1.0
+    attn_output_gate: bool = False
 
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHS:
@@ -43,13 +58,27 @@ class ModelConfig:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind not in ("llama3", "default", None):
                 raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: llama3)")
+        rotary = self.head_dim * self.partial_rotary_factor
+        if not 0 < self.partial_rotary_factor <= 1 or rotary != int(rotary) or int(rotary) % 2:
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} must give an "
+                             f"even number of rotary dimensions of head_dim={self.head_dim}")
+        if self.arch == "qwen3_5":
+            _check_hybrid(self)
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's dimensions rope turns (the first ones)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "ModelConfig":
-        """From a Hugging Face ``config.json`` dictionary."""
-        arch = d.get("model_type")
+        """From a Hugging Face ``config.json`` dictionary (a multimodal checkpoint's: its
+        text_config, the vision tower left out)."""
+        d = _text_config(d)
+        arch = HYBRID_MODEL_TYPES.get(d.get("model_type"), d.get("model_type"))
         if arch not in SUPPORTED_ARCHS:
-            raise ValueError(f"model_type {arch!r} in config.json is not supported; "
+            moe = " (of the MoE models only the dense qwen3_5 runs)" if "moe" in str(arch) else ""
+            raise ValueError(f"model_type {arch!r} in config.json is not supported{moe}; "
                              f"flashdraft runs {', '.join(SUPPORTED_ARCHS)}")
         heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
@@ -79,10 +108,69 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2" or bool(d.get("attention_bias", False)),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_5"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos,
+            **(_hybrid_fields(d, params or {}) if arch == "qwen3_5" else {}),
         )
+
+
+def _text_config(d: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config.json's text model: its text_config, with the outer file's token ids
+    where it has none, and the outer file's tie_word_embeddings (the whole model's)."""
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        return d
+    merged = {**{k: d[k] for k in ("eos_token_id", "bos_token_id") if k in d}, **text}
+    if "tie_word_embeddings" in d:
+        merged["tie_word_embeddings"] = d["tie_word_embeddings"]
+    merged.setdefault("model_type", d.get("model_type"))
+    return merged
+
+
+def _hybrid_fields(d: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    """The hybrid's fields of ModelConfig from a qwen3_5 config.json (transformers' defaults
+    where it is silent: a full-attention layer every 4th, a quarter of each head rotated)."""
+    layers = d["num_hidden_layers"]
+    types = d.get("layer_types")
+    if types is None:
+        every = d.get("full_attention_interval", 4)
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                 for i in range(layers)]
+    return dict(
+        layer_types=tuple(types),
+        linear_num_key_heads=d.get("linear_num_key_heads", 16),
+        linear_num_value_heads=d.get("linear_num_value_heads", 32),
+        linear_key_head_dim=d.get("linear_key_head_dim", 128),
+        linear_value_head_dim=d.get("linear_value_head_dim", 128),
+        linear_conv_kernel_dim=d.get("linear_conv_kernel_dim", 4),
+        partial_rotary_factor=float(rope.get("partial_rotary_factor",
+                                             d.get("partial_rotary_factor", 0.25))),
+        attn_output_gate=bool(d.get("attn_output_gate", True)),
+    )
+
+
+def _check_hybrid(cfg: ModelConfig) -> None:
+    """A user's error for a qwen3_5 configuration that the hybrid decoder cannot run."""
+    if len(cfg.layer_types) != cfg.num_layers:
+        raise ValueError(f"layer_types lists {len(cfg.layer_types)} layers for "
+                         f"num_hidden_layers={cfg.num_layers}; give one type per layer")
+    for i, kind in enumerate(cfg.layer_types):
+        if kind not in HYBRID_LAYER_TYPES:
+            raise ValueError(f"layer {i} has layer type {kind!r}, which flashdraft does not run; "
+                             f"a qwen3_5 layer is one of {', '.join(HYBRID_LAYER_TYPES)}")
+    heads = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+             cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim)
+    if "linear_attention" in cfg.layer_types and min(heads) < 1:
+        raise ValueError(f"the linear attention layers need linear_num_key_heads, "
+                         f"linear_num_value_heads, linear_key_head_dim, linear_value_head_dim "
+                         f"and linear_conv_kernel_dim >= 1, got {heads}")
+    if cfg.linear_num_key_heads and cfg.linear_num_value_heads % cfg.linear_num_key_heads:
+        raise ValueError(f"linear_num_value_heads={cfg.linear_num_value_heads} is not a multiple "
+                         f"of linear_num_key_heads={cfg.linear_num_key_heads}")
+    if not cfg.attn_output_gate:
+        raise ValueError("attn_output_gate=false: flashdraft runs Qwen3.5's full attention with "
+                         "its sigmoid output gate only (the released checkpoints have it)")
 
 
 @dataclass(frozen=True)

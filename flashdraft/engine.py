@@ -140,8 +140,10 @@ class Engine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.cache: KVCache | None = None
         # Decode and verification steps replayed as CUDA graphs; None on a CPU (eager).
+        # (A model whose steps keep host-side state in its cache declares cuda_graphs = False.)
         self.runner = (StepRunner(model, device, compile=compile)
-                       if cuda_graphs and torch.device(device).type == "cuda" else None)
+                       if cuda_graphs and torch.device(device).type == "cuda"
+                       and getattr(model, "cuda_graphs", True) else None)
         check_decode_kernel(decode_kernel)
         if decode_kernel == "megakernel":
             from .backends.megakernel import refuse_unsupported
@@ -157,11 +159,13 @@ class Engine:
         self.rng = make_rng(0, device)
         self._posts: dict[tuple, SampledPick] = {}  # one per parameter set: graphs key on it
 
-    def ensure_capacity(self, length: int, drafter: Drafter | None = None) -> None:
-        """Size the caches for a request before it starts; never on the hot path."""
+    def ensure_capacity(self, length: int, drafter: Drafter | None = None,
+                        steps: int = 1) -> None:
+        """Size the caches for a request before it starts; never on the hot path. steps: the
+        longest step the target's cache may roll back into (verifying k drafts: k + 1)."""
         # Round up so that similar requests reuse one allocation.
         length = min(-(-length // 256) * 256, self.max_model_len + 64)
-        grow_cache(self, length)
+        grow_cache(self, length, steps)
         if self.decode_kernel == "megakernel" and self.megakernel is None:
             from .backends.megakernel import DecodeMegakernel  # compiled once a shape (NVRTC)
             self.megakernel = DecodeMegakernel(self.model, self.cache)
@@ -189,7 +193,8 @@ class Engine:
         if max_new < 1:
             raise ValueError(f"the prompt has {len(prompt)} tokens, which leaves no room to "
                              f"generate within max_model_len={self.max_model_len}")
-        self.ensure_capacity(len(prompt) + max_new + (k if drafter else 0) + 1, drafter)
+        self.ensure_capacity(len(prompt) + max_new + (k if drafter else 0) + 1, drafter,
+                             steps=k + 1 if drafter else 1)
         # How attention cuts the cache into splits fixes how its partial sums are added, so it
         # must follow from the request alone: not from k (speculation must return plain
         # decoding's tokens) nor from the cache's size, which earlier, longer requests set.
@@ -276,8 +281,9 @@ class Engine:
             req.metrics.verify_time_s += verifying
             n, new = result[0], result[2:2 + result[0]] + [result[1]]
         # The pass ran over [last, d_1 … d_k]: the rows of last and the n accepted drafts are
-        # committed, the rest are rejected drafts'. Views: nothing is copied (nor computed, when
-        # no layers were requested).
+        # committed, the rest are rejected drafts' (dropped from the cache: a length moves back).
+        # Views: nothing is copied (nor computed, when no layers were requested).
+        self.cache.commit(position + n + 1)
         hidden = [h[:, :n + 1] for h in hidden]
         if n_draft:
             m = req.metrics

@@ -41,11 +41,23 @@ class KVCache:
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
+    def fits(self, max_len: int, steps: int = 1) -> bool:
+        """Whether this cache serves sequences of max_len positions (rolled back any number of
+        positions: `steps` does not matter here)."""
+        return self.max_len >= max_len
 
-def grow_cache(owner, length: int) -> None:
+    def commit(self, length: int) -> None:
+        """The sequence is `length` tokens long (after a verification, the rejected drafts are
+        dropped). Nothing to do: entries past it are masked by position and overwritten by the
+        next step. Called after every verification, as a recurrent model's cache
+        (`hybrid.HybridCache.commit`) needs."""
+
+
+def grow_cache(owner, length: int, steps: int = 1) -> None:
     """Give `owner` (the engine or a draft model: its .model, .dtype, .device, .cache and
-    .megakernel) a cache of at least `length` positions. A new cache frees the old one and the
+    .megakernel) a cache of at least `length` positions, from which a step of up to `steps`
+    tokens can be rolled back (`model.new_cache`). A new cache frees the old one and the
     megakernel bound to it first, so the two never take GPU memory at once."""
-    if owner.cache is None or owner.cache.max_len < length:
+    if owner.cache is None or not owner.cache.fits(length, steps):
         owner.cache = owner.megakernel = None
-        owner.cache = KVCache.for_model(owner.model.cfg, 1, length, owner.dtype, owner.device)
+        owner.cache = owner.model.new_cache(1, length, owner.dtype, owner.device, steps)

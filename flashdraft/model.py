@@ -37,10 +37,11 @@ PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENT
 
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], with Llama 3's long-context rescaling if present."""
-    half = cfg.head_dim // 2
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, dtype=torch.float64) * 2
-                                         / cfg.head_dim))
+    """Inverse frequencies [rotary_dim / 2] (rotary_dim: head_dim, or its rotated part where
+    rope is partial), with Llama 3's long-context rescaling if present."""
+    dim = cfg.rotary_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim // 2, dtype=torch.float64) * 2
+                                         / dim))
     scaling = cfg.rope_scaling
     if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
         factor = scaling["factor"]
@@ -248,6 +249,12 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
         self.norms_folded = False  # fold_norms
+
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device,
+                  steps: int = 1) -> KVCache:
+        """A cache for `batch` sequences of up to max_len positions (any step can be rolled
+        back: `steps` matters to recurrent models only)."""
+        return KVCache.for_model(self.cfg, batch, max_len, dtype, device)
 
     @torch.no_grad()
     def fold_norms(self) -> None:

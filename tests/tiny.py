@@ -45,6 +45,18 @@ def build_tokenizer(out: Path, vocab_size: int = 384):
     return fast
 
 
+def _tokenizer_into(out: Path, tokenizer_from: str | Path | None):
+    """Make `out` and save a tokenizer there: a new tiny one, or the one at tokenizer_from."""
+    import transformers
+
+    out.mkdir(parents=True, exist_ok=True)
+    if tokenizer_from is None:
+        return build_tokenizer(out)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_from)
+    tokenizer.save_pretrained(out)
+    return tokenizer
+
+
 def build_model(out: str | Path, arch: str = "qwen2", seed: int = 0, *, layers: int = 2,
                 hidden: int = 64, heads: int = 4, kv_heads: int = 2, tie: bool = False,
                 rope_scaling: dict | None = None, tokenizer_from: str | Path | None = None,
@@ -55,12 +67,7 @@ def build_model(out: str | Path, arch: str = "qwen2", seed: int = 0, *, layers: 
     import transformers
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    if tokenizer_from is None:
-        tokenizer = build_tokenizer(out)
-    else:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_from)
-        tokenizer.save_pretrained(out)
+    tokenizer = _tokenizer_into(out, tokenizer_from)
     vocab = len(tokenizer)
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3,
                   num_hidden_layers=layers, num_attention_heads=heads,
@@ -137,3 +144,55 @@ def build_dflash_drafter(out: str | Path, target: str | Path, seed: int = 0, *, 
                        mask_token_id=t["vocab_size"] - 1 if mask_token_id is None
                        else mask_token_id, **extra)
     return save_dflash(random_dflash(cfg, seed), out)
+
+
+def build_qwen35(out: str | Path, seed: int = 0, *,
+                 layer_types: tuple[str, ...] = ("linear_attention", "linear_attention",
+                                                 "linear_attention", "full_attention"),
+                 hidden: int = 64, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
+                 tokenizer_from: str | Path | None = None, tie: bool = False,
+                 multimodal: bool = False, layer_std: float = 0.12) -> Path:
+    """Save a random Qwen3.5 hybrid (transformers' qwen3_5 classes) with our tiny tokenizer to
+    `out`; returns `out`. multimodal: as the released checkpoints are, a
+    Qwen3_5ForConditionalGeneration (a one-block vision tower, the decoder under
+    model.language_model); else a Qwen3_5ForCausalLM."""
+    import transformers
+
+    out = Path(out)
+    tokenizer = _tokenizer_into(out, tokenizer_from)
+    text = transformers.Qwen3_5TextConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 3,
+        num_hidden_layers=len(layer_types), layer_types=list(layer_types),
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=12, linear_conv_kernel_dim=4, max_position_embeddings=512,
+        tie_word_embeddings=tie, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.5},
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    if multimodal:
+        vision = transformers.Qwen3_5VisionConfig(depth=1, hidden_size=32, intermediate_size=64,
+                                                  num_heads=2, out_hidden_size=hidden)
+        cfg = transformers.Qwen3_5Config(text_config=text.to_dict(),
+                                         vision_config=vision.to_dict(), tie_word_embeddings=tie)
+        model = transformers.Qwen3_5ForConditionalGeneration(cfg)
+    else:
+        model = transformers.Qwen3_5ForCausalLM(text)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "visual" in name:
+                continue
+            if name.endswith("A_log"):  # decays exp(g) spread over (0, 1)
+                p.copy_(torch.empty_like(p).uniform_(0.1, 2.0).log())
+            elif name.endswith("dt_bias"):
+                p.normal_(0.0, 0.5)
+            elif name.endswith("linear_attn.norm.weight"):  # the output norm's plain w
+                p.uniform_(0.8, 1.2)
+            elif p.dim() >= 2:
+                p.normal_(0.0, 0.3 if "embed" in name or "lm_head" in name else
+                          0.3 if "conv1d" in name else layer_std)
+            else:  # the zero-centred norm weights (scales 1 + w)
+                p.uniform_(-0.2, 0.2)
+    model.save_pretrained(out)
+    return out

@@ -10,8 +10,10 @@ from torch import nn
 
 from ..backends import kernels
 from ..config import KernelConfig, ModelConfig
+from ..hybrid import HybridTransformer
 from ..model import Transformer, rope_frequencies
 from .hf import load_tokenizer, our_sources, read_hf, resolve_hf, to_ours
+from .qwen35 import hybrid_sources
 
 
 # Tokens that end a turn in the common chat formats. llama.cpp stops on any of them that a
@@ -75,11 +77,12 @@ def load_model(ref: str, dtype: torch.dtype, device: torch.device,
     config, state, tokenizer, source = read_model(ref, dtype, device,
                                                   lazy=quantization is not None)
     with torch.device("meta"):
-        model = Transformer(config, kernel_config)
+        model = model_class(config)(config, kernel_config)
     if quantization is not None:
         _load_quantized(model, config, state, device, quantization)
     else:
-        model.load_state_dict(to_ours(state, config.num_layers), assign=True, strict=True)
+        model.load_state_dict(to_ours(state, config.num_layers, checkpoint_sources(state, config)),
+                              assign=True, strict=True)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.embed.weight
         if fold_norms:
@@ -87,6 +90,18 @@ def load_model(ref: str, dtype: torch.dtype, device: torch.device,
     model.inv_freq = rope_frequencies(config)
     model = model.to(device).eval()
     return Loaded(config, model, tokenizer, source)
+
+
+def model_class(config: ModelConfig) -> type[Transformer] | type[HybridTransformer]:
+    """The decoder that runs `config`'s architecture."""
+    return HybridTransformer if config.arch == "qwen3_5" else Transformer
+
+
+def checkpoint_sources(names, config: ModelConfig) -> dict[str, list[str]]:
+    """Our parameter names -> the checkpoint tensors each is made of, for `config`'s decoder."""
+    if config.arch == "qwen3_5":
+        return hybrid_sources(names, config)
+    return our_sources(names, config.num_layers)
 
 
 def load_config(ref: str) -> ModelConfig:
@@ -106,7 +121,7 @@ def _load_quantized(model: Transformer, config: ModelConfig, state: dict, device
     (`Transformer.fold_norms`: unquantized models only)."""
     from ..backends.quant import quantize_linear
 
-    sources = our_sources(state, config.num_layers)
+    sources = checkpoint_sources(state, config)
     if config.tie_word_embeddings:
         del sources["lm_head.weight"]
     by_module: dict[str, dict[str, list[str]]] = {}

@@ -92,10 +92,13 @@ def our_sources(names, num_layers: int) -> dict[str, list[str]]:
     return out
 
 
-def to_ours(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
-    """Hugging Face tensor names -> ours, fusing q/k/v and gate/up."""
+def to_ours(state: dict[str, torch.Tensor], num_layers: int,
+            sources: dict[str, list[str]] | None = None) -> dict[str, torch.Tensor]:
+    """Hugging Face tensor names -> ours, fusing q/k/v and gate/up (sources: the mapping, if
+    not the dense decoder's `our_sources`)."""
+    sources = our_sources(state, num_layers) if sources is None else sources
     return {ours: state[src[0]] if len(src) == 1 else torch.cat([state[s] for s in src])
-            for ours, src in our_sources(state, num_layers).items()}
+            for ours, src in sources.items()}
 
 
 def load_tokenizer(path: Path):

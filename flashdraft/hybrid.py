@@ -1,0 +1,467 @@
+"""The Qwen3.5 / Qwen3.6 hybrid decoder (dense), read top to bottom.
+
+Each layer mixes tokens one of two ways (`cfg.layer_types`; three Gated DeltaNet layers to one
+full-attention layer in the released models), then runs the usual SiLU MLP:
+
+- **Gated DeltaNet** (linear attention). One product gives q, k, v (through a short causal
+  depthwise convolution of `linear_conv_kernel_dim` taps and SiLU), an output gate z, and the
+  per-head β (sigmoid) and decay g = -exp(A_log) · softplus(a + dt_bias). With q and k
+  L2-normalised and q scaled by d_k^-1/2, each value head keeps a state S [d_k, d_v]:
+
+      S ← exp(g_t) S;   S ← S + k_t ⊗ β_t (v_t − Sᵀ k_t);   o_t = Sᵀ q_t
+
+  (the gated delta rule), and o goes through an RMSNorm gated by SiLU(z). Key heads serve
+  consecutive groups of value heads.
+- **Gated attention**: grouped-query attention whose q and k heads are RMS-normalised, rope
+  on the first `rotary_dim` dimensions of each head only, and the output multiplied by
+  sigmoid of a gate that the q product computes alongside q.
+
+Every RMSNorm but the DeltaNet's output norm scales by 1 + w (zero-centred weights, as in the
+checkpoints). The reference is transformers' `qwen3_5` classes; the tests compare logits.
+
+A recurrent state cannot be cut back like a KV cache: a rejected draft's update is mixed into
+it. So `HybridCache` keeps the state after each of the last `steps` positions (and the
+convolution's inputs a little further back), in slots addressed by position modulo the ring's
+size, exactly like the KV cache keeps keys by position: a step starting at position s reads the
+state after s - 1 and writes the states after each of its own positions. After a verification
+of k + 1 tokens of which n drafts are accepted, the state after the last accepted token is
+already in its slot: rolling back moves a length (`HybridCache.commit`), with no copy and no
+re-run. Steps longer than `steps` (a prefill) run the chunked form of the rule and keep only
+their last position's state.
+
+Memory: the ring holds `steps` states of [v_heads, d_k, d_v] float32 for each DeltaNet layer
+(Qwen3.5-27B: 48 layers × 48 × 128 × 128 × 4 bytes = 151 MB a position); `steps` is the
+longest verification the engine runs, k + 1.
+
+This is the PyTorch reference: decode and verification steps loop over their tokens, a prefill
+runs the chunked form (chunks of `CHUNK` tokens). Products go through `kernels.linear` (the
+skinny GPU kernel, or a quantized layer's own), the rest is plain PyTorch. Steps run eagerly:
+the cache's bookkeeping is on the host, so CUDA graphs do not capture them (`cuda_graphs`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .backends import kernels
+from .config import KernelConfig, ModelConfig
+from .kv_cache import KVCache
+from .model import MLP, SMALL_T, grouped_attention, rope_cos_sin, rope_frequencies
+
+# Tokens per chunk of the chunked gated delta rule (prefill), as in the reference
+CHUNK = 64
+
+
+# -- the cache --------------------------------------------------------------------------------
+
+@dataclass
+class StepSlots:
+    """Where one step of t tokens at positions start … start + t - 1 reads and writes the
+    recurrent layers' cache (`HybridCache.begin`)."""
+    read: int | None  # the slot of the state after start - 1; None: a new sequence (zeros)
+    # the slots of the states written: after each position (kept), or after the last only
+    write: torch.Tensor  # [t or 1] int64
+    kept: bool  # every position's state is written (t <= steps)
+    window: torch.Tensor  # [kernel - 1] int64: the conv input slots of start - kernel + 1 … start - 1
+    window_valid: torch.Tensor  # [kernel - 1] bool: those positions are >= 0
+    conv_write: torch.Tensor  # [w] int64: the conv input slots of the step's last w positions
+
+
+class HybridCache:
+    """The caches of one batch of sequences through a `HybridTransformer`: keys and values of
+    the full-attention layers (a `KVCache` addressed by position), and for each DeltaNet layer
+    its recurrent state and its convolution's inputs, in rings addressed by position.
+
+    Which positions the rings hold for the sequence is known on the host: `end` (one past the
+    last position the last step wrote, or the length `commit` moved it back to) and `kept_from`
+    (the first position whose state is still in its slot). A step may start at any position s
+    with kept_from <= s - 1 < end (or at 0: a new sequence).
+    """
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device | str, steps: int = 1):
+        kinds = cfg.layer_types
+        self.attention_index = {}  # model layer -> its index among the full-attention layers
+        self.linear_index = {}  # model layer -> its index among the DeltaNet layers
+        for i, kind in enumerate(kinds):
+            table = self.attention_index if kind == "full_attention" else self.linear_index
+            table[i] = len(table)
+        self.kv = KVCache(len(self.attention_index), batch, cfg.num_kv_heads, max_len,
+                          cfg.head_dim, dtype, device)
+        self.max_len, self.steps = max_len, max(1, steps)
+        self.kernel = cfg.linear_conv_kernel_dim
+        n_lin = len(self.linear_index)
+        v_heads, dk, dv = (cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                           cfg.linear_value_head_dim)
+        conv_dim = 2 * cfg.linear_num_key_heads * dk + v_heads * dv
+        # [linear layers, batch, steps, v_heads, d_k, d_v]: the state after position p in slot
+        # p % steps
+        self.state = torch.zeros(n_lin, batch, self.steps, v_heads, dk, dv,
+                                 dtype=torch.float32, device=device)
+        # [linear layers, batch, conv_slots, conv_dim]: the convolution's input at position p
+        # in slot p % conv_slots; kernel - 1 more slots than states, so that the window before
+        # any position whose state is kept is still there
+        self.conv_slots = self.steps + self.kernel - 1
+        self.conv = torch.zeros(n_lin, batch, self.conv_slots, conv_dim, dtype=dtype,
+                                device=device)
+        self.end = self.kept_from = 0
+        # Positions one attention program reads on the GPU; the engine sets it per request.
+        self.split_len = self.kv.split_len
+
+    def fits(self, max_len: int, steps: int) -> bool:
+        """Whether this cache serves sequences of max_len positions verified `steps` at a time."""
+        return self.max_len >= max_len and self.steps >= steps
+
+    def begin(self, start: int, t: int) -> StepSlots:
+        """Where a step of t tokens from position `start` reads and writes, and the bookkeeping
+        of what the rings hold after it."""
+        if start != 0 and not self.kept_from <= start - 1 < self.end:
+            raise ValueError(
+                f"a step from position {start} needs the recurrent state after position "
+                f"{start - 1}, and the cache holds the states after positions {self.kept_from} "
+                f"… {self.end - 1}: a step may start where the last one ended, or go back at "
+                f"most {self.steps - 1} positions into it (the cache's steps={self.steps}; a "
+                f"prefill keeps its last position's state only)")
+        device = self.state.device
+        kept = t <= self.steps
+        positions = torch.arange(start, start + t) if kept else torch.tensor([start + t - 1])
+        window = torch.arange(start - self.kernel + 1, start)
+        slots = StepSlots(
+            read=None if start == 0 else (start - 1) % self.steps,
+            write=(positions % self.steps).to(device), kept=kept,
+            window=(window % self.conv_slots).to(device), window_valid=(window >= 0).to(device),
+            conv_write=(torch.arange(max(start, start + t - self.conv_slots), start + t)
+                        % self.conv_slots).to(device))
+        # States of earlier positions survive where this step wrote no slot of theirs.
+        older = self.kept_from if start else 0
+        self.kept_from = max(older, start + t - self.steps) if kept else start + t - 1
+        self.end = start + t
+        return slots
+
+    def commit(self, length: int) -> None:
+        """The sequence is `length` tokens long: positions from `length` on are discarded (the
+        rejected drafts of a verification). The state after length - 1 is already in its slot;
+        this moves the end back, and refuses a length whose state is not kept."""
+        if length == self.end:
+            return
+        if not (length == 0 or self.kept_from <= length - 1 < self.end):
+            raise ValueError(f"cannot commit a length of {length}: the cache holds the states "
+                             f"after positions {self.kept_from} … {self.end - 1}")
+        self.end = length
+
+    def nbytes(self) -> int:
+        return self.kv.nbytes() + sum(x.numel() * x.element_size() for x in (self.state, self.conv))
+
+
+# -- the gated delta rule ---------------------------------------------------------------------
+
+def delta_rule_recurrent(q, k, v, g, beta, state, out_states=None):
+    """The gated delta rule token by token. q, k: [batch, heads, t, d_k] (normalised, q scaled);
+    v: [batch, heads, t, d_v]; g, beta: [batch, heads, t]; state: [batch, heads, d_k, d_v] (all
+    float32). out_states: None, or a function called with (i, the state after token i).
+    Returns the outputs [batch, heads, t, d_v] and the final state."""
+    out = torch.empty_like(v)
+    for i in range(q.shape[2]):
+        state = state * g[:, :, i, None, None].exp()
+        k_i = k[:, :, i]  # [batch, heads, d_k]
+        delta = (v[:, :, i] - (state * k_i[..., None]).sum(-2)) * beta[:, :, i, None]
+        state = state + k_i[..., None] * delta[..., None, :]
+        out[:, :, i] = (state * q[:, :, i, :, None]).sum(-2)
+        if out_states is not None:
+            out_states(i, state)
+    return out, state
+
+
+def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """The gated delta rule over chunks of `chunk` tokens (arguments and result as
+    `delta_rule_recurrent`'s): within a chunk the t sequential rank-one updates are solved at
+    once (the WY / UT form: a unit lower-triangular system), so a prefill costs matrix products
+    and one small loop over chunks."""
+    b, h, t, dk = k.shape
+    pad = -t % chunk
+    # Padding has k = v = 0, β = 0 and g = 0: it neither decays nor updates the state.
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    n = (t + pad) // chunk
+    q, k, v = (x.view(b, h, n, chunk, -1) for x in (q, k, v))
+    g, beta = g.view(b, h, n, chunk), beta.view(b, h, n, chunk)
+    cum = g.cumsum(-1)  # log of the decay from the chunk's start through each token
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    # decay[i, j] = exp(cum_i - cum_j) for j <= i: from token j's update to token i
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    k_beta = k * beta[..., None]
+    # The rank-one updates of a chunk interact through (I + strictly lower(β k kᵀ ∘ decay));
+    # solving it gives each token's corrected value (u) and its read of the chunk's initial
+    # state (w).
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False,
+                                      unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False,
+                                      unitriangular=True)
+    within = (q @ k.transpose(-1, -2)) * decay  # [b, h, n, chunk, chunk]
+    q_decayed = q * cum.exp()[..., None]
+    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
+    out = torch.empty_like(v)
+    for c in range(n):
+        u_c = u[:, :, c] - w[:, :, c] @ state
+        out[:, :, c] = q_decayed[:, :, c] @ state + within[:, :, c] @ u_c
+        state = state * cum[:, :, c, -1, None, None].exp() + k_to_end[:, :, c].transpose(-1, -2) @ u_c
+    return out.view(b, h, n * chunk, -1)[:, :, :t], state
+
+
+# -- layers -----------------------------------------------------------------------------------
+
+class CenteredRMSNorm(nn.Module):
+    """RMSNorm scaling by 1 + w, computed in float32 (the checkpoints store w around 0)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """RMSNorm(x) · w · SiLU(z) over the last dimension, in x's dtype (the reference's order of
+    roundings: the norm in float32, w applied in x's dtype, the gate in float32)."""
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * y.to(x.dtype) * F.silu(z.float())).to(x.dtype)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.k_heads, self.v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = self.k_heads * self.dk, self.v_heads * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.eps = cfg.rms_norm_eps
+        # [q, k, v (the convolution's inputs); z; b; a] from one product
+        self.w_in = nn.Linear(cfg.hidden_size, self.conv_dim + self.value_dim + 2 * self.v_heads,
+                              bias=False)
+        # [conv_dim, 1, kernel]: depthwise, as F.conv1d and the checkpoints hold it
+        self.conv = nn.Parameter(torch.zeros(self.conv_dim, 1, cfg.linear_conv_kernel_dim))
+        self.A_log = nn.Parameter(torch.zeros(self.v_heads))
+        self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
+        self.norm_weight = nn.Parameter(torch.ones(self.dv))
+        self.w_out = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cache: HybridCache, layer: int, slots: StepSlots,
+                kc: KernelConfig) -> torch.Tensor:
+        # x: [batch, seq, hidden], the normed stream; returns [batch, seq, hidden]
+        b, t, _ = x.shape
+        proj = kernels.linear(x, self.w_in, kc)
+        mixed, z, beta, a = proj.split([self.conv_dim, self.value_dim, self.v_heads,
+                                        self.v_heads], dim=-1)
+        mixed = self._convolve(mixed, cache.conv[cache.linear_index[layer]], slots)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        group = self.v_heads // self.k_heads
+
+        def heads(y, d, repeat=1):  # [batch, seq, n * d] -> [batch, n * repeat, seq, d] float32
+            y = y.reshape(b, t, -1, d).float()
+            return (y.repeat_interleave(repeat, dim=2) if repeat > 1 else y).transpose(1, 2)
+
+        q = l2_normalize(heads(q, self.dk, group)) * self.dk ** -0.5
+        k = l2_normalize(heads(k, self.dk, group))
+        v = heads(v, self.dv)
+        beta = beta.float().sigmoid().transpose(1, 2)  # [batch, v_heads, seq]
+        g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)).transpose(1, 2)
+        out = self._delta_rule(q, k, v, g, beta, cache.state[cache.linear_index[layer]], slots)
+        out = gated_rms_norm(out.transpose(1, 2).to(x.dtype), z.view(b, t, self.v_heads, self.dv),
+                             self.norm_weight, self.eps)
+        return kernels.linear(out.reshape(b, t, self.value_dim), self.w_out, kc)
+
+    def _convolve(self, mixed: torch.Tensor, ring: torch.Tensor, slots: StepSlots) -> torch.Tensor:
+        """The causal depthwise convolution and SiLU of mixed [batch, seq, conv_dim], after the
+        inputs of the positions before the step (from `ring` [batch, conv_slots, conv_dim]),
+        whose slots then take this step's inputs."""
+        window = ring[:, slots.window] * slots.window_valid[:, None].to(ring.dtype)
+        inputs = torch.cat([window, mixed.to(ring.dtype)], dim=1)  # [batch, kernel - 1 + seq, C]
+        ring.index_copy_(1, slots.conv_write, inputs[:, inputs.shape[1] - len(slots.conv_write):])
+        out = F.conv1d(inputs.transpose(1, 2), self.conv, groups=self.conv_dim)
+        return F.silu(out).transpose(1, 2).to(mixed.dtype)
+
+    @staticmethod
+    def _delta_rule(q, k, v, g, beta, ring: torch.Tensor, slots: StepSlots) -> torch.Tensor:
+        """The rule from the state the step reads (ring [batch, steps, v_heads, d_k, d_v]),
+        writing the states after its positions (all of them, or the last: `slots.kept`)."""
+        b, h, _, dk = k.shape
+        state = (ring[:, slots.read] if slots.read is not None
+                 else torch.zeros(b, h, dk, v.shape[-1], dtype=torch.float32, device=q.device))
+        if slots.kept:
+            write = slots.write.tolist() if slots.write.device.type == "cpu" else slots.write
+
+            def keep(i, s):
+                ring[:, write[i]] = s
+
+            out, _ = delta_rule_recurrent(q, k, v, g, beta, state, keep)
+        else:
+            out, state = delta_rule_chunked(q, k, v, g, beta, state)
+            ring[:, slots.write[0]] = state
+        return out
+
+
+def partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rope (half-split) on the first 2 · cos.shape[-1] dimensions of x [batch, seq, heads, d];
+    cos, sin: [batch, seq, rotary_dim / 2]. The rest pass unchanged."""
+    half = cos.shape[-1]
+    c, s = cos.unsqueeze(2), sin.unsqueeze(2)
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, rest], dim=-1)
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        # [q and gate, interleaved by head as the checkpoints' q_proj is; k; v]
+        self.wqkv = nn.Linear(cfg.hidden_size, 2 * q_dim + 2 * kv_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.qkv_bias)
+        self.q_norm = CenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = CenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, positions, mask, cache: HybridCache, layer: int, kv_len: int,
+                kc: KernelConfig) -> torch.Tensor:
+        # x: [batch, seq, hidden], the normed stream; positions: [batch, seq]; cos, sin: [batch,
+        # seq, rotary_dim / 2]; mask: as `model.Attention`'s (additive [batch, 1, seq, 1,
+        # kv_len] for seq <= SMALL_T, bool [batch, 1, seq, kv_len], or "causal"). Returns
+        # [batch, seq, hidden].
+        b, t, _ = x.shape
+        d, h = self.head_dim, self.n_heads
+        qg, k, v = kernels.linear(x, self.wqkv, kc).split(
+            [2 * h * d, self.n_kv * d, self.n_kv * d], dim=-1)
+        q, gate = qg.view(b, t, h, 2 * d).chunk(2, dim=-1)
+        q = partial_rope(self.q_norm(q), cos, sin)
+        k = partial_rope(self.k_norm(k.view(b, t, self.n_kv, d)), cos, sin)
+        layer_kv = cache.kv.kv[cache.attention_index[layer]]  # [2, batch, kv_heads, max_len, d]
+        rows = torch.arange(b, device=x.device).unsqueeze(1)
+        layer_kv[:, rows, :, positions] = torch.stack([k, v.view(b, t, self.n_kv, d)], dim=2)
+        keys, values = cache.kv.read(cache.attention_index[layer], b, kv_len)
+        if t <= SMALL_T:
+            out = grouped_attention(q, keys, values, mask, d ** -0.5)
+        else:
+            causal = isinstance(mask, str)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values,
+                                                 attn_mask=None if causal else mask,
+                                                 is_causal=causal, enable_gqa=h != self.n_kv)
+            out = out.transpose(1, 2).reshape(b, t, h * d)
+        out = out * torch.sigmoid(gate.reshape(b, t, h * d))
+        return kernels.linear(out, self.wo, kc)
+
+
+class HybridBlock(nn.Module):
+    """x + mixer(norm(x)), then + mlp(norm(·)); the mixer is a `GatedDeltaNet` or a
+    `GatedAttention` by the layer's type."""
+
+    def __init__(self, cfg: ModelConfig, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.attn_norm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if kind == "linear_attention":
+            self.deltanet = GatedDeltaNet(cfg)
+        else:
+            self.attn = GatedAttention(cfg)
+        self.mlp_norm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, positions, mask, cache, layer, kv_len, slots, kc):
+        normed = self.attn_norm(x)
+        if self.kind == "linear_attention":
+            x = x + self.deltanet(normed, cache, layer, slots, kc)
+        else:
+            x = x + self.attn(normed, cos, sin, positions, mask, cache, layer, kv_len, kc)
+        act = kernels.gated_linear(self.mlp_norm(x), self.mlp.w_gate_up, kc)
+        return x + kernels.linear(act, self.mlp.w_down, kc)
+
+
+class HybridTransformer(nn.Module):
+    """The decoder; `forward` has `model.Transformer.forward`'s signature, with a `HybridCache`
+    (`new_cache`) for the cache."""
+
+    # Steps keep host-side bookkeeping in the cache (`HybridCache.begin`): run eagerly.
+    cuda_graphs = False
+
+    def __init__(self, cfg: ModelConfig, kernel_config: KernelConfig = kernels.DEFAULT):
+        super().__init__()
+        self.cfg = cfg
+        self.kernel_config = kernel_config
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(HybridBlock(cfg, kind) for kind in cfg.layer_types)
+        self.norm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+        self.norms_folded = False
+
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device,
+                  steps: int = 1) -> HybridCache:
+        """A cache for `batch` sequences of up to max_len positions, whose steps may be
+        rolled back to any position of the last `steps` (a verification of k drafts: k + 1)."""
+        return HybridCache(self.cfg, batch, max_len, dtype, device, steps)
+
+    def fold_norms(self) -> None:
+        """Nothing is folded: the norms scale by 1 + w in float32, and the products are plain."""
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: HybridCache,
+                kv_len: int | None = None, hidden_layers: tuple[int, ...] = (),
+                last_only: bool = False, logits_at: torch.Tensor | None = None):
+        """As `Transformer.forward`: tokens, positions [batch, seq] (each row's positions
+        consecutive, the same for every row). kv_len: the end of the step's positions,
+        exactly (start = kv_len - seq; steps are not graphed, so it is never rounded up).
+        logits_at: int64 [r], the rows whose logits are wanted; rows past the last of them are
+        padding (a prefill padded to a fixed length) and are not run, since a recurrent state
+        cannot skip them: the hidden states returned then stop at the last of them.
+        Returns logits [batch, seq (1 with last_only, r with logits_at), vocab] (float32) and
+        the requested layers' outputs [batch, seq, hidden]."""
+        if logits_at is not None:
+            real = int(logits_at.max()) + 1
+            if kv_len is not None:
+                kv_len -= tokens.shape[1] - real
+            tokens, positions = tokens[:, :real], positions[:, :real]
+        t = tokens.shape[1]
+        start = int(positions[0, 0]) if kv_len is None else kv_len - t
+        kv_len = start + t
+        slots = cache.begin(start, t)
+        x = self.embed(tokens)  # [batch, seq, hidden]: the residual stream
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        mask = attention_mask(positions, kv_len, x.dtype)
+        hidden = [x] if 0 in hidden_layers else []
+        for i, block in enumerate(self.layers):
+            x = block(x, cos, sin, positions, mask, cache, i, kv_len, slots, self.kernel_config)
+            if i + 1 in hidden_layers:
+                hidden.append(x)
+        if logits_at is not None:
+            x = x.index_select(1, logits_at)
+        elif last_only:
+            x = x[:, -1:]
+        logits = kernels.linear(self.norm(x), self.lm_head, self.kernel_config)
+        return logits.float(), hidden
+
+
+def attention_mask(positions: torch.Tensor, kv_len: int, dtype: torch.dtype):
+    """The full-attention layers' mask for queries at positions [batch, seq] over keys 0 …
+    kv_len - 1: "causal" for a step from position 0 over more than SMALL_T tokens (SDPA's own),
+    else bool [batch, 1, seq, kv_len] above SMALL_T tokens (SDPA), additive [batch, 1, seq, 1,
+    kv_len] up to it (`grouped_attention`)."""
+    t = positions.shape[1]
+    if t > SMALL_T and kv_len == t:
+        return "causal"
+    visible = torch.arange(kv_len, device=positions.device) <= positions.unsqueeze(-1)
+    if t > SMALL_T:
+        return visible.unsqueeze(1)
+    return torch.where(visible, 0.0, float("-inf")).to(dtype)[:, None, :, None]
