@@ -17,7 +17,7 @@ from flashdraft.hybrid import HybridTransformer, delta_rule_chunked, delta_rule_
 from flashdraft.loading import load_model
 from flashdraft.model import Transformer
 from flashdraft.sampling import probs_from_logits
-from tests.tiny import build_model, build_qwen35
+from tests.tiny import build_dflash_drafter, build_model, build_qwen35
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -86,6 +86,34 @@ def test_logits_match_transformers(checkpoints, name, prompt_len):
         cache.commit(v + 3)  # last + 2 accepted drafts
         step(v + 3, K + 1)
         step(v + 3 + K + 1, 40)
+
+
+def test_hidden_states_match_transformers(checkpoints):
+    """The layers' outputs a DFlash drafter reads (0: the embeddings, i: layer i's)."""
+    model = load_model(checkpoints["hybrid"], torch.float32, "cpu").model
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 12))
+    with torch.no_grad():
+        want = reference(checkpoints["hybrid"])(ids, output_hidden_states=True).hidden_states
+        cache = model.new_cache(1, 64, torch.float32, "cpu")
+        _, hidden = model(ids, torch.arange(12)[None], cache, hidden_layers=(0, 1, 3))
+    for got, i in zip(hidden, (0, 1, 3)):
+        assert rel_err(got, want[i]) <= 1e-5
+
+
+def test_int8_loads_through_the_quantized_path(checkpoints):
+    """Each product quantized as it loads (the hybrid's names, module by module); the tiny
+    DeltaNet heads (d_k = 8, L2-normalised) make int8's error larger than at real shapes."""
+    from flashdraft.backends.quant import QuantLinear
+
+    full = load_model(checkpoints["hybrid"], torch.float32, "cpu").model
+    model = load_model(checkpoints["hybrid"], torch.float32, "cpu", quantization="int8").model
+    assert isinstance(model.layers[0].deltanet.w_in, QuantLinear)
+    assert isinstance(model.layers[3].attn.wqkv, QuantLinear)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 12))
+    with torch.no_grad():
+        got, _ = model(ids, torch.arange(12)[None], model.new_cache(1, 64, torch.float32, "cpu"))
+        want, _ = full(ids, torch.arange(12)[None], full.new_cache(1, 64, torch.float32, "cpu"))
+    assert rel_err(got, want) <= 0.2
 
 
 def test_chunked_rule_equals_the_recurrent_one():
@@ -221,6 +249,14 @@ def test_greedy_speculative_equals_plain(checkpoints, target, plain, k):
     assert 0 in accepted and k in accepted  # rejections and whole acceptances
     if k > 2:
         assert any(0 < n < k for n in accepted)
+
+
+def test_dflash_over_the_hybrid_target_changes_no_token(checkpoints, target, plain, tmp_path):
+    """A (random) DFlash drafter reading the hybrid's hidden states from each verification."""
+    drafter = build_dflash_drafter(tmp_path / "dflash", checkpoints["engine"],
+                                   target_layer_ids=(1, 2), block_size=4)
+    outs = target.generate(PROMPTS, GREEDY, draft=f"dflash:{drafter}", num_speculative_tokens=3)
+    assert [o.token_ids for o in outs] == plain
 
 
 # -- T > 0: the engine samples from the hybrid target's distribution -----------------------------
