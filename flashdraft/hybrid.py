@@ -63,9 +63,10 @@ class StepSlots:
     recurrent layers' cache (`HybridCache.begin`)."""
     read: int | None  # the slot of the state after start - 1; None: a new sequence (zeros)
     # the slots of the states written: after each position (kept), or after the last only
-    write: torch.Tensor  # [t or 1] int64
+    write: list[int]
     kept: bool  # every position's state is written (t <= steps)
-    window: torch.Tensor  # [kernel - 1] int64: the conv input slots of start - kernel + 1 … start - 1
+    # [kernel - 1] int64: the conv input slots of positions start - kernel + 1 … start - 1
+    window: torch.Tensor
     window_valid: torch.Tensor  # [kernel - 1] bool: those positions are >= 0
     conv_write: torch.Tensor  # [w] int64: the conv input slots of the step's last w positions
 
@@ -127,11 +128,11 @@ class HybridCache:
                 f"prefill keeps its last position's state only)")
         device = self.state.device
         kept = t <= self.steps
-        positions = torch.arange(start, start + t) if kept else torch.tensor([start + t - 1])
+        written = range(start, start + t) if kept else [start + t - 1]
         window = torch.arange(start - self.kernel + 1, start)
         slots = StepSlots(
             read=None if start == 0 else (start - 1) % self.steps,
-            write=(positions % self.steps).to(device), kept=kept,
+            write=[p % self.steps for p in written], kept=kept,
             window=(window % self.conv_slots).to(device), window_valid=(window >= 0).to(device),
             conv_write=(torch.arange(max(start, start + t - self.conv_slots), start + t)
                         % self.conv_slots).to(device))
@@ -208,7 +209,8 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     for c in range(n):
         u_c = u[:, :, c] - w[:, :, c] @ state
         out[:, :, c] = q_decayed[:, :, c] @ state + within[:, :, c] @ u_c
-        state = state * cum[:, :, c, -1, None, None].exp() + k_to_end[:, :, c].transpose(-1, -2) @ u_c
+        state = (state * cum[:, :, c, -1, None, None].exp()
+                 + k_to_end[:, :, c].transpose(-1, -2) @ u_c)
     return out.view(b, h, n * chunk, -1)[:, :, :t], state
 
 
@@ -302,10 +304,8 @@ class GatedDeltaNet(nn.Module):
         state = (ring[:, slots.read] if slots.read is not None
                  else torch.zeros(b, h, dk, v.shape[-1], dtype=torch.float32, device=q.device))
         if slots.kept:
-            write = slots.write.tolist() if slots.write.device.type == "cpu" else slots.write
-
             def keep(i, s):
-                ring[:, write[i]] = s
+                ring[:, slots.write[i]] = s
 
             out, _ = delta_rule_recurrent(q, k, v, g, beta, state, keep)
         else:
