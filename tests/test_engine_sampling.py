@@ -21,8 +21,9 @@ PROMPT = [1, 5, 2]
 
 
 def tiny(seed, layers=1):
-    cfg = ModelConfig(arch="qwen2", vocab_size=V, hidden_size=32, intermediate_size=64,
-                      num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=8,
+    # head_dim 16: the CUDA attention kernels' smallest (tl.dot needs K >= 16)
+    cfg = ModelConfig(arch="qwen2", vocab_size=V, hidden_size=64, intermediate_size=64,
+                      num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=16,
                       max_position_embeddings=64, qkv_bias=True)
     torch.manual_seed(seed)
     model = Transformer(cfg)

@@ -152,8 +152,9 @@ def chi_square_p(counts, expected):
 def test_race_draws_the_right_distribution(with_q):
     g = torch.Generator().manual_seed(11)
     v, temperature, params = 40, 0.9, (20, 0.95, 0.01)
-    logits = (torch.randn(v, generator=g) * 1.5).to(DEV)
+    logits = torch.randn(v, generator=g) * 1.5
     q_logits = (logits + torch.randn(v, generator=g)).to(DEV) if with_q else None
+    logits = logits.to(DEV)
     rng = S.make_rng(1234, DEV)
     tokens, stats = draw(logits, temperature, params, rng, q_logits)
     p = S.probs_from_stats(logits[None], temperature, S.RowStats(*(x[:1] for x in stats)))[0]

@@ -153,10 +153,10 @@ if triton is not None:
         tl.store(psum_ptr + r * C + c, csum)
         if _last(count_ptr + r, C):
             cidx = tl.arange(0, C_PAD)
-            cmax = tl.load(pmax_ptr + r * C + cidx, mask=cidx < C, other=float("-inf"))
-            csum = tl.load(psum_ptr + r * C + cidx, mask=cidx < C, other=0.0)
-            m = tl.max(cmax, 0)
-            z = tl.sum(tl.where(cidx < C, csum * tl.exp(cmax - m), 0.0), 0)
+            maxes = tl.load(pmax_ptr + r * C + cidx, mask=cidx < C, other=float("-inf"))
+            sums = tl.load(psum_ptr + r * C + cidx, mask=cidx < C, other=0.0)
+            m = tl.max(maxes, 0)
+            z = tl.sum(tl.where(cidx < C, sums * tl.exp(maxes - m), 0.0), 0)
             tl.store(m_ptr + r, m)
             tl.store(zrow_ptr + r, z)
             if not FILTER:
@@ -206,9 +206,9 @@ if triton is not None:
             if _last(count_ptr + r, C):
                 cidx = tl.arange(0, C_PAD)
                 at = (r * C + cidx[:, None]) * NB + bidx[None, :]
-                inside = (cidx < C)[:, None]
-                mass = tl.sum(tl.load(hmass_ptr + at, mask=inside, other=0.0), 0)
-                count = tl.sum(tl.load(hcount_ptr + at, mask=inside, other=0), 0)
+                chunk_ok = (cidx < C)[:, None]
+                mass = tl.sum(tl.load(hmass_ptr + at, mask=chunk_ok, other=0.0), 0)
+                count = tl.sum(tl.load(hcount_ptr + at, mask=chunk_ok, other=0), 0)
                 count_above = 0
                 mass_above = 0.0
                 if LEVEL > 0:
@@ -284,38 +284,38 @@ if triton is not None:
             n = tl.atomic_xchg(ncand_ptr + r, 0)
             idx = tl.arange(0, CAP)
             valid = idx < n
-            packed = tl.load(cand_ptr + r.to(tl.int64) * CAP + idx, mask=valid,
+            cands = tl.load(cand_ptr + r.to(tl.int64) * CAP + idx, mask=valid,
                              other=-9223372036854775808)
-            packed = tl.sort(packed, descending=True)
-            s = tl.where(valid, _unkey((packed >> 32).to(tl.int32)), float("-inf"))
-            e = tl.where(valid, tl.exp(s - m), 0.0)
+            cands = tl.sort(cands, descending=True)
+            sv = tl.where(valid, _unkey((cands >> 32).to(tl.int32)), float("-inf"))
+            ev = tl.where(valid, tl.exp(sv - m), 0.0)
             t_min = float("-inf")
             if HAS_MIN:
                 t_min = m + log_min_p
             if HAS_K:  # every token at or above the k-th is a candidate
-                t_k = tl.max(tl.where(idx == top_k - 1, s, float("-inf")), 0)
-                in_k = valid & (s >= t_k)
-                e_k = tl.where(in_k, e, 0.0)
+                t_k = tl.max(tl.where(idx == top_k - 1, sv, float("-inf")), 0)
+                in_k = valid & (sv >= t_k)
+                e_k = tl.where(in_k, ev, 0.0)
                 t_p = float("-inf")
                 if HAS_P:
                     before = tl.cumsum(e_k, 0) - e_k
-                    t_p = tl.min(tl.where(in_k & (before < top_p * tl.sum(e_k, 0)), s,
+                    t_p = tl.min(tl.where(in_k & (before < top_p * tl.sum(e_k, 0)), sv,
                                           float("inf")), 0)
                 t = tl.maximum(tl.maximum(t_k, t_p), t_min)
-                z = tl.sum(tl.where(valid & (s >= t), e, 0.0), 0)
-            else:  # the cut cell's tokens, below mass_above
+                z = tl.sum(tl.where(valid & (sv >= t), ev, 0.0), 0)
+            else:  # the cut cell'sv tokens, below mass_above
                 mass_above = tl.load(sm_ptr + r * 2)
                 t_p = float("-inf")
                 if HAS_P:
-                    before = mass_above + tl.cumsum(e, 0) - e
-                    t_p = tl.min(tl.where(valid & (before < top_p * tl.load(zrow_ptr + r)), s,
+                    before = mass_above + tl.cumsum(ev, 0) - ev
+                    t_p = tl.min(tl.where(valid & (before < top_p * tl.load(zrow_ptr + r)), sv,
                                           float("inf")), 0)
-                    # The cell's first token is always kept when top-p's cut chose it (the
+                    # The cell'sv first token is always kept when top-p'sv cut chose it (the
                     # mass above can pass top_p · Z by rounding only).
-                    t_p = tl.where(t_p == float("inf"), tl.max(s, 0), t_p)
+                    t_p = tl.where(t_p == float("inf"), tl.max(sv, 0), t_p)
                     t_p = tl.where(tl.load(st + 3) != 0, t_p, float("-inf"))
                 t = tl.maximum(t_p, t_min)
-                z = mass_above + tl.sum(tl.where(valid & (s >= t), e, 0.0), 0)
+                z = mass_above + tl.sum(tl.where(valid & (sv >= t), ev, 0.0), 0)
             tl.store(t_ptr + r, t)
             tl.store(z_ptr + r, z)
             tl.store(flag_ptr + r, (n > CAP).to(tl.int32))
@@ -462,10 +462,10 @@ if triton is not None:
             token = _winner(best_ptr, arg_ptr, rows, R, C, C_PAD)
             if MODE != 0:  # rows whose w is all zero draw from p
                 chunks = tl.arange(0, C_PAD)
-                at = rows[:, None] * C + chunks[None, :]
-                ok = (rows < R)[:, None] & (chunks < C)[None, :]
-                best = tl.max(tl.load(best_ptr + at, mask=ok, other=float("-inf")), 1)
-                token = tl.where(best > float("-inf"), token,
+                won = tl.max(tl.load(best_ptr + rows[:, None] * C + chunks[None, :],
+                                     mask=(rows < R)[:, None] & (chunks < C)[None, :],
+                                     other=float("-inf")), 1)
+                token = tl.where(won > float("-inf"), token,
                                  _winner(pbest_ptr, parg_ptr, rows, R, C, C_PAD))
             tl.store(token_ptr + rows, token.to(tl.int64), mask=rows < R)
 
