@@ -249,7 +249,7 @@ def cmd_demo(args) -> None:
     run_demo(DemoSettings(
         num_speculative_tokens=parse_ints(args.num_speculative_tokens, "--num-speculative-tokens"),
         num_humaneval=args.num_humaneval, max_tokens=args.max_tokens, device=args.device,
-        dtype=args.dtype, output=args.output))
+        dtype=args.dtype, output=args.output, dflash=args.dflash))
 
 
 def cmd_train_drafter(args) -> None:
@@ -382,6 +382,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--device", default=None)
     d.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     d.add_argument("--output", default=None, help="directory for results.json")
+    d.add_argument("--dflash", default=None, metavar="DIR",
+                   help="also run this DFlash drafter of the target (a directory, e.g. one "
+                        "train-drafter wrote, or a hub id in the cache); it drafts its whole "
+                        "block a step")
     d.set_defaults(func=cmd_demo)
 
     e = sub.add_parser("env", help="what flashdraft sees: versions, GPU, the kernel "

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from flashdraft import LLM, SamplingParams
+from flashdraft.backends.cuda_graphs import StepRunner
 from flashdraft.config import ModelConfig
-from flashdraft.drafters.dflash import (DFlashConfig, DFlashDrafter, load_dflash,
+from flashdraft.drafters.dflash import (DFlashConfig, DFlashDrafter, block_slots, load_dflash,
                                         read_dflash_config, save_dflash)
 from flashdraft.engine import Engine, RequestMetrics
 from flashdraft.kv_cache import KVCache
@@ -58,9 +59,11 @@ def reference(files):
 
 
 def our_pass(model, tokens, start, cache, layers):
+    device = cache.kv.device
     with torch.inference_mode():
-        positions = torch.arange(start, start + len(tokens))[None]
-        return model(torch.tensor([tokens]), positions, cache, hidden_layers=layers)
+        positions = torch.arange(start, start + len(tokens), device=device)[None]
+        return model(torch.tensor([tokens], device=device), positions, cache,
+                     hidden_layers=layers)
 
 
 def test_block_logits_match_the_reference(llm, files, reference):
@@ -195,6 +198,167 @@ def test_block_size_at_the_top_level_and_default_layer_ids_load(files, tmp_path)
     (path / "config.json").write_text(json.dumps(d))
     cfg = read_dflash_config(path)
     assert cfg.block_size == BLOCK and cfg.target_layer_ids == (1, 1)  # 4 target layers, 2 own
+
+
+# -- the fixed-shape pass (CUDA graphs) -------------------------------------------------------
+
+# (k, kept) per step: a block of k drafts, then a verification that keeps `kept` of them (its
+# first kept + 1 rows are committed): partial, none, all, and k changing between steps.
+STEPS = [(3, 1), (3, 0), (2, 2), (3, 3), (1, 0), (3, 2), (2, 1)]
+
+
+def drive(model, ids, layers, passes, steps=STEPS):
+    """Block passes fed as the engine feeds them: the prompt's rows, then per step the rows that
+    a verification of the first pass's drafts committed. passes: functions (hidden, last, k) ->
+    logits [1, k, vocab], each given the same rows. Returns the logits (copies) per step, one
+    per pass."""
+    cache = KVCache.for_model(model.cfg, 1, 256, torch.float32, model.embed.weight.device)
+    logits, hidden = our_pass(model, ids, 0, cache, layers)
+    last, position, out = int(logits[0, -1].argmax()), len(ids), []
+    for k, kept in steps:
+        got = [f(hidden, last, k).clone() for f in passes]  # a graph's buffer: copied
+        out.append(got)
+        drafts = got[0].argmax(-1)[0].tolist()
+        logits, hidden = our_pass(model, [last] + drafts, position, cache, layers)
+        hidden = [h[:, :kept + 1] for h in hidden]
+        last = int(logits[0, kept].argmax())  # the target's token after the kept drafts
+        position += kept + 1
+    return out
+
+
+def fixed_shape(drafter):
+    """The drafter with the fixed-shape pass that a GPU replays as graphs, run eagerly (a
+    runner that is off: a CPU's)."""
+    drafter.runner = StepRunner(drafter.model, "cpu")
+    assert not drafter.runner.enabled
+    return drafter
+
+
+@pytest.mark.parametrize("prompt_len", [None, 3])  # the prompt eager (longer than a block) or not
+def test_the_fixed_shape_pass_equals_the_eager_pass(llm, files, prompt_len):
+    """Padded rows, positions from device tensors, cache slots by index_copy_ and attention over
+    a kv bucket with a mask give the eager pass's logits, step after step, through partial
+    acceptances (the context length moved back over a rejected block) and changing k."""
+    model = llm.engine.model
+    eager = DFlashDrafter(load_dflash(files["drafter"]), model, "cpu", torch.float32)
+    padded = fixed_shape(DFlashDrafter(load_dflash(files["drafter"]), model, "cpu",
+                                       torch.float32))
+    ids = llm.encode(PROMPTS[2])[1][:prompt_len]
+    assert (len(ids) > BLOCK) == (prompt_len is None)
+    padded.ensure_capacity(300)  # longer than the kv bucket of 256: every pass masks keys
+    padded.cache.kv.normal_()  # whatever the slots past the context hold must not count
+    calls = []
+    padded_pass = padded.padded_block_logits
+
+    def counting(hidden, last, k):
+        calls.append(hidden[0].shape[1])
+        return padded_pass(hidden, last, k)
+
+    padded.padded_block_logits = counting
+    for drafter in (eager, padded):
+        drafter.begin(ids)
+    steps = drive(model, ids, eager.hidden_layers, [eager.block_logits, padded.block_logits])
+    for i, (want, got) in enumerate(steps):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"step {i}")
+    assert padded.n_context == eager.n_context
+    # Every step's rows took the fixed shape, the prompt's only where they fit in a block.
+    assert calls == ([] if prompt_len is None else [3]) + [kept + 1 for _, kept in STEPS[:-1]]
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_greedy_speculative_with_the_fixed_shape_pass_equals_plain(llm, plain, files, k):
+    drafter = fixed_shape(DFlashDrafter(load_dflash(files["drafter"]), llm.engine.model, "cpu",
+                                        torch.float32))
+    for prompt, want in zip(PROMPTS, plain):
+        steps = llm.engine.run(llm.encode(prompt)[1], GREEDY, drafter, k)
+        assert [t for s in steps for t in s.token_ids] == want
+
+
+def test_the_fixed_shape_writes_each_row_to_a_slot_of_its_own():
+    rows = 4
+    for start in (0, 7):
+        for n_new in range(rows + 1):
+            for t in (2, 4):
+                slots = block_slots(torch.tensor([start]), torch.tensor([n_new]), rows, t)
+                assert slots.tolist() == (
+                    list(range(start, start + n_new))  # the new rows where they belong
+                    + list(range(start + n_new + t, start + rows + t))  # padding: past the block
+                    + list(range(start + n_new, start + n_new + t)))  # the block after the rows
+
+
+def test_graph_switches_and_the_fixed_shape_refuse_what_they_cannot_do(llm, files):
+    model = llm.engine.model
+    with pytest.raises(ValueError, match=r"cuda_graphs=True .* on cpu.*cuda_graphs=None"):
+        DFlashDrafter(load_dflash(files["drafter"]), model, "cpu", torch.float32,
+                      cuda_graphs=True)
+    drafter = DFlashDrafter(load_dflash(files["drafter"]), model, "cpu", torch.float32)
+    assert drafter.runner is None  # a CPU: eager
+    assert llm.get_drafter("dflash:" + files["drafter"]).runner is None
+    rows = [torch.zeros(1, BLOCK + 1, model.cfg.hidden_size) for _ in drafter.hidden_layers]
+    with pytest.raises(ValueError, match=f"block_size={BLOCK} new context rows, not {BLOCK + 1}"):
+        drafter.padded_block_logits(rows, 0, 2)
+
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@gpu
+@needs_cuda
+def test_graph_block_logits_equal_the_eager_pass_on_gpu(files):
+    """The graph replays give the fixed-shape pass's logits run eagerly (the same kernels) bit
+    for bit, and the eager pass's to fp32 rounding, through partial acceptances; the prompt's
+    pass stays eager, every later one is a replay, one graph per k."""
+    llm = LLM(files["target"], device="cuda", dtype="float32")
+    model = llm.engine.model
+
+    def drafter(**kw):
+        d = DFlashDrafter(load_dflash(files["drafter"], torch.float32, "cuda"), model, "cuda",
+                          torch.float32, **kw)
+        d.ensure_capacity(256)
+        return d
+
+    graphs, eager, padded = drafter(), drafter(cuda_graphs=False), drafter(cuda_graphs=False)
+    assert graphs.runner is not None and graphs.runner.enabled and eager.runner is None
+    ids = llm.encode(PROMPTS[2])[1]
+    assert len(ids) > BLOCK
+    for d in (graphs, eager, padded):
+        d.begin(ids)
+
+    def padded_pass(hidden, last, k):
+        if hidden[0].shape[1] > BLOCK:  # the prompt
+            return padded.eager_block_logits(hidden, last, k)
+        return padded.padded_block_logits(hidden, last, k)
+
+    steps = drive(model, ids, graphs.hidden_layers,
+                  [graphs.block_logits, eager.block_logits, padded_pass])
+    for i, (g, e, p) in enumerate(steps):
+        assert torch.equal(g, p), f"step {i}"
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4, msg=f"step {i}")
+    stats = graphs.runner.stats
+    assert stats.replays == len(STEPS) - 1
+    assert stats.captures == len({k for k, _ in STEPS[1:]})  # one kv bucket: a graph per k
+
+
+@gpu
+@needs_cuda
+def test_greedy_speculative_with_graphs_equals_plain_on_gpu(files):
+    """Losslessness on the graph path (fp32), k below and at the block; a seeded sampled run
+    through the graphs too."""
+    llm = LLM(files["target"], device="cuda", dtype="float32")
+    spec = "dflash:" + files["drafter"]
+    plain = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, draft=None)]
+    for k in (1, BLOCK - 1):
+        outs = llm.generate(PROMPTS, GREEDY, draft=spec, num_speculative_tokens=k)
+        assert [o.token_ids for o in outs] == plain, f"k={k}"
+        assert max(outs[0].metrics.drafted_per_step) == k
+        assert all(o.metrics.draft_time_s > 0 for o in outs)  # the block pass is drafting time
+    runner = llm.get_drafter(spec).runner
+    assert runner is not None and runner.stats.replays > 0
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, seed=0, ignore_eos=True)
+    replays = runner.stats.replays
+    outs = llm.generate(PROMPTS, sampled, draft=spec, num_speculative_tokens=BLOCK - 1)
+    assert all(len(o.token_ids) == 40 for o in outs) and runner.stats.replays > replays
 
 
 # -- sampling ---------------------------------------------------------------------------------

@@ -36,6 +36,10 @@ argument as for the kv_len bucket), and the logits are taken at the last real to
 (`logits_at`). With graphs off the same padded shape runs eagerly, so both paths compute the
 same numbers.
 
+Other fixed-shape steps (a DFlash drafter's block pass) use the same runner through `replay`:
+they bring their own persistent inputs and the step as a function of them, and get the same
+lazy capture, warm-up, memory pool, cache following and counts.
+
 Optionally the forward is `torch.compile`d first (compile=True) and the compiled step is then
 captured like the eager one. It was measured (1.7× on the 1.5B, 131 s of compilation) before
 the fused Triton kernels existed, which now do the fusing Inductor did; compiling together
@@ -54,6 +58,15 @@ from ..kv_cache import KVCache
 # Prompts up to this many tokens are prefilled padded (`prefill_length`), as CUDA graphs on a
 # GPU; longer ones run eagerly at their own length (the launches are small against the work).
 PREFILL_GRAPH_MAX = 2048
+# Cache positions a graph's attention reads are rounded up to a multiple of this (StepRunner's
+# default kv_bucket): one graph serves a stretch of positions.
+KV_BUCKET = 256
+
+
+def bucketed_kv_len(end: int, bucket: int, max_len: int) -> int:
+    """The static kv_len of a step whose keys end at position `end` (exclusive): end rounded up
+    to a multiple of `bucket`, at most the cache's max_len."""
+    return min(-(-end // bucket) * bucket, max_len)
 
 
 def eager_step(model, tokens: torch.Tensor, start: int, cache: KVCache,
@@ -113,6 +126,14 @@ class _Graph:
 
 
 @dataclass
+class Recorded:
+    """A graph of a step other than the model's own (`StepRunner.replay`)."""
+    graph: torch.cuda.CUDAGraph
+    inputs: object  # the step's persistent input buffers, filled before each replay
+    outputs: object  # what the recorded step returned, rewritten by each replay
+
+
+@dataclass
 class StepRunnerStats:
     captures: int = 0
     capture_s: float = 0.0  # warm-up + capture, compilation included
@@ -134,7 +155,7 @@ class StepRunner:
     """
 
     def __init__(self, model, device: torch.device | str, *, enabled: bool = True,
-                 max_graph_tokens: int = 32, kv_bucket: int = 256, compile: bool = False):
+                 max_graph_tokens: int = 32, kv_bucket: int = KV_BUCKET, compile: bool = False):
         self.model = model
         self.device = torch.device(device)
         self.enabled = bool(enabled) and self.device.type == "cuda"
@@ -162,7 +183,7 @@ class StepRunner:
 
     def kv_len_for(self, end: int, cache: KVCache) -> int:
         """The static kv_len a step ending at position `end` (exclusive) attends over."""
-        return min(-(-end // self.kv_bucket) * self.kv_bucket, cache.max_len)
+        return bucketed_kv_len(end, self.kv_bucket, cache.max_len)
 
     def __call__(self, tokens: torch.Tensor, start: int, cache: KVCache,
                  hidden_layers: tuple[int, ...] = (), last_only: bool = False, post=None):
@@ -207,6 +228,30 @@ class StepRunner:
         self.stats.replays += 1
         return g.logits, [h[:, :valid] for h in g.hidden]
 
+    def replay(self, key: tuple, cache: KVCache, build, fill):
+        """A fixed-shape step of another kind than the model's (a drafter's pass that writes to
+        `cache`) as the graph `key`. The first time `key` is asked for, build() returns (inputs,
+        run): the step's persistent input buffers and the step as a function of them (run() ->
+        outputs), which is warmed up and recorded. fill(inputs) puts this call's inputs into the
+        buffers before every replay, and before the warm-up, which runs the step for real (so
+        the step must give the same result run twice on the same inputs). Returns the outputs:
+        the graph's buffers, rewritten by the next replay of `key`."""
+        if not self.enabled:
+            raise ValueError(f"a graph replay needs an enabled runner on a CUDA device, not "
+                             f"{self.device}; run the step eagerly instead")
+        self._follow(cache)
+        g = self._graphs.get(key)
+        if g is None:
+            inputs, run = build()
+            fill(inputs)
+            graph, outputs = self._record(run)
+            g = self._graphs[key] = Recorded(graph, inputs, outputs)
+        else:
+            fill(g.inputs)
+        g.graph.replay()
+        self.stats.replays += 1
+        return g.outputs
+
     def _follow(self, cache: KVCache) -> None:
         # Graphs hold the cache's addresses: they stay valid exactly while those do.
         cache_id = (cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape))
@@ -217,7 +262,6 @@ class StepRunner:
     def _capture(self, tokens, start, cache, kv_len, hidden_layers, last_only=False, post=None,
                  logits_at=None) -> _Graph:
         t = tokens.shape[1]
-        began = time.perf_counter()
         static_tokens = tokens.detach().clone()
         positions = torch.arange(start, start + t, device=self.device).unsqueeze(0)
 
@@ -226,12 +270,18 @@ class StepRunner:
                                            hidden_layers=hidden_layers, last_only=last_only,
                                            logits_at=logits_at)
             return logits, hidden, (post(static_tokens, logits) if post is not None else None)
-        # Warm up on a side stream (compilation, cuBLAS workspaces, the allocator) before
-        # capturing. The warm-up writes the same keys and values at the same positions as the
-        # replay that follows, so it changes nothing the step would not; a post's RNG state,
-        # which the warm-up advances, is put back (a seed gives the same tokens whether or not
-        # a step was captured on the way).
-        state = getattr(post, "state", None)
+        # A post's RNG state, which the warm-up advances, is put back (a seed gives the same
+        # tokens whether or not a step was captured on the way).
+        graph, (logits, hidden, post_out) = self._record(run, getattr(post, "state", None))
+        return _Graph(graph, static_tokens, positions, logits, list(hidden), post_out, logits_at)
+
+    def _record(self, run, state: torch.Tensor | None = None):
+        """(a CUDA graph of run(), what run() returned in the graph's memory), after two warm-up
+        calls on a side stream (compilation, cuBLAS workspaces, the allocator). The warm-up
+        writes the same keys and values at the same positions as the replay that follows, so it
+        changes nothing the step would not; `state` (a tensor the step advances, e.g. an RNG
+        state) is put back as it was."""
+        began = time.perf_counter()
         saved = state.clone() if state is not None else None
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -243,10 +293,10 @@ class StepRunner:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits, hidden, post_out = run()
+            outputs = run()
         if saved is not None:
             state.copy_(saved)
         torch.cuda.synchronize(self.device)
         self.stats.captures += 1
         self.stats.capture_s += time.perf_counter() - began
-        return _Graph(graph, static_tokens, positions, logits, list(hidden), post_out, logits_at)
+        return graph, outputs

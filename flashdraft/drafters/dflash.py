@@ -31,6 +31,16 @@ nothing else that counts. Each proposal first writes the rows the engine newly c
 writes its context over the block's slots, so a rejected block is forgotten by not moving
 the context length (the reference crops its cache to the same length).
 
+On a GPU the block pass (the layers and the target's LM head on the block's rows) is a CUDA
+graph replay: launched one by one, its few dozen small kernels would cost more than they
+compute. A graph fixes shapes, so the step's new rows (at most block_size: the accepted drafts
+and one more) are padded to block_size, the start position and the number of new rows are
+device tensors from which the positions, the cache slots and a mask of the visible keys
+follow, and attention reads a bucket of the cache as the target's graphs do; one graph serves
+each (k, kv bucket). The prompt's rows, more than a block, take the eager pass at their own
+shape, which is also the reference the fixed shape is tested against (on a CPU, where the
+fixed shape runs eagerly).
+
 At T > 0 the drafts are sampled from q, the drafter's logits under the request's
 temperature / top-k / top-p / min-p, each position independently (as the reference does),
 and returned with those logits for the acceptance rule.
@@ -45,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..backends.cuda_graphs import KV_BUCKET, StepRunner, bucketed_kv_len
 from ..config import ModelConfig
 from ..kv_cache import KVCache
 from ..loading.hf import our_sources, read_hf
@@ -328,13 +339,51 @@ def save_dflash(model: DFlashModel, path: str | Path, dtype: torch.dtype | None 
     return path
 
 
+@dataclass
+class _BlockInputs:
+    """The persistent inputs of the fixed-shape block pass (`DFlashDrafter.padded_block_logits`),
+    one set per graph."""
+    # [1, rows, len(target_layer_ids) · hidden] in fc's order; rows n_new … are padding
+    features: torch.Tensor
+    tokens: torch.Tensor  # [1, t] int64: the last committed token, then t - 1 masks
+    start: torch.Tensor  # [1] int64: the position of the first new context row
+    n_new: torch.Tensor  # [1] int64: how many rows of features are new context
+
+
+def block_slots(start: torch.Tensor, n_new: torch.Tensor, rows: int, t: int) -> torch.Tensor:
+    """The cache slots (= rope positions) of the fixed-shape pass's rows [rows + t] int64: the
+    n_new new context rows at start …, the padding rows of the context after the block, then
+    the block's t rows right after the new ones. start, n_new: [1] int64 device tensors, so that
+    a graph's slots follow them. The slots are distinct (one index_copy_ writes every row: a
+    GPU does not order duplicate writes), none of the padding rows' is below the visible length
+    start + n_new + t, and all lie below start + rows + t."""
+    row = torch.arange(rows, device=start.device)
+    block_start = start + n_new  # [1]
+    context = torch.where(row < n_new, start + row, block_start + t + row - n_new)
+    return torch.cat([context, block_start + torch.arange(t, device=start.device)])
+
+
+def _cache_attention(cache: KVCache, layer: int, q: torch.Tensor, kv_len: int,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The block's queries q [1, heads, t, head_dim] over the cache's first kv_len positions of
+    `layer` (mask [1, 1, 1, kv_len]: the keys it may see; None: all) -> [1, heads, t, head_dim]."""
+    keys, values = cache.read(layer, 1, kv_len)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                          enable_gqa=q.shape[1] != keys.shape[1])
+
+
 class DFlashDrafter:
     """Drafts min(k, block_size - 1) tokens a step with a DFlashModel and the target's
-    embedding and LM head (`target`, the engine's model)."""
+    embedding and LM head (`target`, the engine's model).
+
+    cuda_graphs: None (the default) replays the block pass as CUDA graphs wherever the device
+    is CUDA (`padded_block_logits`), True asks for them (refused off CUDA), False runs every
+    pass eagerly at its own shape (`eager_block_logits`, the reference)."""
 
     def __init__(self, model: DFlashModel, target: Transformer, device: torch.device | str,
                  dtype: torch.dtype, *, block_size: int | None = None,
-                 fused_sampling: bool | None = None, source: str = "the DFlash drafter"):
+                 fused_sampling: bool | None = None, cuda_graphs: bool | None = None,
+                 source: str = "the DFlash drafter"):
         cfg = model.cfg
         cfg.check_target(target.cfg, source)
         trained = cfg.block_size
@@ -345,6 +394,14 @@ class DFlashDrafter:
                              f"block it was trained on")
         self.model, self.target = model, target
         self.device, self.dtype = torch.device(device), dtype
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True for {source} on {self.device}: CUDA graphs need "
+                             f"a CUDA device; leave cuda_graphs=None (graphs wherever the device "
+                             f"is CUDA) or pass False")
+        # The block pass replayed as CUDA graphs wherever a step's new rows fit the padded
+        # shape; None: every pass eager (a CPU, or graphs switched off).
+        use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.runner = StepRunner(model, self.device) if use_graphs else None
         self.block_size = block_size
         self.hidden_layers = cfg.hidden_layers
         # DraftContext.hidden comes in ascending layer order; fc reads target_layer_ids' order.
@@ -358,12 +415,23 @@ class DFlashDrafter:
         self.n_context = 0  # committed positions whose features the cache holds: 0 … n - 1
 
     def ensure_capacity(self, max_len: int) -> None:
-        """Room for a request of max_len positions (the context and a block after it)."""
+        """Room for a request of max_len positions (the context and a block after it), and for
+        the padding rows that the fixed-shape pass writes after its block (at most 2 ·
+        block_size slots past the block's start)."""
+        self._reserve(max_len + 2 * self.block_size)
+
+    def _reserve(self, max_len: int) -> None:
         if self.cache is None or self.cache.max_len < max_len:
             old, self.cache = self.cache, KVCache.for_model(self.model.cfg.layers, 1, max_len,
                                                             self.dtype, self.device)
             if old is not None and self.n_context:  # keep what a request has (never in a step)
                 self.cache.kv[..., :self.n_context, :] = old.kv[..., :self.n_context, :]
+
+    def _room(self, need: int) -> None:
+        """At least `need` slots for a pass the cache was not sized for (ensure_capacity is the
+        engine's way), doubling so that few passes copy the context."""
+        if self.cache is None or self.cache.max_len < need:
+            self._reserve(max(need, 2 * (self.cache.max_len if self.cache else 0)))
 
     def begin(self, prompt: list[int]) -> None:
         self.n_context = 0
@@ -373,19 +441,38 @@ class DFlashDrafter:
     def block_logits(self, hidden: list[torch.Tensor], last: int, k: int) -> torch.Tensor:
         """Append the committed rows `hidden` (DraftContext.hidden: [1, n_new, hidden] per layer
         of hidden_layers) to the context, then score the block [last, MASK × k] after it:
-        logits [1, k, vocab] (float32) of block positions 1 … k. The block is not kept."""
+        logits [1, k, vocab] (float32) of block positions 1 … k. The block is not kept.
+
+        With a runner (CUDA graphs) a pass of at most block_size new rows is a graph replay
+        (`padded_block_logits`): every step's, after the prompt's; the rest run eagerly."""
+        n_new = hidden[0].shape[1] if hidden else 0
+        if self.runner is not None and n_new <= self.block_size:
+            return self.padded_block_logits(hidden, last, k)
+        return self.eager_block_logits(hidden, last, k)
+
+    def _pass(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+              attend) -> torch.Tensor:
+        """The block pass: context rows from features [1, n, len(target_layer_ids) · hidden]
+        (fc's order), the block tokens [1, t] after them, positions [1, n + t] and attend as
+        DFlashModel.forward takes them -> logits [1, t - 1, vocab] of block positions 1 …"""
+        context = self.model.project_context(features)  # [1, n, hidden]
+        x = (self.target.embed(tokens) * self.model.cfg.input_embedding_scale).to(self.dtype)
+        out = self.model(x, context, positions, attend)
+        return self.model.logits(out[:, 1:], self.target.lm_head)
+
+    @torch.inference_mode()
+    def eager_block_logits(self, hidden: list[torch.Tensor], last: int, k: int) -> torch.Tensor:
+        """block_logits at the pass's own shape: the new rows and the block written after the
+        context, attention over exactly the positions written (the reference of every path)."""
         n_new = hidden[0].shape[1] if hidden else 0
         start = self.n_context  # the first new context position; the block follows the new rows
         t = k + 1
         kv_len = start + n_new + t
-        if self.cache is None or self.cache.max_len < kv_len:
-            self.ensure_capacity(max(kv_len, 2 * (self.cache.max_len if self.cache else 0)))
+        self._room(kv_len)
         features = torch.cat([hidden[i] for i in self._order], dim=-1).to(self.dtype)
-        context = self.model.project_context(features)  # [1, n_new, hidden]
         block = torch.full((1, t), self.model.cfg.mask_token_id, dtype=torch.long,
                            device=self.device)
         block[0, 0] = last
-        x = (self.target.embed(block) * self.model.cfg.input_embedding_scale).to(self.dtype)
         positions = torch.arange(start, kv_len, device=self.device).unsqueeze(0)
         cache = self.cache
 
@@ -394,13 +481,76 @@ class DFlashDrafter:
             # the block sees all of it and itself (no mask).
             cache.kv[layer, 0, :1, :, start:kv_len] = keys
             cache.kv[layer, 1, :1, :, start:kv_len] = values
-            keys, values = cache.read(layer, 1, kv_len)
-            return F.scaled_dot_product_attention(q, keys, values,
-                                                  enable_gqa=q.shape[1] != keys.shape[1])
+            return _cache_attention(cache, layer, q, kv_len)
 
-        out = self.model(x, context, positions, attend)
+        logits = self._pass(features, block, positions, attend)
         self.n_context = start + n_new
-        return self.model.logits(out[:, 1:], self.target.lm_head)
+        return logits
+
+    @torch.inference_mode()
+    def padded_block_logits(self, hidden: list[torch.Tensor], last: int, k: int) -> torch.Tensor:
+        """block_logits at a fixed shape, which one CUDA graph per (k, kv bucket) replays.
+
+        The new rows are padded to block_size (a step commits at most that many: the accepted
+        drafts and one more); the positions, the cache slots and the visible length come from
+        the start and the number of new rows as device tensors, so no host number of the step
+        is baked into the graph; attention reads a bucket of the cache (`bucketed_kv_len`, as
+        the target's graphs do) with the positions past the block masked. The padding rows are
+        written after the block, where no visible key lies and where the next pass writes
+        before it reads. With an enabled runner the pass is a graph replay; without one (or
+        with one that is off, as on a CPU) it runs eagerly at the same shape: on a CPU, the
+        check of the padding and the mask against eager_block_logits. Returns logits
+        [1, k, vocab]; on the graph path the graph's buffer, rewritten by its next replay."""
+        n_new = hidden[0].shape[1] if hidden else 0
+        rows, t, start = self.block_size, k + 1, self.n_context
+        if n_new > rows:
+            raise ValueError(f"the fixed-shape block pass takes at most block_size={rows} new "
+                             f"context rows, not {n_new}; pass them to block_logits, which "
+                             f"runs a pass of more rows eagerly")
+        self._room(start + rows + t)
+        cache = self.cache
+        bucket = self.runner.kv_bucket if self.runner is not None else KV_BUCKET
+        kv_len = bucketed_kv_len(start + n_new + t, bucket, cache.max_len)
+
+        def build():
+            long = dict(dtype=torch.long, device=self.device)
+            inputs = _BlockInputs(
+                torch.zeros(1, rows, self.model.fc.in_features, dtype=self.dtype,
+                            device=self.device),
+                torch.full((1, t), self.model.cfg.mask_token_id, **long),
+                torch.zeros(1, **long), torch.zeros(1, **long))
+            return inputs, lambda: self._padded_pass(inputs, cache, kv_len)
+
+        def fill(inputs: _BlockInputs) -> None:
+            for a, i in enumerate(self._order):  # fc's order, one target layer at a time
+                width = hidden[i].shape[-1]
+                inputs.features[0, :n_new, a * width:(a + 1) * width].copy_(hidden[i][0])
+            inputs.tokens[0, 0] = last
+            inputs.start.fill_(start)
+            inputs.n_new.fill_(n_new)
+
+        if self.runner is None or not self.runner.enabled:
+            inputs, run = build()
+            fill(inputs)
+            logits = run()
+        else:
+            logits = self.runner.replay(("dflash", t, rows, kv_len), cache, build, fill)
+        self.n_context = start + n_new
+        return logits
+
+    def _padded_pass(self, inputs: _BlockInputs, cache: KVCache, kv_len: int) -> torch.Tensor:
+        """The pass of padded_block_logits, of device tensors only (what its graph records)."""
+        rows, t = inputs.features.shape[1], inputs.tokens.shape[1]
+        slots = block_slots(inputs.start, inputs.n_new, rows, t)  # [rows + t]
+        end = inputs.start + inputs.n_new + t  # [1]: the visible length
+        visible = (torch.arange(kv_len, device=self.device) < end).view(1, 1, 1, -1)
+
+        def attend(layer, q, keys, values):
+            cache.kv[layer, 0, 0].index_copy_(1, slots, keys[0])
+            cache.kv[layer, 1, 0].index_copy_(1, slots, values[0])
+            return _cache_attention(cache, layer, q, kv_len, visible)
+
+        return self._pass(inputs.features, inputs.tokens, slots.unsqueeze(0), attend)
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, k: int) -> Draft:
@@ -416,6 +566,8 @@ class DFlashDrafter:
             if n_new:
                 self.block_logits(ctx.hidden, ctx.tokens[-1], 1)
             return Draft(torch.empty(1, 0, dtype=torch.long, device=self.device))
+        # On the graph path the logits are the graph's buffer: q below is read by the
+        # verification (which copies it) before the next proposal replays the graph.
         logits = self.block_logits(ctx.hidden, ctx.tokens[-1], k)  # [1, k, vocab]
         params = ctx.params
         if params.greedy:
@@ -435,9 +587,11 @@ class DFlashDrafter:
 
 
 def make_dflash_drafter(path: str | Path, target: Transformer, device, dtype, *,
-                        block_size: int | None = None) -> DFlashDrafter:
+                        block_size: int | None = None,
+                        cuda_graphs: bool | None = None) -> DFlashDrafter:
     """The DFlash drafter at `path` for `target` (checked against it before its weights load)."""
     path = Path(path).expanduser()
     read_dflash_config(path).check_target(target.cfg, str(path))
     model = load_dflash(path, dtype, device)
-    return DFlashDrafter(model, target, device, dtype, block_size=block_size, source=str(path))
+    return DFlashDrafter(model, target, device, dtype, block_size=block_size,
+                         cuda_graphs=cuda_graphs, source=str(path))

@@ -93,7 +93,9 @@ def make_drafter(spec: str, target: Loaded, cfg: EngineConfig, device, dtype) ->
         if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
             check_same_tokenizer(target, SimpleNamespace(tokenizer=load_tokenizer(path),
                                                          source=str(path)))
-        return make_dflash_drafter(path, target.model, device, dtype)
+        # Its block pass as CUDA graphs wherever the device is CUDA, unless graphs are off.
+        return make_dflash_drafter(path, target.model, device, dtype,
+                                   cuda_graphs=None if cfg.cuda_graphs else False)
     draft = load_model(s.arg, dtype, device, cfg.draft_quant, kernel_config=cfg.kernels)
     check_same_tokenizer(target, draft)
     return DraftModelDrafter(draft.model, device, dtype, target.config.vocab_size,
