@@ -170,7 +170,7 @@ class Engine:
             from .backends.megakernel import DecodeMegakernel  # compiled once a shape (NVRTC)
             self.megakernel = DecodeMegakernel(self.model, self.cache)
         if drafter is not None and hasattr(drafter, "ensure_capacity"):
-            drafter.ensure_capacity(length)
+            drafter.ensure_capacity(length, steps)
 
     def _forward(self, tokens: list[int] | torch.Tensor, start: int, hidden_layers, post=None):
         """The target's step; with `post`, also post(tokens, logits) (inside the step's graph)."""

@@ -51,6 +51,14 @@ def checkpoints(tmp_path_factory):
     weights["model.norm.weight"] = 1 + target["model.norm.weight"]  # ours scales by w
     save_file(weights, draft / "model.safetensors", metadata={"format": "pt"})
     paths["draft"] = draft
+    # a hybrid draft model of the same embeddings: its rollbacks go back into its own states
+    hybrid_draft = build_qwen35(root / "hybrid-draft", seed=5, layer_std=0.03,
+                                layer_types=(LIN, FULL), tokenizer_from=paths["engine"])
+    weights = load_file(hybrid_draft / "model.safetensors")
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+        weights[name] = target[name]
+    save_file(weights, hybrid_draft / "model.safetensors", metadata={"format": "pt"})
+    paths["hybrid-draft"] = hybrid_draft
     return {k: str(v) for k, v in paths.items()}
 
 
@@ -249,6 +257,16 @@ def test_greedy_speculative_equals_plain(checkpoints, target, plain, k):
     assert 0 in accepted and k in accepted  # rejections and whole acceptances
     if k > 2:
         assert any(0 < n < k for n in accepted)
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_a_hybrid_draft_model_changes_no_token(checkpoints, target, plain, k):
+    """A Qwen3.5 hybrid as the draft model: each rejection rolls its recurrent states back."""
+    outs = target.generate(PROMPTS, GREEDY, draft=checkpoints["hybrid-draft"],
+                           num_speculative_tokens=k)
+    assert [o.token_ids for o in outs] == plain
+    accepted = [n for o in outs for n in o.metrics.accepted_per_step]
+    assert any(n < k for n in accepted)  # some drafts were rejected
 
 
 def test_dflash_over_the_hybrid_target_changes_no_token(checkpoints, target, plain, tmp_path):

@@ -414,7 +414,7 @@ class DFlashDrafter:
         self.cache: KVCache | None = None
         self.n_context = 0  # committed positions whose features the cache holds: 0 … n - 1
 
-    def ensure_capacity(self, max_len: int) -> None:
+    def ensure_capacity(self, max_len: int, steps: int = 1) -> None:
         """Room for a request of max_len positions (the context and a block after it), and for
         the padding rows that the fixed-shape pass writes after its block (at most 2 ·
         block_size slots past the block's start)."""

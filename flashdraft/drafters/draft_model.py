@@ -53,7 +53,8 @@ class DraftModelDrafter:
         self._seeded = False
         # Each one-token draft step replayed as a CUDA graph; None on a CPU (eager).
         self.runner = (StepRunner(model, device)
-                       if cuda_graphs and torch.device(device).type == "cuda" else None)
+                       if cuda_graphs and torch.device(device).type == "cuda"
+                       and getattr(model, "cuda_graphs", True) else None)
         # Checkpoints of one family pad their embeddings differently (e.g. 151,936 vs 152,064
         # rows for one tokenizer): q is cut or padded to the target's width, and sampled from
         # in that form, so that q is exactly the distribution the drafts came from.
@@ -80,8 +81,10 @@ class DraftModelDrafter:
         # followed, its tokens [1, k] on the host, the event after their copy or None on a CPU).
         self._proposal: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
 
-    def ensure_capacity(self, max_len: int) -> None:
-        grow_cache(self, max_len)
+    def ensure_capacity(self, max_len: int, steps: int = 1) -> None:
+        """Room for a request of max_len positions whose proposals of up to steps - 1 tokens
+        roll back (a recurrent draft model keeps its states that far back)."""
+        grow_cache(self, max_len, steps)
         if self.use_megakernel and self.megakernel is None:
             from ..backends.megakernel import DecodeMegakernel  # compiled once a shape (NVRTC)
             try:
