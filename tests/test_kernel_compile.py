@@ -1,0 +1,67 @@
+"""The sampling kernels compile for a Hopper GPU (sm90) on any machine: Triton's front end and
+its PTX generation need no GPU, and they refuse what its interpreter lets through (a name given
+a second type inside a branch, say). Run in a subprocess: the test session has chosen the
+interpreter (conftest) before Triton was imported."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+CHECK = r'''
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from flashdraft.backends import sampling_kernels as K
+
+TYPES = dict(temperature="fp32", top_p="fp32", log_min_p="fp32", scale="fp32", stream="u32",
+             logits_ptr="*bf16", cand_ptr="*i64", token_ptr="*i64", rng_ptr="*i64",
+             onehot_ptr="*i64", count_ptr="*i32", ncand_ptr="*i32", st_ptr="*i32",
+             hcount_ptr="*i32", flag_ptr="*i32", arg_ptr="*i32", parg_ptr="*i32")
+try:
+    target = GPUTarget("cuda", 90, 32)
+    triton.compiler.make_backend(target)
+except Exception as err:
+    print("NO_BACKEND", err)
+    sys.exit(0)
+
+failed = []
+def compile_(fn, **consts):
+    sig = {n: "constexpr" if n in consts else
+           TYPES.get(n, "*fp32" if n.endswith("_ptr") else "i32") for n in fn.arg_names}
+    try:
+        triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target)
+    except Exception as err:
+        failed.append(f"{fn.__name__} {consts}: {err}")
+
+rows = dict(CHUNK=2048, SUB=128)
+modes = [dict(HAS_K=k, HAS_P=p, HAS_MIN=m) for k, p, m in
+         [(False, True, False), (False, False, True), (False, True, True), (True, False, False),
+          (True, True, True)]]
+for flags in modes:
+    for level in range(3):
+        compile_(K._level_kernel, C_PAD=128, NB=64, LOG=6, LEVELS=3, LEVEL=level, CAP=512,
+                 **rows, **flags)
+    compile_(K._collect_kernel, LOG=6, LEVELS=3, CAP=512, **rows, **flags)
+    compile_(K._exact_kernel, SUB=128, **flags)
+for filt in (False, True):
+    compile_(K._partials_kernel, C_PAD=128, FILTER=filt, **rows)
+for mode in range(3):
+    for rows_per_program in (1, 4):
+        compile_(K._race_kernel, C_PAD=128, ROWS=rows_per_program, BLOCK=2048, MODE=mode)
+compile_(K._uniform_kernel, BLOCK=128)
+print("\n\n".join(failed))
+sys.exit(1 if failed else 0)
+'''
+
+
+def test_sampling_kernels_compile_for_sm90():
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # the default, said out loud (no warning)
+    done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True,
+                          text=True, timeout=900)
+    if done.stdout.startswith("NO_BACKEND"):
+        pytest.skip(f"this Triton has no CUDA backend: {done.stdout}")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
