@@ -12,6 +12,8 @@ hands over the key and value heads of its fused qkv projection as they come
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from .backends import kernels
@@ -45,6 +47,21 @@ class KVCache:
         """Whether this cache serves sequences of max_len positions (rolled back any number of
         positions: `steps` does not matter here)."""
         return self.max_len >= max_len
+
+    def compact(self, start: int, path: Sequence[int]) -> None:
+        """Move the keys and values of the accepted tree nodes `path` (node indices, root to
+        leaf; node i was written at slot start + i, `tree.TreeMask`) to slots start .. start +
+        len(path) - 1, in every layer at once: the cache then holds what decoding that path
+        alone would have written there. The gather copies before the scatter writes, so sources
+        and targets may overlap."""
+        if not path:
+            return
+        if min(path) < 0 or start + max(path) >= self.max_len:
+            raise ValueError(f"path {list(path)} from slot {start} leaves the cache's "
+                             f"{self.max_len} slots: node indices are 0 .. T - 1 of the tree")
+        src = torch.tensor(path, dtype=torch.int64).to(self.kv.device) + start
+        dst = torch.arange(start, start + len(path), device=self.kv.device)
+        self.kv.index_copy_(4, dst, self.kv.index_select(4, src))
 
     def commit(self, length: int) -> None:
         """The sequence is `length` tokens long (after a verification, the rejected drafts are

@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .backends import kernels
 from .config import KernelConfig, ModelConfig
 from .kv_cache import KVCache
+from .tree import TreeMask
 
 # Up to this many tokens per forward (decode, verification, drafting: the steps CUDA graphs
 # replay) attention is `grouped_attention`; longer inputs (prefill) take SDPA.
@@ -283,7 +284,8 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 kv_len: int | None = None, hidden_layers: tuple[int, ...] = (),
-                last_only: bool = False, logits_at: torch.Tensor | None = None):
+                last_only: bool = False, logits_at: torch.Tensor | None = None,
+                tree: TreeMask | None = None):
         """Run `tokens` at `positions` through the model, writing their keys/values to `cache`.
 
         tokens, positions: [batch, seq] (int64), each sequence's positions consecutive (start,
@@ -295,21 +297,32 @@ class Transformer(nn.Module):
         only (prefill). logits_at: int64 [r], compute logits for those indices along seq only (a
         prefill padded to a fixed length: the last real token's; a tensor, so that a CUDA graph
         of that length serves every prompt shorter).
+        tree: a token tree's verification pass (`flashdraft.tree`): positions are then the
+        cache slots of its nodes (start .. start + seq - 1, seq = tree.size), each node is read
+        at rope position start + its depth and attends to slots before start, its ancestors and
+        itself (a mask tensor, the plain-PyTorch attention paths); None: the causal pass.
         Returns logits [batch, seq (1 with last_only, r with logits_at), vocab] (float32) and a
         list of hidden states [batch, seq, hidden], one per requested layer (empty when none are
         requested).
         """
+        if tree is not None:
+            tree.check(tokens)
         if kv_len is None:
             kv_len = int(positions.max()) + 1
         residual = self.embed(tokens)  # the residual stream
-        cos, sin = rope_cos_sin(positions, self.inv_freq, residual.dtype)
+        rope_positions = positions if tree is None else tree.rope_positions(positions)
+        cos, sin = rope_cos_sin(rope_positions, self.inv_freq, residual.dtype)
         small = tokens.shape[1] <= SMALL_T
         mask = None  # kernels.attention needs positions only
-        if not small and kv_len == tokens.shape[1]:  # positions 0 .. seq - 1
+        visible = None  # [batch, seq, kv_len] bool, where attention takes a mask tensor
+        if tree is not None:
+            visible = tree.visible(positions, kv_len)
+        elif not small and kv_len == tokens.shape[1]:  # positions 0 .. seq - 1
             mask = "causal"
         elif not (small and kernels.use_triton(residual, self.kernel_config)):
             key_pos = torch.arange(kv_len, device=tokens.device)
-            visible = key_pos <= positions.unsqueeze(-1)  # [batch, seq, kv_len]
+            visible = key_pos <= positions.unsqueeze(-1)
+        if visible is not None:
             if small:
                 mask = torch.where(visible, 0.0, float("-inf")).to(residual.dtype)[:, None, :, None]
             else:

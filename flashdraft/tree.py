@@ -1,0 +1,84 @@
+"""Token trees: which cache slots a tree node's query may see, and where its rope puts it.
+
+A verification pass over a tree writes its T nodes into consecutive cache slots start ..
+start + T - 1, as a chain's would be, but a node's place in the sequence is its depth, not its
+slot: node i is read at rope position start + depth(i) and attends to the committed context
+(slots < start), its ancestors and itself, never to its siblings' branches. The tree is given
+by parent indices (parents[i] < i, so the nodes are in topological order; -1: a child of the
+last committed token). A chain, parents = (-1, 0, 1, ...), is exactly the causal pass.
+
+After acceptance the accepted path's keys and values are moved to the slots a chain would
+have given them (`KVCache.compact`), so the cache reads as if only that path had been decoded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class TreeMask:
+    """A token tree's visibility: `from_parents` builds it (and checks the parents)."""
+
+    parents: tuple[int, ...]  # parents[i] < i, or -1 (a child of the last committed token)
+    depth: torch.Tensor = field(repr=False)  # [T] int64: 0 for the children of the context
+    ancestors: torch.Tensor = field(repr=False)  # [T, T] bool: [i, j] j is i or an ancestor of i
+
+    @classmethod
+    def from_parents(cls, parents: Sequence[int], device: torch.device | str = "cpu") -> "TreeMask":
+        parents = tuple(int(p) for p in parents)
+        if not parents:
+            raise ValueError("a token tree needs at least one node: parents is empty")
+        for i, p in enumerate(parents):
+            if not -1 <= p < i:
+                raise ValueError(f"parents[{i}] = {p}: a node's parent must come before it "
+                                 f"(-1 <= parent < {i}; -1: the last committed token), in "
+                                 f"parents {list(parents)}")
+        n = len(parents)
+        depth = [0] * n
+        ancestors = torch.eye(n, dtype=torch.bool)
+        for i, p in enumerate(parents):
+            if p >= 0:  # a parent's row is complete before its children's (p < i)
+                depth[i] = depth[p] + 1
+                ancestors[i] |= ancestors[p]
+        return cls(parents, torch.tensor(depth, dtype=torch.int64, device=device),
+                   ancestors.to(device))
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+    def check(self, tokens: torch.Tensor) -> None:
+        """That tokens [batch, T] carry one token per node."""
+        if tokens.shape[1] != self.size:
+            raise ValueError(f"the tree has {self.size} nodes (parents {list(self.parents)}) "
+                             f"but {tokens.shape[1]} tokens were given: one token per node")
+
+    def rope_positions(self, slots: torch.Tensor) -> torch.Tensor:
+        """Rope positions [batch, T] of the nodes at cache slots [batch, T] (start .. start +
+        T - 1): start + depth."""
+        return slots[:, :1] + self.depth
+
+    def visible(self, slots: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """[batch, T, kv_len] bool: whether node i (at slots[:, i], start .. start + T - 1) sees
+        cache slot s: every slot before start, and the slots of its ancestors and itself."""
+        start = slots[:, :1]  # [batch, 1]
+        rel = torch.arange(kv_len, device=slots.device) - start  # [batch, kv_len]: node index
+        in_tree = (rel >= 0) & (rel < self.size)
+        seen = self.ancestors[:, rel.clamp(0, self.size - 1)].transpose(0, 1)  # [batch, T, kv_len]
+        return (rel < 0).unsqueeze(1) | (in_tree.unsqueeze(1) & seen)
+
+    def check_path(self, path: Sequence[int]) -> list[int]:
+        """path: node indices from a child of the context down to a node, each the parent of
+        the next; returned as a list of ints."""
+        path = [int(i) for i in path]
+        for j, node in enumerate(path):
+            want = path[j - 1] if j else -1
+            if not 0 <= node < self.size or self.parents[node] != want:
+                parent = "-1 (the committed context)" if j == 0 else want
+                raise ValueError(f"path {path} is not a path of the tree (parents "
+                                 f"{list(self.parents)}): node {node} at step {j} should be a "
+                                 f"child of {parent}")
+        return path
