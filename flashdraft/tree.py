@@ -59,7 +59,7 @@ class TreeMask:
     def rope_positions(self, slots: torch.Tensor) -> torch.Tensor:
         """Rope positions [batch, T] of the nodes at cache slots [batch, T] (start .. start +
         T - 1): start + depth."""
-        return slots[:, :1] + self.depth
+        return slots[:, :1] + self.depth.to(slots.device)
 
     def visible(self, slots: torch.Tensor, kv_len: int) -> torch.Tensor:
         """[batch, T, kv_len] bool: whether node i (at slots[:, i], start .. start + T - 1) sees
@@ -67,7 +67,8 @@ class TreeMask:
         start = slots[:, :1]  # [batch, 1]
         rel = torch.arange(kv_len, device=slots.device) - start  # [batch, kv_len]: node index
         in_tree = (rel >= 0) & (rel < self.size)
-        seen = self.ancestors[:, rel.clamp(0, self.size - 1)].transpose(0, 1)  # [batch, T, kv_len]
+        ancestors = self.ancestors.to(slots.device)  # a no-op where built on that device
+        seen = ancestors[:, rel.clamp(0, self.size - 1)].transpose(0, 1)  # [batch, T, kv_len]
         return (rel < 0).unsqueeze(1) | (in_tree.unsqueeze(1) & seen)
 
     def check_path(self, path: Sequence[int]) -> list[int]:

@@ -89,6 +89,17 @@ def test_a_chain_is_the_causal_pass_exactly(model):
     assert torch.equal(logits, decode(model, prefilled(model, prefix), tokens, PREFIX))
 
 
+def test_slots_past_the_tree_are_never_read(model):
+    """A static kv_len (CUDA graphs read a fixed bucket) over stale entries past the tree."""
+    parents = SHAPES["random 12"]
+    prefix, tokens, tree, logits, _ = tree_pass(model, parents, seed=6)
+    cache = prefilled(model, prefix)
+    cache.kv[..., PREFIX:, :] = 1e3 * torch.randn_like(cache.kv[..., PREFIX:, :])
+    again, _ = model(tokens, torch.arange(PREFIX, PREFIX + tree.size)[None], cache,
+                     kv_len=cache.max_len, tree=tree)
+    torch.testing.assert_close(again, logits, **TOL)
+
+
 def test_a_tree_longer_than_small_t_goes_through_sdpa(model):
     parents = random_parents(model_module.SMALL_T + 8, 4)
     prefix, tokens, tree, logits, _ = tree_pass(model, parents, seed=4)
