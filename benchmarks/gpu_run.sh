@@ -13,7 +13,8 @@
 #                selects by marker, e.g. MARK="not example_pair" where the pair is not staged
 # bench          `flashdraft bench` on the example pair over benchmarks/prompts/code-and-prose.jsonl:
 #                plain decoding, the 0.5B draft model and n-gram at k = 3, 5, 8, and plain
-#                decoding through the megakernel; with BASE=DIR (a `git archive` of another
+#                decoding through the megakernel, and the target's step-cost curve (n = 1 … 64);
+#                with BASE=DIR (a `git archive` of another
 #                commit's flashdraft/ package) the same run of that version first, as the
 #                baseline of the same machine
 # tests-sampling the sampling tests (fused kernels, verification, CUDA graphs, DFlash) but the
@@ -88,7 +89,8 @@ for phase in "$@"; do
     if [ -n "${BASE:-}" ]; then
       bench base "$PWD/$BASE" --draft $DRAFT --draft ngram --num-speculative-tokens 3,5,8
     fi
-    bench new "$PWD" --draft $DRAFT --draft ngram --num-speculative-tokens 3,5,8
+    bench new "$PWD" --draft $DRAFT --draft ngram --num-speculative-tokens 3,5,8 \
+      --step-curve 1,2,4,8,16,32,64
     bench megakernel "$PWD" --decode-kernel megakernel
     ;;
   tests-sampling)

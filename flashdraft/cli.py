@@ -217,7 +217,7 @@ def cmd_bench(args) -> None:
             args.adaptive_speculation],
         draft_quantization=args.draft_quantization, decode_kernel=args.decode_kernel,
         kernels=kernel_config_from(args), command=shlex.join(sys.argv),
-        progress=not args.no_progress))
+        step_curve=parse_ints(args.step_curve, "--step-curve"), progress=not args.no_progress))
 
 
 def cmd_serve(args) -> None:
@@ -308,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "path / id / alias); repeatable")
     b.add_argument("--num-speculative-tokens", default="5", metavar="K[,K...]",
                    help="values of k to sweep, e.g. 1,3,5,7,10,16 (default 5)")
+    b.add_argument("--step-curve", default="", metavar="N[,N...]",
+                   help="also time the target's pass over N tokens (the cost of verifying N - 1 "
+                        "drafts), e.g. 1,2,4,8,16,32,64; a table and step-curve.png")
     b.add_argument("--ngram-sizes", default="4,3,2",
                    help="n-gram sizes for --draft ngram, tried longest first (default 4,3,2)")
     b.add_argument("--adaptive-speculation", default="on", choices=["on", "off", "both"],

@@ -278,6 +278,25 @@ def test_adaptive_speculation_both_ways_in_one_run(target, tmp_path):
     assert "| plain steps |" in table and "| ngram k=3 every step | 0 |" in table
 
 
+def test_step_curve_table_and_plot(target, tmp_path):
+    out = tmp_path / "out"
+    settings = BenchSettings(model=target, prompts=str(write_jsonl(tmp_path / "p.jsonl",
+                                                                   PROMPTS[:1])),
+                             max_tokens=4, device="cpu", dtype="float32", output=str(out),
+                             step_curve=(4, 1, 2), progress=False)
+    results = run_bench(settings, out=io.StringIO())
+    curve = results["step_curve"]
+    assert [r["tokens"] for r in curve["rows"]] == [1, 2, 4]
+    assert all(r["ms"] > 0 for r in curve["rows"]) and curve["rows"][0]["over_one_token"] == 1
+    assert curve["context"] == results["prompts"][0]["prompt_tokens"] + 2
+    md = (out / "results.md").read_text()
+    assert "Target step cost" in md and "| 4 |" in md and "](step-curve.png)" in md
+    w, h = png_size(out / "step-curve.png")
+    assert w > 300 and h > 200
+    with pytest.raises(ValueError, match="--step-curve"):
+        BenchSettings(model="m", step_curve=(0, 4))
+
+
 def test_prompt_file_with_a_bad_line_is_refused_with_its_line_number(tmp_path):
     good = json.dumps(PROMPTS[0])
     cases = {'{"promt": "typo"}': "either \"prompt\"", "{not json": "not valid JSON",

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import threading
@@ -101,6 +102,9 @@ class BenchSettings:
     # greedy one-token steps of plain decoding and draft models: "auto" | "graph" | "megakernel"
     decode_kernel: str = "auto"
     kernels: KernelConfig = KernelConfig()  # recorded in results.json's settings
+    # target passes over n tokens timed after the configurations (the cost of verifying n - 1
+    # drafts), e.g. (1, 2, 4, 8, 16, 32, 64); () skips it
+    step_curve: tuple[int, ...] = ()
     note: str | None = None  # printed with the results, e.g. "random weights: speed only"
     command: str | None = None  # the exact command line, recorded in results.json
     progress: bool = True
@@ -117,6 +121,11 @@ class BenchSettings:
             raise ValueError(f"--num-speculative-tokens takes whole numbers between 1 and 64, "
                              f"e.g. 1,3,5,7; got {self.num_speculative_tokens!r}")
         object.__setattr__(self, "num_speculative_tokens", ks)
+        curve = tuple(sorted(set(self.step_curve)))
+        if any(not isinstance(n, int) or not 1 <= n <= 256 for n in curve):
+            raise ValueError(f"--step-curve takes whole numbers of tokens between 1 and 256, "
+                             f"e.g. 1,2,4,8,16,32,64; got {self.step_curve!r}")
+        object.__setattr__(self, "step_curve", curve)
         temps = tuple(dict.fromkeys(float(t) for t in self.temperatures))
         if not temps or any(math.isnan(t) or t < 0 for t in temps):
             raise ValueError(f"--temperature takes numbers >= 0 (0 is greedy), e.g. 0,0.7; "
@@ -806,6 +815,10 @@ def run_bench(s: BenchSettings, out=None) -> dict:
                 write_json(results, outdir)
         if s.peer:
             run_peer(s, llm, prompts, ids, results, bar, monitor)
+        if s.step_curve:
+            log(f"timing the target's pass over {', '.join(map(str, s.step_curve))} tokens")
+            context = round(statistics.mean(len(x) for x in ids)) + s.max_tokens // 2
+            results["step_curve"] = measure_step_curve(llm, s.step_curve, context)
         results["complete"] = True
     except KeyboardInterrupt:
         results["interrupted"] = True
@@ -815,6 +828,38 @@ def run_bench(s: BenchSettings, out=None) -> dict:
     if results["interrupted"]:
         raise KeyboardInterrupt
     return results
+
+
+def measure_step_curve(llm, sizes: tuple[int, ...], context: int, repeats: int = 20) -> dict:
+    """The target's pass over n tokens after `context` cached positions, as the engine runs a
+    verification (its CUDA graphs on a GPU): median ms of `repeats` after a warm-up, per n."""
+    engine = llm.engine
+    engine.ensure_capacity(context + max(sizes) + 1)
+    cuda = engine.device.type == "cuda"
+    rows = []
+    with torch.inference_mode():
+        for n in sizes:
+            tokens = torch.randint(0, engine.model.cfg.vocab_size, (1, n), device=engine.device)
+            for _ in range(3):  # a graph's capture and warm-up
+                engine._forward(tokens, context, ())
+            times = []
+            for _ in range(repeats):
+                if cuda:
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    engine._forward(tokens, context, ())
+                    b.record()
+                    b.synchronize()
+                    times.append(a.elapsed_time(b))
+                else:
+                    began = time.perf_counter()
+                    engine._forward(tokens, context, ())
+                    times.append((time.perf_counter() - began) * 1e3)
+            rows.append({"tokens": n, "ms": statistics.median(times)})
+    one = next((r["ms"] for r in rows if r["tokens"] == 1), None)
+    for r in rows:
+        r["over_one_token"] = r["ms"] / one if one else None
+    return {"context": context, "repeats": repeats, "rows": rows}
 
 
 def finish(results: dict, out, outdir: Path | None) -> None:
@@ -951,6 +996,13 @@ def format_markdown(results: dict, full: bool = False) -> str:
                for c in configs if c["drafter"]]
         lines += ["", "Per-position acceptance (draft position 1, 2, …):", "",
                   *table(["configuration", "T", "per-position acceptance"], pos)]
+    curve = results.get("step_curve")
+    if curve:
+        rows = [[str(r["tokens"]), f"{r['ms']:.3f}", f"{r['ms'] / r['tokens']:.3f}",
+                 _f(r["over_one_token"], ".2f")] for r in curve["rows"]]
+        lines += ["", f"Target step cost: one pass over n tokens after {curve['context']} cached "
+                      f"positions (median of {curve['repeats']}):", "",
+                  *table(["n", "ms", "ms / token", "× one token"], rows)]
     peer = results["peer"]
     if peer and any(r["summary"] for r in peer["runs"]):
         rows = []
@@ -1022,10 +1074,23 @@ def write_plots(results: dict, outdir: Path) -> list[str]:
 
     configs = [c for c in results["configurations"] if c["summary"] and c["requests"]]
     spec = [c for c in configs if c["drafter"]]
-    if not spec:
-        return []
     env, s = results["environment"], results["settings"]
     where = f"{Path(s['model'].rstrip('/')).name}, {env['device_name']}, {env['dtype']}"
+    curve = results.get("step_curve")
+    if curve:
+        fig = Figure(figsize=(7.5, 4.8), layout="constrained")
+        ax = fig.add_subplot()
+        n = [r["tokens"] for r in curve["rows"]]
+        ax.plot(n, [r["ms"] for r in curve["rows"]], marker="o")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens in one pass (n = drafts + 1)")
+        ax.set_ylabel("ms")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"target step cost after {curve['context']} positions ({where})")
+        fig.savefig(outdir / "step-curve.png", dpi=110)
+    curve_plot = ["step-curve.png"] if curve else []
+    if not spec:
+        return curve_plot
     series: dict[tuple[str, float], list[dict]] = {}
     for c in spec:  # a line per drafter (and way of drafting: --adaptive-speculation both)
         name = c["label"] + ("" if c.get("adaptive", True) else " every step")
@@ -1094,4 +1159,4 @@ def write_plots(results: dict, outdir: Path) -> list[str]:
     fig.supylabel("fraction of speculative steps")
     fig.suptitle(f"accepted length per speculative step\n{where}")
     save(fig, PLOTS[2])
-    return written
+    return curve_plot + written
