@@ -7,7 +7,9 @@ fused names (`wqkv`, `w_gate_up`); `flashdraft.loading` maps checkpoints onto th
 `forward(tokens, positions, cache)` writes the new keys and values into the preallocated
 cache at `positions` and attends over every cached position <= the query's own. Because the
 mask comes from positions alone, entries left behind by rejected drafts sit beyond the
-committed length and are never read; rolling back is moving a length.
+committed length and are never read; rolling back is moving a length. A token tree's
+verification pass (`tree=`, `flashdraft.tree`) takes its visibility and rope positions from
+the tree instead; its accepted path is then moved into place (`KVCache.compact`).
 """
 from __future__ import annotations
 
