@@ -49,7 +49,8 @@ from torch import nn
 from .backends import kernels
 from .config import KernelConfig, ModelConfig
 from .kv_cache import KVCache
-from .model import MLP, SMALL_T, grouped_attention, rope_cos_sin, rope_frequencies
+from .model import (MLP, SMALL_T, attention_mask, grouped_attention, rope_cos_sin,
+                    rope_frequencies)
 
 # Tokens per chunk of the chunked gated delta rule (prefill), as in the reference
 CHUNK = 64
@@ -452,16 +453,3 @@ class HybridTransformer(nn.Module):
         logits = kernels.linear(self.norm(x), self.lm_head, self.kernel_config)
         return logits.float(), hidden
 
-
-def attention_mask(positions: torch.Tensor, kv_len: int, dtype: torch.dtype):
-    """The full-attention layers' mask for queries at positions [batch, seq] over keys 0 …
-    kv_len - 1: "causal" for a step from position 0 over more than SMALL_T tokens (SDPA's own),
-    else bool [batch, 1, seq, kv_len] above SMALL_T tokens (SDPA), additive [batch, 1, seq, 1,
-    kv_len] up to it (`grouped_attention`)."""
-    t = positions.shape[1]
-    if t > SMALL_T and kv_len == t:
-        return "causal"
-    visible = torch.arange(kv_len, device=positions.device) <= positions.unsqueeze(-1)
-    if t > SMALL_T:
-        return visible.unsqueeze(1)
-    return torch.where(visible, 0.0, float("-inf")).to(dtype)[:, None, :, None]

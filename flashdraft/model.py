@@ -39,6 +39,23 @@ PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENT
                          SDPBackend.MATH]
 
 
+def attention_mask(positions: torch.Tensor, kv_len: int, dtype: torch.dtype,
+                   visible: torch.Tensor | None = None):
+    """The mask the PyTorch attention paths take for queries at positions [batch, seq] over keys
+    0 … kv_len - 1. visible: bool [batch, seq, kv_len], the keys each query sees (a tree's);
+    None: those at or before its position, and then "causal" for a step from position 0 over
+    more than SMALL_T tokens (SDPA's own). Else bool [batch, 1, seq, kv_len] above SMALL_T
+    tokens (SDPA), additive [batch, 1, seq, 1, kv_len] up to it (`grouped_attention`)."""
+    t = positions.shape[1]
+    if visible is None:
+        if t > SMALL_T and kv_len == t:
+            return "causal"
+        visible = torch.arange(kv_len, device=positions.device) <= positions.unsqueeze(-1)
+    if t > SMALL_T:
+        return visible.unsqueeze(1)
+    return torch.where(visible, 0.0, float("-inf")).to(dtype)[:, None, :, None]
+
+
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [rotary_dim / 2] (rotary_dim: head_dim, or its rotated part where
     rope is partial), with Llama 3's long-context rescaling if present."""
@@ -314,21 +331,12 @@ class Transformer(nn.Module):
         residual = self.embed(tokens)  # the residual stream
         rope_positions = positions if tree is None else tree.rope_positions(positions)
         cos, sin = rope_cos_sin(rope_positions, self.inv_freq, residual.dtype)
-        small = tokens.shape[1] <= SMALL_T
-        mask = None  # kernels.attention needs positions only
-        visible = None  # [batch, seq, kv_len] bool, where attention takes a mask tensor
-        if tree is not None:
-            visible = tree.visible(positions, kv_len)
-        elif not small and kv_len == tokens.shape[1]:  # positions 0 .. seq - 1
-            mask = "causal"
-        elif not (small and kernels.use_triton(residual, self.kernel_config)):
-            key_pos = torch.arange(kv_len, device=tokens.device)
-            visible = key_pos <= positions.unsqueeze(-1)
-        if visible is not None:
-            if small:
-                mask = torch.where(visible, 0.0, float("-inf")).to(residual.dtype)[:, None, :, None]
-            else:
-                mask = visible.unsqueeze(1)
+        if (tree is None and tokens.shape[1] <= SMALL_T
+                and kernels.use_triton(residual, self.kernel_config)):
+            mask = None  # kernels.attention needs positions only
+        else:
+            mask = attention_mask(positions, kv_len, residual.dtype,
+                                  None if tree is None else tree.visible(positions, kv_len))
         hidden = [residual.clone()] if 0 in hidden_layers else []
         stream = Residual(residual, self.norms_folded, self.kernel_config)
         for i, block in enumerate(self.layers):

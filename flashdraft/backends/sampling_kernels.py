@@ -459,26 +459,23 @@ if triton is not None:
             tl.store(pbest_ptr + out, tl.max(pscore, 1), mask=rows < R)
             tl.store(parg_ptr + out, c * BLOCK + tl.argmax(pscore, 1), mask=rows < R)
         if _last(count_ptr + tl.program_id(0), C):
-            token = _winner(best_ptr, arg_ptr, rows, R, C, C_PAD)
+            token, won = _winner(best_ptr, arg_ptr, rows, R, C, C_PAD)
             if MODE != 0:  # rows whose w is all zero draw from p
-                chunks = tl.arange(0, C_PAD)
-                won = tl.max(tl.load(best_ptr + rows[:, None] * C + chunks[None, :],
-                                     mask=(rows < R)[:, None] & (chunks < C)[None, :],
-                                     other=float("-inf")), 1)
-                token = tl.where(won > float("-inf"), token,
-                                 _winner(pbest_ptr, parg_ptr, rows, R, C, C_PAD))
+                p_token, p_won = _winner(pbest_ptr, parg_ptr, rows, R, C, C_PAD)
+                token = tl.where(won > float("-inf"), token, p_token)
             tl.store(token_ptr + rows, token.to(tl.int64), mask=rows < R)
 
     @triton.jit
     def _winner(best_ptr, arg_ptr, rows, R, C, C_PAD: tl.constexpr):
-        """Each row's token of the highest score over its chunks (the first chunk on a tie)."""
+        """Each row's token of the highest score over its chunks (the first chunk on a tie),
+        and that score."""
         chunks = tl.arange(0, C_PAD)
         at = rows[:, None] * C + chunks[None, :]
         ok = (rows < R)[:, None] & (chunks < C)[None, :]
         best = tl.load(best_ptr + at, mask=ok, other=float("-inf"))
         arg = tl.load(arg_ptr + at, mask=ok, other=0)
         first = tl.argmax(best, 1)
-        return tl.sum(tl.where(chunks[None, :] == first[:, None], arg, 0), 1)
+        return tl.sum(tl.where(chunks[None, :] == first[:, None], arg, 0), 1), tl.max(best, 1)
 
 
     @triton.jit
