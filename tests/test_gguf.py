@@ -93,6 +93,36 @@ def _llama3_rope_factors(cfg: dict) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
+def finish(w: gguf.GGUFWriter, out: Path) -> Path:
+    """Write the file `w` holds to `out`."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def add_tokenizer(w: gguf.GGUFWriter, tokenizer_dir: Path, pre: str) -> None:
+    """The tokenizer metadata of the byte-level BPE vocabulary in `tokenizer_dir`, as
+    convert_hf_to_gguf.py writes it; pre: its tokenizer.ggml.pre."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    added = tokenizer.added_tokens_decoder
+    by_id = {i: t for t, i in tokenizer.get_vocab().items()}
+    tokens = [by_id[i] for i in range(len(by_id))]
+
+    def token_type(i: int) -> gguf.TokenType:
+        if i not in added:
+            return gguf.TokenType.NORMAL
+        return gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED
+
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([token_type(i) for i in range(len(tokens))])
+    special = gguf.SpecialVocab(tokenizer_dir, load_merges=True, n_vocab=len(tokens))
+    special.add_to_gguf(w, quiet=True)
+
+
 def write_gguf(hf_dir: Path, out: Path, weight_type: Q = Q.F32,
                tokenizer_dir: Path | None = None) -> Path:
     """Convert a tiny HF checkpoint to GGUF the way llama.cpp's convert_hf_to_gguf.py does:
@@ -118,26 +148,10 @@ def write_gguf(hf_dir: Path, out: Path, weight_type: Q = Q.F32,
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
 
-    tokenizer_dir = tokenizer_dir or hf_dir
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    added = tokenizer.added_tokens_decoder
-    by_id = {i: t for t, i in tokenizer.get_vocab().items()}
-    tokens = [by_id[i] for i in range(len(by_id))]
-
-    def token_type(i: int) -> gguf.TokenType:
-        if i not in added:
-            return gguf.TokenType.NORMAL
-        return gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED
-
-    w.add_tokenizer_model("gpt2")
     # llama.cpp names the pre-tokenizer by hashing how transformers tokenizes a probe text.
     # transformers loads a qwen2 directory as Qwen2Tokenizer (Qwen2's split regex and NFC),
     # the others as tests/tiny.py saved them (GPT-2's split).
-    w.add_tokenizer_pre("qwen2" if arch == "qwen2" else "gpt-2")
-    w.add_token_list(tokens)
-    w.add_token_types([token_type(i) for i in range(len(tokens))])
-    special = gguf.SpecialVocab(tokenizer_dir, load_merges=True, n_vocab=len(tokens))
-    special.add_to_gguf(w, quiet=True)
+    add_tokenizer(w, tokenizer_dir or hf_dir, "qwen2" if arch == "qwen2" else "gpt-2")
 
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers)
     for hf_name, t in load_file(hf_dir / "model.safetensors").items():
@@ -154,11 +168,7 @@ def write_gguf(hf_dir: Path, out: Path, weight_type: Q = Q.F32,
     if cfg["rope_parameters"].get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", _llama3_rope_factors({**cfg, "head_dim": head_dim}))
 
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+    return finish(w, out)
 
 
 CASES = {  # name -> build_model keyword arguments
@@ -274,11 +284,7 @@ def _minimal_gguf(path: Path, arch: str, tensor_type: Q = Q.F32) -> Path:
     block_size, type_size = GGML_QUANT_SIZES[tensor_type]
     w.add_tensor("blk.0.attn_q.weight", np.zeros((4, 256 // block_size * type_size), np.uint8),
                  raw_dtype=tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish(w, path)
 
 
 def test_not_a_gguf_file(tmp_path):

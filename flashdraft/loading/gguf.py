@@ -19,7 +19,6 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
     pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from flashdraft.config import SUPPORTED_ARCHS
 from flashdraft.loading.dequant import SUPPORTED_TYPES, dequantize
 
 
@@ -27,8 +26,13 @@ class GGUFError(ValueError):
     """A GGUF file flashdraft cannot load; the message names the file, the problem and a way out."""
 
 
-_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                     "qwen3": "Qwen3ForCausalLM"}
+# general.architecture (llama.cpp's name) -> (config.json's model_type, architectures[0])
+_ARCHS = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+          "qwen3": ("qwen3", "Qwen3ForCausalLM"), "qwen35": ("qwen3_5", "Qwen3_5ForCausalLM")}
+# Mixture-of-experts architectures of the same families, refused by name; any other file
+# holding expert tensors (`_EXPERT_TENSORS`) or an expert count is refused too.
+_MOE_ARCHS = ("qwen2moe", "qwen3moe", "qwen3next", "qwen35moe")
+_EXPERT_TENSORS = ("ffn_gate_inp", "_exps", "_shexp")
 
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -59,13 +63,18 @@ _PRE_TOKENIZERS = {
                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+", False, True),
     "qwen2": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+", True, False),
+    # Qwen3.5's: Qwen2's with combining marks (\p{M}) kept in words (llama.cpp's
+    # LLAMA_VOCAB_PRE_TYPE_QWEN35, which quotes it from the tokenizer.json); NFC as Qwen2's
+    "qwen35": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+               r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+", True, False),
 }
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
               device: torch.device | str = "cpu", lazy: bool = False
               ) -> tuple[dict, dict[str, torch.Tensor], PreTrainedTokenizerFast]:
-    """Read a llama / qwen2 / qwen3 GGUF file; returns (hf_config, state_dict, tokenizer).
+    """Read a llama / qwen2 / qwen3 / qwen35 (the Qwen3.5 hybrid) GGUF file; returns
+    (hf_config, state_dict, tokenizer).
 
     hf_config is shaped like the model's config.json; state_dict holds Hugging Face names and
     [out_features, in_features] weights dequantized to `dtype` on `device` (a GPU dequantizes
@@ -76,10 +85,11 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     path = Path(path)
     reader = _open(path)
     arch = _meta(path, reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise GGUFError(f"{path}: architecture {arch!r} is not supported; flashdraft runs "
-                        f"{', '.join(SUPPORTED_ARCHS)}")
     tensors = {t.name: t for t in reader.tensors}
+    _refuse_moe(path, reader, arch, tensors)
+    if arch not in _ARCHS:
+        raise GGUFError(f"{path}: architecture {arch!r} is not supported; flashdraft runs "
+                        f"{', '.join(_ARCHS)}")
     for t in reader.tensors:
         if t.tensor_type not in SUPPORTED_TYPES:
             supported = ", ".join(q.name for q in SUPPORTED_TYPES)
@@ -87,18 +97,21 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
                 f"{path}: tensor {t.name} is quantized as {t.tensor_type.name}, which flashdraft "
                 f"cannot dequantize; supported types: {supported}. Use a file quantized with "
                 f"one of those (e.g. Q4_K_M or Q8_0)")
-    hf_names = {name: _hf_name(path, name) for name in tensors if name != _ROPE_FREQS}
     config = _config(path, reader, arch, tensors)
+    if arch == "qwen35":
+        from .gguf_qwen35 import hybrid_layout
+
+        fields, hf_names, transform = hybrid_layout(path, reader, tensors, config)
+        config.update(fields)
+    else:
+        hf_names = {name: _hf_name(path, name) for name in tensors if name != _ROPE_FREQS}
+        transform = functools.partial(_dense_transform, arch, config)
     tokenizer = _tokenizer(path, reader, config["max_position_embeddings"])
 
     def load(name: str) -> torch.Tensor:
-        t, hf_name = tensors[name], hf_names[name]
+        t = tensors[name]
         w = dequantize(torch.from_numpy(_raw(t)).to(device), t.tensor_type, _shape(t))
-        if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = _unpermute_rope(w, config["num_attention_heads"])
-        elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = _unpermute_rope(w, config["num_key_value_heads"])
-        return w.to(dtype)
+        return transform(hf_names[name], w).to(dtype)
 
     if lazy:
         return config, {hf_names[name]: functools.partial(load, name) for name in hf_names}, \
@@ -106,6 +119,27 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     weights = _map_tensors(load, list(hf_names), device)
     state_dict = {hf_names[name]: weights[name] for name in hf_names}
     return config, state_dict, tokenizer
+
+
+def _refuse_moe(path: Path, reader: gguf.GGUFReader, arch: str, tensors: dict) -> None:
+    """Refuse a mixture-of-experts file, by its architecture, expert count or tensors."""
+    experts = next((n for n in tensors if any(e in n for e in _EXPERT_TENSORS)), None)
+    count = _meta(path, reader, f"{arch}.expert_count", 0)
+    if arch in _MOE_ARCHS or experts or count:
+        what = (f"architecture {arch!r}" if arch in _MOE_ARCHS else
+                f"tensor {experts!r}" if experts else f"{arch}.expert_count={count}")
+        raise GGUFError(f"{path} is a mixture-of-experts model ({what}); MoE is not supported: "
+                        f"flashdraft runs the dense {', '.join(_ARCHS)} architectures (of "
+                        f"Qwen3.5, the dense qwen35 models)")
+
+
+def _dense_transform(arch: str, config: dict, hf_name: str, w: torch.Tensor) -> torch.Tensor:
+    """A llama / qwen2 / qwen3 tensor as the checkpoint holds it: llama's q / k unpermuted."""
+    if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        return _unpermute_rope(w, config["num_attention_heads"])
+    if arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        return _unpermute_rope(w, config["num_key_value_heads"])
+    return w
 
 
 def _map_tensors(load, names: list[str], device) -> dict[str, torch.Tensor]:
@@ -192,8 +226,8 @@ def _hf_name(path: Path, name: str) -> str:
     parts = base.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
         return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{kind}"
-    raise GGUFError(f"{path}: unexpected tensor {name!r}; flashdraft knows the dense llama / "
-                    f"qwen2 / qwen3 layouts only, so this file is a variant it cannot run")
+    raise GGUFError(f"{path}: unexpected tensor {name!r}; flashdraft knows the llama / qwen2 / "
+                    f"qwen3 / qwen35 layouts only, so this file is a variant it cannot run")
 
 
 def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -217,22 +251,27 @@ def _config(path: Path, reader: gguf.GGUFReader, arch: str, tensors: dict) -> di
         return _shape(tensors[name])
 
     heads = meta("attention.head_count")
+    kv_heads = meta("attention.head_count_kv", heads)
     vocab, hidden = shape("token_embd.weight")
+    # Any layer's k rows: a hybrid's first layers have no attention, and its q rows hold a gate
+    attn_k = next((n for n in tensors if n.endswith(".attn_k.weight")), "blk.0.attn_k.weight")
+    model_type, architecture = _ARCHS[arch]
     config = {
-        "model_type": arch,
-        "architectures": [_HF_ARCHITECTURES[arch]],
+        "model_type": model_type,
+        "architectures": [architecture],
         "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": meta("feed_forward_length"),
-        "num_hidden_layers": meta("block_count"),
+        # the multi-token prediction layers a converter may append are not the decoder's
+        "num_hidden_layers": meta("block_count") - meta("nextn_predict_layers", 0),
         "num_attention_heads": heads,
-        "num_key_value_heads": meta("attention.head_count_kv", heads),
-        "head_dim": shape("blk.0.attn_q.weight")[0] // heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": meta("attention.key_length", None) or shape(attn_k)[0] // kv_heads,
         "rms_norm_eps": meta("attention.layer_norm_rms_epsilon"),
         "rope_theta": meta("rope.freq_base", 10000.0),
         "max_position_embeddings": meta("context_length"),
         "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "attention_bias": any(n.endswith(".attn_q.bias") for n in tensors),
         "bos_token_id": _meta(path, reader, "tokenizer.ggml.bos_token_id", None),
     }
     config["rope_scaling"] = _rope_scaling(path, reader, arch, tensors, config)
@@ -296,8 +335,8 @@ def _tokenizer(path: Path, reader: gguf.GGUFReader, max_length: int) -> PreTrain
     kind = meta("model")
     if kind != "gpt2":
         raise GGUFError(f"{path}: tokenizer.ggml.model is {kind!r}; flashdraft reads byte-level "
-                        f"BPE tokenizers ('gpt2': Llama 3, Qwen2/2.5, Qwen3) only. Load the "
-                        f"model's Hugging Face directory instead")
+                        f"BPE tokenizers ('gpt2': Llama 3, Qwen2/2.5, Qwen3, Qwen3.5) only. Load "
+                        f"the model's Hugging Face directory instead")
     pre = meta("pre", None)
     if pre not in _PRE_TOKENIZERS:
         raise GGUFError(f"{path}: pre-tokenizer (tokenizer.ggml.pre) {pre!r} is unknown to "
