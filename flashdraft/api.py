@@ -84,7 +84,7 @@ class LLM:
                  cuda_graphs: bool = True, compile: bool = False,
                  quantization: str | None = None, draft_quantization: str | None = "auto",
                  adaptive_speculation: bool = True, decode_kernel: str = "auto",
-                 kernels: KernelConfig = KernelConfig()):
+                 kernels: KernelConfig = KernelConfig(), tree_widths: Iterable[int] = ()):
         self.config = EngineConfig(model=model, draft=draft,
                                    num_speculative_tokens=num_speculative_tokens,
                                    ngram_sizes=tuple(ngram_sizes), dtype=dtype, device=device,
@@ -92,7 +92,8 @@ class LLM:
                                    compile=compile, quantization=quantization,
                                    draft_quantization=draft_quantization,
                                    adaptive_speculation=adaptive_speculation,
-                                   decode_kernel=decode_kernel, kernels=kernels)
+                                   decode_kernel=decode_kernel, kernels=kernels,
+                                   tree_widths=tuple(tree_widths))
         self.device, self.dtype = pick_device_dtype(device, dtype)
         # quantized as it loads: the device never holds the full-precision model
         self.target = load_model(model, self.dtype, self.device, quantization,
@@ -106,7 +107,7 @@ class LLM:
         self.engine = Engine(self.target.model, self.device, self.dtype, self.max_model_len,
                              self.target.config.eos_token_ids, cuda_graphs=cuda_graphs,
                              compile=compile, adaptive=adaptive_speculation,
-                             decode_kernel=decode_kernel)
+                             decode_kernel=decode_kernel, tree_widths=self.config.tree_widths)
         self._drafters: dict[str, Drafter] = {}
         self.num_speculative_tokens = num_speculative_tokens
         self.drafter = self.get_drafter(draft) if draft else None

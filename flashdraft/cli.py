@@ -27,6 +27,10 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True,
                             "or plain decoding, where that is faster (default 5)")
         p.add_argument("--ngram-sizes", default="4,3,2",
                        help="n-gram sizes for --draft ngram, tried longest first (default 4,3,2)")
+        p.add_argument("--tree-widths", default="", metavar="W,W,...",
+                       help="verify token trees: candidates per draft position (the draft "
+                            "model's best token and its next best), e.g. 3,2,2; positions past "
+                            "the list take one (default: chains)")
         p.add_argument("--no-adaptive-speculation", dest="adaptive_speculation",
                        action="store_false",
                        help="draft K tokens at every step (default: the cost model chooses "
@@ -108,7 +112,8 @@ def build_llm(args):
                cuda_graphs=args.cuda_graphs, compile=args.compile,
                quantization=args.quantization, draft_quantization=args.draft_quantization,
                adaptive_speculation=getattr(args, "adaptive_speculation", True),
-               decode_kernel=args.decode_kernel, kernels=kernel_config_from(args))
+               decode_kernel=args.decode_kernel, kernels=kernel_config_from(args),
+               tree_widths=parse_ints(getattr(args, "tree_widths", ""), "--tree-widths"))
 
 
 def sampling_from(args):

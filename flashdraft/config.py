@@ -260,6 +260,23 @@ def check_decode_kernel(value: str, name: str = "decode_kernel") -> None:
         raise ValueError(f"{name} {value!r} is not one of {', '.join(DECODE_KERNELS)}")
 
 
+MAX_TREE_WIDTH = 8  # candidates a depth of a token tree
+
+
+def check_tree_widths(widths, name: str = "tree_widths") -> tuple[int, ...]:
+    """Token trees' candidates a depth as a tuple, or a user's error naming the value."""
+    try:
+        widths = tuple(widths)
+    except TypeError:
+        widths = None
+    if (widths is None or len(widths) > 64
+            or any(not isinstance(w, int) or not 1 <= w <= MAX_TREE_WIDTH for w in widths)):
+        raise ValueError(f"{name} must be whole numbers between 1 and {MAX_TREE_WIDTH}, one a "
+                         f"draft position (at most 64), e.g. 3,2,2 (three candidates for the "
+                         f"first token, two for the next two, one after), got {widths!r}")
+    return widths
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What `LLM(...)` was asked for; flags of the CLI map 1:1 onto these fields."""
@@ -285,6 +302,9 @@ class EngineConfig:
     decode_kernel: str = "auto"
     # how the target's and the draft model's steps run on the GPU (KernelConfig)
     kernels: KernelConfig = KernelConfig()
+    # token trees: candidates a draft position (the drafter's best and its next best tokens,
+    # verified in one pass), e.g. (3, 2, 2); positions past the list: one. (): chains
+    tree_widths: tuple[int, ...] = ()
 
     def __post_init__(self):
         if (not isinstance(self.num_speculative_tokens, int)
@@ -306,6 +326,7 @@ class EngineConfig:
         check_decode_kernel(self.decode_kernel)
         if not isinstance(self.kernels, KernelConfig):
             raise ValueError(f"kernels must be a KernelConfig, got {self.kernels!r}")
+        object.__setattr__(self, "tree_widths", check_tree_widths(self.tree_widths))
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
 

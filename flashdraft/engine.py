@@ -37,14 +37,15 @@ from dataclasses import dataclass, field
 import torch
 
 from .backends import kernels
-from .config import SamplingParams, check_decode_kernel
+from .config import SamplingParams, check_decode_kernel, check_tree_widths
 from .backends.cuda_graphs import StepRunner, eager_step, prefill
 from .drafters.base import Draft, DraftContext, Drafter
 from .kv_cache import KVCache, grow_cache
 from .model import Transformer
 from .sampling import SampledPick, fused_by_default, make_rng
 from .scheduling import CostModel, SpeculationPlanner
-from .verify import SampledVerify, greedy_result
+from .tree import spine_leaves
+from .verify import SampledVerify, SpineTreeGreedy, SpineTreeVerify, greedy_result
 
 
 @dataclass
@@ -60,6 +61,7 @@ class RequestMetrics:
     # the planner's expected tokens E(k) of each speculative step (achieved: n + 1)
     predicted_per_step: list[float] = field(default_factory=list)
     plain_tokens: int = 0  # from plain steps run ahead (plain decoding: all but the first)
+    leaf_steps: int = 0  # tree steps whose accepted path ended in a leaf (an alternative)
     # GPU time (CUDA events; wall time on a CPU) of the speculative steps' drafting and
     # verification, summed over the steps that verified a draft
     draft_time_s: float = 0.0
@@ -130,8 +132,16 @@ class Engine:
     def __init__(self, model: Transformer, device: torch.device, dtype: torch.dtype,
                  max_model_len: int, eos_token_ids: tuple[int, ...], *,
                  cuda_graphs: bool = True, compile: bool = False, adaptive: bool = True,
-                 decode_kernel: str = "auto", fused_sampling: bool | None = None):
+                 decode_kernel: str = "auto", fused_sampling: bool | None = None,
+                 tree_widths: tuple[int, ...] = ()):
         self.model, self.device, self.dtype = model, device, dtype
+        # Candidates a depth of the token trees verified where a drafter proposes them
+        # (DraftContext.tree_widths); () or all 1: chains.
+        self.tree_widths = check_tree_widths(tree_widths)
+        if any(w > 1 for w in self.tree_widths) and not getattr(model, "supports_trees", False):
+            raise ValueError(f"tree_widths {list(tree_widths)}: token trees need a target whose "
+                             f"cache is attention's alone (a dense model); "
+                             f"{type(model).__name__} verifies chains only")
         # Speculation chosen per step by the cost model (scheduling.SpeculationPlanner) for
         # drafters that allow it; False: k drafts at every step.
         self.adaptive = adaptive
@@ -172,12 +182,14 @@ class Engine:
         if drafter is not None and hasattr(drafter, "ensure_capacity"):
             drafter.ensure_capacity(length, steps)
 
-    def _forward(self, tokens: list[int] | torch.Tensor, start: int, hidden_layers, post=None):
-        """The target's step; with `post`, also post(tokens, logits) (inside the step's graph)."""
+    def _forward(self, tokens: list[int] | torch.Tensor, start: int, hidden_layers, post=None,
+                 tree=None):
+        """The target's step; with `post`, also post(tokens, logits) (inside the step's graph);
+        tree: the TreeMask of a tree's verification pass."""
         ids = torch.as_tensor(tokens, device=self.device).view(1, -1)
         if self.runner is not None:
-            return self.runner(ids, start, self.cache, hidden_layers, post=post)
-        return eager_step(self.model, ids, start, self.cache, hidden_layers, post=post)
+            return self.runner(ids, start, self.cache, hidden_layers, post=post, tree=tree)
+        return eager_step(self.model, ids, start, self.cache, hidden_layers, post=post, tree=tree)
 
     @torch.inference_mode()
     def run(self, prompt: list[int], params: SamplingParams, drafter: Drafter | None = None,
@@ -193,8 +205,10 @@ class Engine:
         if max_new < 1:
             raise ValueError(f"the prompt has {len(prompt)} tokens, which leaves no room to "
                              f"generate within max_model_len={self.max_model_len}")
-        self.ensure_capacity(len(prompt) + max_new + (k if drafter else 0) + 1, drafter,
-                             steps=k + 1 if drafter else 1)
+        # A step verifies at most k drafts, or a tree of k spine tokens and their leaves.
+        nodes = k + sum(spine_leaves(self.tree_widths, k)) if drafter else 0
+        self.ensure_capacity(len(prompt) + max_new + nodes + 1, drafter,
+                             steps=nodes + 1 if drafter else 1)
         # How attention cuts the cache into splits fixes how its partial sums are added, so it
         # must follow from the request alone: not from k (speculation must return plain
         # decoding's tokens) nor from the cache's size, which earlier, longer requests set.
@@ -264,22 +278,34 @@ class Engine:
             next_token = self._pick(logits, params)
             n, new = 0, [int(next_token)]
         else:
-            verify_in = torch.cat([last, draft.tokens], dim=1)  # [1, n_draft + 1]
+            tree = draft.tree
+            verify_in = torch.cat([last, draft.tokens], dim=1)  # [1, nodes + 1]
             if params.greedy:  # verified inside the step's graph
-                post = greedy_result
+                post = greedy_result if tree is None else self._tree_greedy(tree)
             else:  # so is sampled verification, with the draft's q loaded first
-                post = self._sampled_post(params, draft.q_logits is not None, n_draft + 1)
+                post = self._sampled_post(params, draft.q_logits is not None, n_draft + 1, tree)
                 if draft.q_logits is not None:
                     post.load(draft.q_logits[0])
             logits, hidden, packed = self._forward(verify_in, position, req.hidden_layers,
-                                                   post=post)
-            next_token = packed[1:2]
+                                                   post=post,
+                                                   tree=None if tree is None else tree.mask)
             req.timer.mark(2)
             result = packed.tolist()  # the step's one synchronisation
             drafting, verifying = req.timer.read()
             req.metrics.draft_time_s += drafting
             req.metrics.verify_time_s += verifying
-            n, new = result[0], result[2:2 + result[0]] + [result[1]]
+            if tree is None:
+                n, new, next_token = result[0], result[2:2 + result[0]] + [result[1]], packed[1:2]
+            else:  # [n, leaf, next, nodes]: the path's leaf, if any, moves into place
+                path = tree.path(result[0], result[1])
+                n, new, next_token = len(path), [result[3 + i] for i in path] + [result[2]], packed[2:3]
+                n_draft = tree.k
+                if result[1] >= 0:
+                    req.metrics.leaf_steps += 1
+                    self.cache.compact(position + 1 + result[0], [result[1] - result[0]])
+                    # the rows of last and the path, for a drafter that reads hidden states
+                    rows = torch.tensor([0, *(1 + i for i in path)], device=self.device)
+                    hidden = [h.index_select(1, rows) for h in hidden]
         # The pass ran over [last, d_1 … d_k]: the rows of last and the n accepted drafts are
         # committed, the rest are rejected drafts' (dropped from the cache: a length moves back).
         # Views: nothing is copied (nor computed, when no layers were requested).
@@ -359,29 +385,42 @@ class Engine:
         return self._sampled_post(params)(None, logits)
 
     def _sampled_post(self, params: SamplingParams, with_q: bool | None = None,
-                      rows: int = 0) -> SampledPick:
+                      rows: int = 0, tree=None) -> SampledPick:
         """The post that samples a plain step's token (with_q None), or verifies a sampled
-        speculative step of `rows` tokens against a draft with q (with_q) or one-hot drafts.
-        One object per parameter set, kept: graphs are captured per object. Its q buffer holds
-        as many rows as a graph step can verify, more where a longer step asks."""
+        speculative step of `rows` tokens against a draft with q (with_q) or one-hot drafts,
+        a chain or a `tree.SpineTree`. One object per parameter set (and tree), kept: graphs
+        are captured per object. A chain's q buffer holds as many rows as a graph step can
+        verify, more where a longer step asks; a tree's, its spine."""
         filt = (params.temperature, params.top_k, params.top_p, params.min_p)
-        post = self._posts.get((filt, with_q))
-        if post is None or with_q and post.q.shape[0] < rows:
+        key = (filt, with_q, tree)
+        post = self._posts.get(key)
+        if post is None or with_q and tree is None and post.q.shape[0] < rows:
             vocab = self.model.cfg.vocab_size
             if with_q is None:
                 post = SampledPick(*filt, self.rng, fused=self.fused_sampling, vocab=vocab)
+            elif tree is not None:
+                post = SpineTreeVerify(tree, *filt, self.rng, fused=self.fused_sampling,
+                                       vocab=vocab, with_q=with_q)
             else:
                 graph_rows = self.runner.max_graph_tokens if self.runner is not None else 0
                 post = SampledVerify(*filt, self.rng, fused=self.fused_sampling, vocab=vocab,
                                      with_q=with_q, capacity=max(rows, graph_rows))
-            self._posts[(filt, with_q)] = post
+            self._posts[key] = post
+        return post
+
+    def _tree_greedy(self, tree) -> SpineTreeGreedy:
+        """The greedy post of a tree shape, one object per shape (graphs key on it)."""
+        post = self._posts.get(("greedy", tree))
+        if post is None:
+            post = self._posts[("greedy", tree)] = SpineTreeGreedy(tree)
         return post
 
     def _propose(self, req: "_Request", hidden: list[torch.Tensor], k: int) -> Draft:
         """The request's drafter's draft of at most k tokens (none where k <= 0)."""
         if k <= 0:
             return Draft(torch.empty(1, 0, dtype=torch.long, device=self.device))
-        return req.drafter.propose(DraftContext(req.tokens, req.params, req.seed, hidden), k)
+        return req.drafter.propose(DraftContext(req.tokens, req.params, req.seed, hidden,
+                                                self.tree_widths), k)
 
 
 class _Request:

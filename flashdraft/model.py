@@ -257,6 +257,8 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    supports_trees = True  # forward(tree=): its cache is attention's alone (KVCache.compact)
+
     def __init__(self, cfg: ModelConfig, kernel_config: KernelConfig = kernels.DEFAULT):
         super().__init__()
         self.cfg = cfg

@@ -83,3 +83,73 @@ class TreeMask:
                                  f"{list(self.parents)}): node {node} at step {j} should be a "
                                  f"child of {parent}")
         return path
+
+
+def spine_leaves(widths: Sequence[int], k: int) -> tuple[int, ...]:
+    """Leaves at depths 1 … k of a spine tree verified with `widths` candidates a depth
+    (depths past the list: one, the spine's)."""
+    return tuple(max(int(widths[i]) - 1, 0) if i < len(widths) else 0 for i in range(k))
+
+
+@dataclass(frozen=True, eq=False)
+class SpineTree:
+    """A draft of a spine d_1 … d_k, each d_i with `leaves[i - 1]` alternatives beside it:
+    other candidates for position i, which end there (a leaf has no children). Drafters build
+    it from their top candidates a position (a draft model's top-w, DFlash's block logits);
+    `verify.spine_tree_greedy` and `verify.SpineTreeVerify` accept its longest path.
+
+    The draft's tokens are [d_1 … d_k, then the leaves depth by depth] (its nodes 0 … T - 1);
+    the verification pass runs over [last committed token, nodes] (`mask`: T + 1 tokens, the
+    last one its root). A leaf of depth i is a child of d_{i-1} (of the root for i = 1), so
+    the target scores it on the row of d_{i-1}, as it scores d_i.
+    """
+
+    k: int
+    leaves: tuple[int, ...]  # [k]: alternatives at depths 1 … k
+    mask: TreeMask = field(repr=False)  # the verification pass's, root included
+    # [L] int64: the pass row whose distribution a leaf is a candidate of (its depth - 1)
+    leaf_rows: torch.Tensor = field(repr=False)
+
+    @staticmethod
+    def parents(k: int, leaves: Sequence[int]) -> list[int]:
+        """Parents of the verification pass's tokens: the root (-1), the spine, the leaves."""
+        return [-1] + list(range(k)) + [d for d, m in enumerate(leaves) for _ in range(m)]
+
+    @property
+    def size(self) -> int:
+        """Draft nodes (the root not counted)."""
+        return self.mask.size - 1
+
+    def path(self, n: int, leaf: int) -> list[int]:
+        """Draft nodes of the accepted path: n spine tokens, then the leaf (-1: none)."""
+        return list(range(n)) + ([leaf] if leaf >= 0 else [])
+
+
+_SPINE_TREES: dict = {}
+
+
+def spine_tree(k: int, leaves: Sequence[int], device: torch.device | str) -> SpineTree:
+    """The SpineTree of k spine tokens with `leaves` alternatives a depth, one object per shape
+    and device: CUDA graphs and verifiers key on it."""
+    leaves = tuple(int(m) for m in leaves)
+    if len(leaves) != k or k < 1 or min(leaves) < 0:
+        raise ValueError(f"a spine tree of k = {k} tokens needs k leaf counts >= 0, got "
+                         f"{list(leaves)}")
+    device = torch.device(device)
+    key = (k, leaves, str(device))
+    tree = _SPINE_TREES.get(key)
+    if tree is None:
+        mask = TreeMask.from_parents(SpineTree.parents(k, leaves), device)
+        rows = torch.tensor([d for d, m in enumerate(leaves) for _ in range(m)],
+                            dtype=torch.int64, device=device)
+        tree = _SPINE_TREES[key] = SpineTree(k, leaves, mask, rows)
+    return tree
+
+
+def alternatives(row: torch.Tensor, chosen: torch.Tensor, m: int) -> torch.Tensor:
+    """The m highest-scoring tokens of row [1, V] other than `chosen` (one token id, any
+    shape of one element): [m] int64, best first, on the row's device."""
+    candidates = row.topk(m + 1, dim=-1).indices.view(-1)  # [m + 1]
+    # The chosen token moved to the end (a stable sort of "is it the chosen one"), cut off.
+    order = torch.argsort((candidates == chosen.view(())).int(), stable=True)
+    return candidates.index_select(0, order[:m])

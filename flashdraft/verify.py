@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import RowStats, SampledPick, prob_at, race, sample, uniform
+from .sampling import RowStats, SampledPick, prob_at, probs_from_stats, race, sample, uniform
 
 
 def verify_greedy(draft: torch.Tensor, target_logits: torch.Tensor):
@@ -140,3 +140,117 @@ class SampledVerify(SampledPick):
             token = race(row, self.temperature, stats, self.state, fused=self.fused,
                          q_onehot=skip)
         return torch.cat([n, token, drafts])
+
+
+class SpineTreeGreedy:
+    """Greedy verification of a `tree.SpineTree` as a step's post: the longest path whose every
+    token is the target's argmax after its parent. tokens [1, T + 1] = [last, nodes], logits
+    [1, T + 1, V] -> int64 [T + 3] = [n, leaf, next token, nodes]: n spine tokens accepted,
+    then the leaf of depth n + 1 that equals the argmax there (its node index; -1: none), and
+    the argmax after the path. One object per tree (graphs key on it)."""
+
+    def __init__(self, tree):
+        self.tree = tree
+
+    def __call__(self, tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        k, nodes = self.tree.k, tokens[0, 1:]  # [T]
+        best = logits[0].argmax(-1)  # [T + 1]
+        n = (nodes[:k] == best[:k]).int().cumprod(0).sum().view(1)  # [1]
+        leaf, row = _first_leaf(self.tree, n, nodes[k:] == best.index_select(0, self.tree.leaf_rows))
+        return torch.cat([n, leaf, best.index_select(0, row), nodes])
+
+
+def _first_leaf(tree, n: torch.Tensor, hit: torch.Tensor):
+    """Of the leaves at depth n + 1 (tree.leaf_rows == n) that `hit` ([L] bool), the first:
+    (its node index, or -1, [1]; the pass row after the path: the leaf's, else n, [1])."""
+    hit = hit & (tree.leaf_rows == n)
+    if hit.numel() == 0:
+        return torch.full_like(n, -1), n
+    found = hit.any().view(1)
+    first = hit.int().argmax().view(1)  # the first True (0 where none)
+    leaf = torch.where(found, tree.k + first, -1)
+    return leaf, torch.where(found, 1 + tree.k + first, n)
+
+
+class SpineTreeVerify(SampledVerify):
+    """Sampled verification of a `tree.SpineTree` as a step's post, packed like
+    `SpineTreeGreedy`: int64 [T + 3] = [n, leaf, next token, nodes]. Lossless: at each depth
+    the spine token d_i is tested as a chain's (min(1, p/q) with q, p(d_i) one-hot); where it
+    is rejected, the target's token there is distributed as the residual r = norm(max(p - q,
+    0)) (one-hot: p without d_i), and that draw is made by trying the leaves in turn as one-hot
+    drafts of r (leaf x accepted with r(x), else removed from r and r renormalised; SpecInfer's
+    recursive rule), then, if none is kept, drawing from what is left of r. So every position's
+    token keeps the target's distribution, and a kept leaf's own row gives the bonus token.
+    The leaves are the drafter's top candidates beside d_i, a function of the draft alone
+    (independent of the target's random numbers), as the rule needs."""
+
+    def __init__(self, tree, temperature: float, top_k: int, top_p: float, min_p: float,
+                 state: torch.Tensor, *, fused: bool, vocab: int, with_q: bool):
+        super().__init__(temperature, top_k, top_p, min_p, state, fused=fused, vocab=vocab,
+                         with_q=with_q, capacity=tree.k)
+        self.tree = tree
+
+    def __call__(self, tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        tree, temp = self.tree, self.temperature
+        k, nodes = tree.k, tokens[0, 1:]  # [T]
+        spine, leaves = nodes[:k], nodes[k:]  # [k], [L]
+        rows = self.fit(logits[0])  # [T + 1, V]
+        p_stats = self.stats(rows)
+        p_d = prob_at(rows[:k], spine, temp, _take(p_stats, slice(0, k)))
+        q_rows = self.q[:k] if self.q is not None else None
+        if q_rows is not None:
+            q_stats = self.stats(q_rows)
+            q_d = prob_at(q_rows, spine, temp, q_stats)
+        else:
+            q_d = torch.ones_like(p_d)
+        u = uniform(self.state, k + leaves.numel(), fused=self.fused, stream=ACCEPT_STREAM)
+        n = (u[:k] * q_d < p_d).int().cumprod(0).sum().long().view(1)  # [1]
+        rejected = n < k
+        at = n.clamp(max=k - 1)  # the rejected spine token's row (any, when all were kept)
+        row_n = rows.index_select(0, n)  # [1, V]: p_{n+1}
+        stats_n = _take(p_stats, n)
+        # r at the leaves of depth n + 1 and its whole mass, to try them in turn.
+        if q_rows is not None:
+            q_at = _take(q_stats, at)
+            q_row = q_rows.index_select(0, at)  # [1, V]
+            mass = (probs_from_stats(row_n, temp, stats_n)
+                    - probs_from_stats(q_row, temp, q_at)).clamp_min(0).sum().view(1)
+        else:
+            mass = 1 - p_d.index_select(0, at)
+        leaf, row = n, n
+        if leaves.numel():
+            m = leaves.numel()
+            r = prob_at(row_n.expand(m, -1), leaves, temp, _expand(stats_n, m))
+            if q_rows is not None:
+                r = (r - prob_at(q_row.expand(m, -1), leaves, temp, _expand(q_at, m))).clamp_min(0)
+            r = torch.where((tree.leaf_rows == n) & rejected, r, 0.0)  # [L]: depth n + 1's only
+            left = mass - (r.cumsum(0) - r)  # r's mass when each leaf's turn comes
+            leaf, row = _first_leaf(tree, n, u[k:] * left < r)
+            # Where no leaf was kept, the draw from r leaves out the leaves that were tried.
+            tried = torch.zeros(rows.shape[1], device=rows.device).index_add_(
+                0, leaves, (r > 0).float() * (leaf < 0).float())
+            row_n = torch.where(tried > 0, float("-inf"), row_n)
+        kept_leaf = leaf >= 0
+        draw_row = torch.where(kept_leaf, rows.index_select(0, row), row_n)
+        draw_stats = _take(p_stats, row)
+        use_q = rejected & ~kept_leaf  # the residual's draw; else the bonus, from p as it is
+        if q_rows is not None:
+            q_use = q_at._replace(t=torch.where(use_q, q_at.t, float("inf")))
+            token = race(draw_row, temp, draw_stats, self.state, fused=self.fused,
+                         q_logits=q_row, q_stats=q_use)
+        else:
+            skip = torch.where(use_q, spine.index_select(0, at), -1)
+            token = race(draw_row, temp, draw_stats, self.state, fused=self.fused, q_onehot=skip)
+        return torch.cat([n, leaf, token, nodes])
+
+
+def _take(stats: RowStats, rows) -> RowStats:
+    """The RowStats of some rows: a slice, or an index tensor."""
+    if isinstance(rows, slice):
+        return RowStats(*(x[rows] for x in stats))
+    return RowStats(*(x.index_select(0, rows) for x in stats))
+
+
+def _expand(stats: RowStats, m: int) -> RowStats:
+    """One row's RowStats repeated for m rows (views)."""
+    return RowStats(*(x.expand(m) for x in stats))

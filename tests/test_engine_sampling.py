@@ -71,11 +71,12 @@ class FixedDrafter:
         pass
 
 
-def engine_counts(params, n, drafter_kind="model", fused=False, device="cpu"):
+def engine_counts(params, n, drafter_kind="model", fused=False, device="cpu", tree_widths=()):
     """Counts of (token 2, token 3) over n seeds: [V * V]."""
     device = torch.device(device)
     target, draft = tiny(0, layers=2).to(device), tiny(1).to(device)
-    engine = Engine(target, device, torch.float32, 64, (), fused_sampling=fused, adaptive=False)
+    engine = Engine(target, device, torch.float32, 64, (), fused_sampling=fused, adaptive=False,
+                    tree_widths=tree_widths)
     drafter = (DraftModelDrafter(draft, device, torch.float32, V, fused_sampling=fused)
                if drafter_kind == "model" else FixedDrafter(device))
     counts = torch.zeros(V * V, dtype=torch.float64)
@@ -110,10 +111,26 @@ def test_engine_samples_from_the_target(temperature, top_k, top_p, n):
     assert pvalue > 1e-3 and impossible == 0
 
 
+@pytest.mark.parametrize("temperature, top_p, widths", [(1.0, 1.0, (4, 4)), (0.7, 0.9, (4, 3))])
+def test_tree_speculation_samples_from_the_target(temperature, top_p, widths):
+    """Sampled token trees (a draft model's spine with q, its next best tokens as leaves tried
+    against the residual): tokens 2 and 3 keep the target's joint distribution, and the test
+    tells it from the target's at another temperature (its power)."""
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=3, seed=0,
+                            ignore_eos=True)
+    counts = engine_counts(params, 3000, tree_widths=widths)
+    pvalue, impossible = chi2_against_target(counts, params)
+    assert pvalue > 1e-3 and impossible == 0
+    other = SamplingParams(**{**params.__dict__, "temperature": temperature * 0.6})
+    pvalue, impossible = chi2_against_target(counts, other)
+    assert pvalue < 1e-3 or impossible > 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="the Triton path end to end takes minutes on the interpreter")
-@pytest.mark.parametrize("drafter_kind, min_p", [("model", 0.0), ("fixed", 0.1)])
-def test_fused_sampling_in_the_engine_samples_from_the_target(drafter_kind, min_p):
+@pytest.mark.parametrize("drafter_kind, min_p, widths", [("model", 0.0, ()), ("fixed", 0.1, ()),
+                                                         ("model", 0.0, (4, 4))])
+def test_fused_sampling_in_the_engine_samples_from_the_target(drafter_kind, min_p, widths):
     """The Triton path end to end: the draft's tokens drawn by its race, the verification's
     acceptance and residual by SampledVerify, with q from logits (draft model) or one-hot
     (FixedDrafter, as n-gram lookup's). On a CPU the same SampledVerify runs with the PyTorch
@@ -121,7 +138,8 @@ def test_fused_sampling_in_the_engine_samples_from_the_target(drafter_kind, min_
     (test_fused_sampling.py)."""
     params = SamplingParams(temperature=0.9, top_k=6, top_p=0.95, min_p=min_p, max_tokens=3,
                             seed=0, ignore_eos=True)
-    counts = engine_counts(params, 4000, drafter_kind, fused=True, device="cuda")
+    counts = engine_counts(params, 4000, drafter_kind, fused=True, device="cuda",
+                           tree_widths=widths)
     pvalue, impossible = chi2_against_target(counts, params)
     assert pvalue > 1e-3 and impossible == 0
     # Power: the same counts do not pass for the target at another temperature.

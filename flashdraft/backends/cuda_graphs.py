@@ -20,8 +20,8 @@ or a sampled token, whose small kernels would otherwise each be launched from Py
 the step and the one host synchronisation of a speculative step). A post with a `state`
 tensor (an RNG state it advances on the device) finds it unchanged by the capture.
 
-Graphs are captured lazily, the first time a (T, kv_len bucket, hidden layers, last_only, post)
-combination is asked for; steps longer than `max_graph_tokens` and every call on a CPU run
+Graphs are captured lazily, the first time a (T, kv_len bucket, hidden layers, last_only, post,
+token tree) combination is asked for; steps longer than `max_graph_tokens` and every call on a CPU run
 eagerly, through exactly the same model code.
 
 Prefill (`prefill`) is a graph too. Launched from Python, a prefill's few hundred kernels cost
@@ -71,14 +71,16 @@ def bucketed_kv_len(end: int, bucket: int, max_len: int) -> int:
 
 def eager_step(model, tokens: torch.Tensor, start: int, cache: KVCache,
                hidden_layers: tuple[int, ...] = (), last_only: bool = False, post=None,
-               logits_at: torch.Tensor | None = None):
+               logits_at: torch.Tensor | None = None, tree=None):
     """One forward of tokens [1, T] at positions start … start + T - 1, attending over exactly
     the positions written so far: the path every step takes when it is not a graph replay.
+    tree: a token tree's `tree.TreeMask` (its nodes at those cache slots), None: causal.
     Returns what the model returns, and with `post` a third value, post(tokens, logits)."""
     t = tokens.shape[1]
     positions = torch.arange(start, start + t, device=tokens.device).unsqueeze(0)
     logits, hidden = model(tokens, positions, cache, kv_len=start + t,
-                           hidden_layers=hidden_layers, last_only=last_only, logits_at=logits_at)
+                           hidden_layers=hidden_layers, last_only=last_only, logits_at=logits_at,
+                           **({} if tree is None else {"tree": tree}))
     return (logits, hidden) if post is None else (logits, hidden, post(tokens, logits))
 
 
@@ -186,19 +188,21 @@ class StepRunner:
         return bucketed_kv_len(end, self.kv_bucket, cache.max_len)
 
     def __call__(self, tokens: torch.Tensor, start: int, cache: KVCache,
-                 hidden_layers: tuple[int, ...] = (), last_only: bool = False, post=None):
-        # tokens: [1, T] int64 on self.device
+                 hidden_layers: tuple[int, ...] = (), last_only: bool = False, post=None,
+                 tree=None):
+        # tokens: [1, T] int64 on self.device; tree: a TreeMask of T nodes, or None (causal)
         t = tokens.shape[1]
         if not self.enabled or t > self.max_graph_tokens or start + t > cache.max_len:
             self.stats.eager_calls += 1
-            return eager_step(self.model, tokens, start, cache, hidden_layers, last_only, post)
+            return eager_step(self.model, tokens, start, cache, hidden_layers, last_only, post,
+                              tree=tree)
         self._follow(cache)
         kv_len = self.kv_len_for(start + t, cache)
-        key = (t, kv_len, cache.split_len, tuple(hidden_layers), bool(last_only), post)
+        key = (t, kv_len, cache.split_len, tuple(hidden_layers), bool(last_only), post, tree)
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = self._capture(tokens, start, cache, kv_len, hidden_layers,
-                                                  last_only=last_only, post=post)
+                                                  last_only=last_only, post=post, tree=tree)
         g.tokens.copy_(tokens, non_blocking=True)
         torch.arange(start, start + t, out=g.positions[0])
         g.graph.replay()
@@ -260,7 +264,7 @@ class StepRunner:
             self._cache_id = cache_id
 
     def _capture(self, tokens, start, cache, kv_len, hidden_layers, last_only=False, post=None,
-                 logits_at=None) -> _Graph:
+                 logits_at=None, tree=None) -> _Graph:
         t = tokens.shape[1]
         static_tokens = tokens.detach().clone()
         positions = torch.arange(start, start + t, device=self.device).unsqueeze(0)
@@ -268,7 +272,8 @@ class StepRunner:
         def run():
             logits, hidden = self._forward(static_tokens, positions, cache, kv_len=kv_len,
                                            hidden_layers=hidden_layers, last_only=last_only,
-                                           logits_at=logits_at)
+                                           logits_at=logits_at,
+                                           **({} if tree is None else {"tree": tree}))
             return logits, hidden, (post(static_tokens, logits) if post is not None else None)
         # A post's RNG state, which the warm-up advances, is put back (a seed gives the same
         # tokens whether or not a step was captured on the way).

@@ -10,7 +10,8 @@ decoding (the adaptive policy's stretches). It never says how many of one drafte
 survived: a drafter that needs that (a draft model, to know how much of its cache is still
 right) compares the committed tokens with its own proposal. So several drafters, token trees
 and block drafters can share one step, and a drafter whose proposal was not verified at all
-simply sees tokens that do not match it.
+simply sees tokens that do not match it. (A tree's accepted path is the spine's first n tokens
+and perhaps one leaf beside d_{n+1}: to the drafter, a proposal whose first n tokens held.)
 
 Drafters are made from a spec string by `registry.make_drafter`, the only code that knows
 their names.
@@ -23,6 +24,7 @@ from typing import Protocol
 import torch
 
 from ..config import SamplingParams
+from ..tree import SpineTree
 
 
 @dataclass
@@ -31,7 +33,12 @@ class Draft:
     # [batch, k, target vocab]: the logits the drafts were sampled from, at the request's
     # temperature / top-k / top-p / min-p (so q is these logits under the same rule as p).
     # None: a one-hot q (drafts that were not sampled: n-gram lookup, argmax drafts).
+    # With a tree, the spine's rows only ([batch, tree.k, target vocab]).
     q_logits: torch.Tensor | None = None
+    # None: the tokens are a chain. A `tree.SpineTree`: they are its nodes (the spine d_1 …
+    # d_k, then the leaves depth by depth), and a depth's leaves are distinct from each other
+    # and from its spine token.
+    tree: SpineTree | None = None
 
 
 @dataclass
@@ -52,6 +59,10 @@ class DraftContext:
     # a CUDA graph's buffers): valid until the target's next pass; a drafter that keeps them
     # copies them. Empty, and never computed, when the drafter requests no layers.
     hidden: list[torch.Tensor] = field(default_factory=list)
+    # Candidates a depth the engine verifies as a tree (`tree.SpineTree`): a drafter may answer
+    # with a spine tree of at most tree_widths[i] - 1 leaves at depth i + 1 (none past the
+    # list), or with a chain. Empty: chains only.
+    tree_widths: tuple[int, ...] = ()
 
 
 class Drafter(Protocol):

@@ -18,6 +18,10 @@ the one before (q is those logits, so it is exactly the distribution the draft c
 The drafts are only proposals, so this changes how fast the target's output comes, never what
 it is.
 
+Asked for a tree (DraftContext.tree_widths), it drafts the same spine and puts beside each d_i
+the next best tokens of the row d_i came from (`tree.SpineTree`): no extra step, one top-k a
+depth.
+
 Sampled drafts are drawn on the device (`SampledPick`, inside the step's graph on the graph
 path) from an RNG state of the drafter's own, keyed by the request's seed.
 """
@@ -31,6 +35,7 @@ from ..backends.cuda_graphs import StepRunner, eager_step, prefill
 from ..kv_cache import KVCache, grow_cache
 from ..model import Transformer
 from ..sampling import SampledPick, fit_vocab, fused_by_default, make_rng
+from ..tree import alternatives, spine_leaves, spine_tree
 from .base import Draft, DraftContext
 
 # The draft's race draws from a stream of its own (its RNG state is its own too).
@@ -126,6 +131,10 @@ class DraftModelDrafter:
             self.rng.copy_(make_rng(ctx.seed or 0))
             self._seeded = True
         chained = False  # the megakernel's steps from here on need no inputs
+        # A tree's leaves a depth: the step's next best tokens beside its own (capped by the
+        # vocabulary), taken from its row before the next step overwrites it.
+        leaves = [min(m, self.target_vocab - 1) for m in spine_leaves(ctx.tree_widths, k)]
+        alts = []
         for i in range(k):
             if mk is not None and feed.shape[1] == 1:
                 if pick is not None:  # sampled: each step's input is the token drawn
@@ -135,6 +144,8 @@ class DraftModelDrafter:
                     feed = pick(None, logits).view(1, 1)
                     q_rows.append(pick.fit(logits[:, -1]).clone())
                     tokens.append(feed.view(1))
+                    if leaves[i]:
+                        alts.append(alternatives(q_rows[-1], feed, leaves[i]))
                     start += 1
                     continue
                 if not chained:
@@ -142,6 +153,9 @@ class DraftModelDrafter:
                     chained = True
                 mk.launch()
                 tokens.append(mk.token_out.clone())  # the next step overwrites token_out
+                if leaves[i]:
+                    row = fit_vocab(mk.logits.view(1, -1), self.target_vocab)
+                    alts.append(alternatives(row, tokens[-1], leaves[i]))
                 start += 1
                 continue
             # 1 or 2 tokens (graphed): the first of a request feeds the target's first token,
@@ -153,14 +167,18 @@ class DraftModelDrafter:
             else:
                 out = eager_step(self.model, feed, start, self.cache, last_only=True, post=pick)
             if pick is None:
-                token = fit_vocab(out[0][:, -1], self.target_vocab).argmax(-1)  # [1]
+                row = fit_vocab(out[0][:, -1], self.target_vocab)  # [1, target vocab]
+                token = row.argmax(-1)  # [1]
             else:
                 token = out[2]
-                q_rows.append(pick.fit(out[0][:, -1]).clone())  # [1, target vocab]
+                row = pick.fit(out[0][:, -1]).clone()  # [1, target vocab]
+                q_rows.append(row)
+            if leaves[i]:
+                alts.append(alternatives(row, token, leaves[i]))
             tokens.append(token)
             start += feed.shape[1]
             feed = token.view(1, 1)
-        drafted = torch.stack(tokens, dim=1)  # [1, k]
+        drafted = torch.stack(tokens, dim=1)  # [1, k]: the spine, where there is a tree
         # A copy to the host queued behind the drafts, read in commit(): by then the engine's
         # one synchronisation of the step has passed it, so reading it waits for nothing.
         event = None
@@ -172,7 +190,10 @@ class DraftModelDrafter:
             host = drafted
         self._proposal = (len(ctx.tokens), host, event)
         q_logits = torch.stack(q_rows, dim=1) if q_rows else None  # [1, k, target vocab]
-        return Draft(drafted, q_logits)
+        if not alts:
+            return Draft(drafted, q_logits)
+        nodes = torch.cat([drafted, torch.cat(alts).view(1, -1)], dim=1)  # [1, k + leaves]
+        return Draft(nodes, q_logits, spine_tree(k, leaves, self.device))
 
     def commit(self, tokens: list[int]) -> None:
         proposal, self._proposal = self._proposal, None
