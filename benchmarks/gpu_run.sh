@@ -30,6 +30,9 @@
 # dflash-bench   HumanEval by chat template (NUM_PROMPTS, default 20), greedy, and the seed
 #                prompts at T = 0.8: plain, the trained DFlash drafter and the 0.5B draft model
 #                at k = 5 and 15
+# trees          HumanEval by chat template (NUM_PROMPTS, default 20), greedy: plain, the 0.5B
+#                draft model's chains and token trees at k = 5, 8; the seed prompts at T = 0.8
+#                with a tree at k = 5
 # shapes         random-weight step curves and plain decoding of the 1.5B and 0.5B shapes
 #                (`flashdraft bench --random-weights`), with BASE=DIR that version's first
 # mkvariants     the megakernel's off-by-default variants (O's first chunk in registers,
@@ -129,6 +132,13 @@ for phase in "$@"; do
       --draft dflash:/root/dflash --draft $DRAFT --num-speculative-tokens 5,15
     PROMPTS=seed bench dflash-seed-t08 "$PWD" --temperature 0.8 --seed 0 \
       --draft dflash:/root/dflash --draft $DRAFT --num-speculative-tokens 5,15
+    ;;
+  trees)
+    bench trees-humaneval "$PWD" --prompts humaneval --num-prompts ${NUM_PROMPTS:-20} \
+      --draft $DRAFT --num-speculative-tokens 5,8 --tree-widths 3,2,2 \
+      --tree-widths 4,3,3,2,2,2,2,2
+    PROMPTS=seed bench trees-seed-t08 "$PWD" --temperature 0.8 --seed 0 --draft $DRAFT \
+      --num-speculative-tokens 5 --tree-widths 3,2,2
     ;;
   shapes)
     for shape in qwen2.5-1.5b qwen2.5-0.5b; do

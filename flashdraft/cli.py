@@ -222,7 +222,8 @@ def cmd_bench(args) -> None:
             args.adaptive_speculation],
         draft_quantization=args.draft_quantization, decode_kernel=args.decode_kernel,
         kernels=kernel_config_from(args), command=shlex.join(sys.argv),
-        step_curve=parse_ints(args.step_curve, "--step-curve"), progress=not args.no_progress))
+        step_curve=parse_ints(args.step_curve, "--step-curve"), progress=not args.no_progress,
+        tree_widths=tuple(parse_ints(w, "--tree-widths") for w in args.tree_widths or ())))
 
 
 def cmd_serve(args) -> None:
@@ -318,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "drafts), e.g. 1,2,4,8,16,32,64; a table and step-curve.png")
     b.add_argument("--ngram-sizes", default="4,3,2",
                    help="n-gram sizes for --draft ngram, tried longest first (default 4,3,2)")
+    b.add_argument("--tree-widths", action="append", default=None, metavar="W,W,...",
+                   help="also run each draft model × k with token trees of these candidates "
+                        "per draft position (e.g. 3,2,2), beside its chain; repeatable")
     b.add_argument("--adaptive-speculation", default="on", choices=["on", "off", "both"],
                    help="decode plainly while drafts keep failing (on, the default, as "
                         "generate and serve do), draft at every step (off), or run each "

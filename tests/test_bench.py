@@ -278,6 +278,28 @@ def test_adaptive_speculation_both_ways_in_one_run(target, tmp_path):
     assert "| plain steps |" in table and "| ngram k=3 every step | 0 |" in table
 
 
+def test_trees_run_beside_the_chain(target, tiny_models, tmp_path):
+    """--tree-widths: each draft model × k also as token trees, named apart, with the same
+    greedy tokens; n-gram lookup builds no trees, so it runs its chain only."""
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    argv = ["bench", "--model", target, "--draft", tiny_models["qwen2-draft"], "--draft",
+            "ngram", "--num-speculative-tokens", "3", "--tree-widths", "3,2",
+            "--adaptive-speculation", "off", "--prompts", str(prompts), "--max-tokens", "16",
+            "--output", str(tmp_path / "out"), "--device", "cpu", "--dtype", "float32",
+            "--no-progress"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        cli.main(argv)
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    names = [c["name"] for c in results["configurations"]]
+    assert names == ["plain", "draft:qwen2-draft k=3 every step",
+                     "draft:qwen2-draft k=3 tree 3,2 every step", "ngram k=3 every step"]
+    tree = results["configurations"][2]
+    assert tree["tree_widths"] == [3, 2]
+    assert tree["summary"]["identical_to_plain"] == tree["summary"]["compared_with_plain"] > 0
+    with pytest.raises(ValueError, match="--tree-widths"):
+        BenchSettings(model="m", tree_widths=((2, 9),))
+
+
 def test_step_curve_table_and_plot(target, tmp_path):
     out = tmp_path / "out"
     settings = BenchSettings(model=target, prompts=str(write_jsonl(tmp_path / "p.jsonl",

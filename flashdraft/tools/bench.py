@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
-from ..config import KernelConfig, SamplingParams, check_decode_kernel
-from ..drafters.registry import parse_drafter_spec
+from ..config import KernelConfig, SamplingParams, check_decode_kernel, check_tree_widths
+from ..drafters.registry import MODEL, parse_drafter_spec
+from ..tree import spine_leaves
 
 PROMPT_SETS = ("humaneval", "seed")
 PEERS = ("transformers",)
@@ -105,6 +106,9 @@ class BenchSettings:
     # target passes over n tokens timed after the configurations (the cost of verifying n - 1
     # drafts), e.g. (1, 2, 4, 8, 16, 32, 64); () skips it
     step_curve: tuple[int, ...] = ()
+    # token-tree shapes run beside each draft model's chain (EngineConfig.tree_widths), e.g.
+    # ((3, 2, 2),); () : chains only
+    tree_widths: tuple[tuple[int, ...], ...] = ()
     note: str | None = None  # printed with the results, e.g. "random weights: speed only"
     command: str | None = None  # the exact command line, recorded in results.json
     progress: bool = True
@@ -126,6 +130,8 @@ class BenchSettings:
             raise ValueError(f"--step-curve takes whole numbers of tokens between 1 and 256, "
                              f"e.g. 1,2,4,8,16,32,64; got {self.step_curve!r}")
         object.__setattr__(self, "step_curve", curve)
+        trees = tuple(dict.fromkeys(check_tree_widths(w, "--tree-widths") for w in self.tree_widths))
+        object.__setattr__(self, "tree_widths", tuple(w for w in trees if any(x > 1 for x in w)))
         temps = tuple(dict.fromkeys(float(t) for t in self.temperatures))
         if not temps or any(math.isnan(t) or t < 0 for t in temps):
             raise ValueError(f"--temperature takes numbers >= 0 (0 is greedy), e.g. 0,0.7; "
@@ -174,12 +180,19 @@ class Configuration:
     temperature: float
     label: str  # the drafter's short name, "plain" for plain decoding
     adaptive: bool = True  # the cost model (flashdraft.scheduling) on (False: a draft at every step)
+    tree: tuple[int, ...] = ()  # the token trees' widths (EngineConfig.tree_widths); (): chains
 
     @property
     def name(self) -> str:
         if self.drafter is None:
             return self.label
-        return f"{self.label} k={self.k}" + ("" if self.adaptive else " every step")
+        tree = f" tree {','.join(map(str, self.tree))}" if self.tree else ""
+        return f"{self.label} k={self.k}{tree}" + ("" if self.adaptive else " every step")
+
+    @property
+    def nodes(self) -> int:
+        """The most draft tokens one of its steps verifies."""
+        return self.k + sum(spine_leaves(self.tree, self.k))
 
 
 # -- prompts ---------------------------------------------------------------------------------
@@ -520,8 +533,10 @@ def configurations(s: BenchSettings) -> list[Configuration]:
     for t in s.temperatures:
         out.append(Configuration(None, 0, t, "plain" if s.decode_kernel != "megakernel" or t > 0
                                  else "plain (megakernel)"))
-        out += [Configuration(d, k, t, draft_label(d), adaptive)
+        # Trees where the drafter builds them (a draft model's next best tokens).
+        out += [Configuration(d, k, t, draft_label(d), adaptive, tree)
                 for d in s.drafts for k in s.num_speculative_tokens
+                for tree in ((),) + (s.tree_widths if parse_drafter_spec(d).kind == MODEL else ())
                 for adaptive in s.adaptive_speculation]
     return out
 
@@ -561,8 +576,8 @@ def run_configuration(s: BenchSettings, llm, cfg: Configuration, prompts, ids, p
     """Warm up, then time `cfg` over every prompt; the entry is in `entries` from the start,
     so that an interruption leaves the requests that finished."""
     entry = {"name": cfg.name, "drafter": cfg.drafter, "label": cfg.label, "k": cfg.k,
-             "adaptive": cfg.adaptive, "temperature": cfg.temperature, "requests": [],
-             "summary": None}
+             "adaptive": cfg.adaptive, "tree_widths": list(cfg.tree),
+             "temperature": cfg.temperature, "requests": [], "summary": None}
     entries.append(entry)
     draft = dict(draft=cfg.drafter, num_speculative_tokens=cfg.k or None)
     # CUDA-graph runners of the target and the draft model: graphs they capture while timing
@@ -571,10 +586,13 @@ def run_configuration(s: BenchSettings, llm, cfg: Configuration, prompts, ids, p
     runners = [r for r in (llm.engine.runner, getattr(drafter, "runner", None)) if r]
     captured = [(r.stats.captures, r.stats.capture_s) for r in runners]
     start = time.perf_counter()
-    adaptive, llm.engine.adaptive = llm.engine.adaptive, cfg.adaptive  # this entry's, then back
+    # this entry's way of drafting, then back
+    engine = llm.engine
+    saved = engine.adaptive, engine.tree_widths
+    engine.adaptive, engine.tree_widths = cfg.adaptive, cfg.tree
     try:
         bar.set_description(f"{cfg.name} T={cfg.temperature:g} warm-up")
-        for j in warmup_indices(ids, s, cfg.k or 0):
+        for j in warmup_indices(ids, s, cfg.nodes):
             llm.generate({"prompt_token_ids": ids[j]}, sampling(s, cfg.temperature, j), **draft)
             bar.update()
         bar.set_description(f"{cfg.name} T={cfg.temperature:g}")
@@ -600,7 +618,7 @@ def run_configuration(s: BenchSettings, llm, cfg: Configuration, prompts, ids, p
                 entry["requests"].append(rec)
                 bar.update()
     finally:
-        llm.engine.adaptive = adaptive
+        engine.adaptive, engine.tree_widths = saved
         entry["wall_time_s"] = time.perf_counter() - start
         entry["summary"] = {**summarize(entry["requests"], plain, len(prompts), cfg.k),
                             **monitor.figures()}
