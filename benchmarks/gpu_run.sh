@@ -99,7 +99,8 @@ for phase in "$@"; do
   tests-sampling)
     gpu_tests tests-sampling tests/test_fused_sampling.py tests/test_verify.py \
       tests/test_speculative.py tests/test_cuda_graphs.py tests/test_dflash.py \
-      tests/test_engine_sampling.py -k "not fused_sampling_in_the_engine"
+      tests/test_engine_sampling.py tests/test_tree_speculation.py \
+      -k "not fused_sampling_in_the_engine and not test_tree_speculation_samples"
     ;;
   tests-engine-sampling)
     gpu_tests tests-engine-sampling tests/test_engine_sampling.py -k fused_sampling_in_the_engine
