@@ -7,6 +7,9 @@
     PATH              the same as model:PATH, as before kinds had names
     dflash:PATH       a DFlash block drafter for the target (drafters.dflash): a directory in
                       the public format, or a hub id in the local cache
+    A+B               several of the above (not DFlash), one proposal a step: the one expected
+                      to give the most tokens per second (drafters.combined), e.g.
+                      ngram+model:example:qwen2.5-coder-0.5b
 
 Other code asks `parse_drafter_spec` what a spec is (e.g. whether it loads a model) instead of
 comparing names.
@@ -20,14 +23,17 @@ from types import SimpleNamespace
 from ..config import EngineConfig
 from ..loading import Loaded, load_model
 from ..loading.hf import load_tokenizer, resolve_hf
+from ..scheduling import weight_bytes
 from .base import Drafter
+from .combined import BestOfDrafters
 from .dflash import make_dflash_drafter
 from .draft_model import DraftModelDrafter
 from .ngram import NgramDrafter
 
-NGRAM, MODEL, DFLASH = "ngram", "model", "dflash"
+NGRAM, MODEL, DFLASH, COMBINED = "ngram", "model", "dflash", "combined"
 # Each kind as a user writes it, for error messages.
-KINDS = {NGRAM: "ngram[:SIZES]", MODEL: "model:PATH", DFLASH: "dflash:PATH"}
+KINDS = {NGRAM: "ngram[:SIZES]", MODEL: "model:PATH", DFLASH: "dflash:PATH",
+         COMBINED: "A+B (e.g. ngram+model:PATH)"}
 # A spec's "word:" that names no kind but is part of a model reference (loading.examples).
 _MODEL_PREFIXES = ("example",)
 _KIND = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
@@ -37,11 +43,19 @@ _KIND = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
 class DrafterSpec:
     kind: str  # one of KINDS
     arg: str  # the kind's argument: n-gram sizes ("" for the configured ones) or a model path
+    parts: tuple["DrafterSpec", ...] = ()  # a combination's drafters
 
     @property
     def model(self) -> str | None:
         """The model reference whose weights the drafter loads, or None (n-gram lookup)."""
+        if self.kind == COMBINED:
+            return next((p.model for p in self.parts if p.model), None)
         return self.arg if self.kind in (MODEL, DFLASH) else None
+
+    @property
+    def builds_trees(self) -> bool:
+        """Whether it proposes token trees where asked to (a draft model)."""
+        return self.kind == MODEL or any(p.builds_trees for p in self.parts)
 
 
 def known_kinds() -> str:
@@ -53,6 +67,12 @@ def parse_drafter_spec(spec: str) -> DrafterSpec:
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"a drafter spec must be a non-empty string, got {spec!r}; "
                          f"known kinds: {known_kinds()}")
+    if "+" in spec:
+        parts = tuple(parse_drafter_spec(part) for part in spec.split("+"))
+        if any(p.kind in (DFLASH, COMBINED) for p in parts):
+            raise ValueError(f"drafter {spec!r}: a DFlash drafter reads the target's hidden "
+                             f"states at every step and does not combine; use it alone")
+        return DrafterSpec(COMBINED, spec, parts)
     kind, sep, arg = spec.partition(":")
     if kind == NGRAM:
         if sep:
@@ -86,6 +106,10 @@ def make_drafter(spec: str, target: Loaded, cfg: EngineConfig, device, dtype) ->
     """The drafter `spec` names, for requests to `target`: cfg gives the defaults (n-gram sizes, the draft model's quantization, kernels,
     CUDA graphs, decode kernel)."""
     s = parse_drafter_spec(spec)
+    if s.kind == COMBINED:
+        parts = [make_drafter(p.arg if p.kind == MODEL else _spec_text(p), target, cfg, device,
+                              dtype) for p in s.parts]
+        return BestOfDrafters(parts, [drafting_cost(d, target.model) for d in parts])
     if s.kind == NGRAM:
         return NgramDrafter(ngram_sizes(s.arg, spec) if s.arg else cfg.ngram_sizes, device)
     if s.kind == DFLASH:  # it runs on the target's own embedding and LM head
@@ -100,6 +124,17 @@ def make_drafter(spec: str, target: Loaded, cfg: EngineConfig, device, dtype) ->
     check_same_tokenizer(target, draft)
     return DraftModelDrafter(draft.model, device, dtype, target.config.vocab_size,
                              cuda_graphs=cfg.cuda_graphs, decode_kernel=cfg.decode_kernel)
+
+
+def _spec_text(s: DrafterSpec) -> str:
+    return f"{s.kind}:{s.arg}" if s.arg else s.kind
+
+
+def drafting_cost(drafter, target_model) -> float:
+    """A drafted token's cost over the target's step: a draft model's weight bytes over the
+    target's (a decode step streams its weights once); nothing for lookup."""
+    model = getattr(drafter, "model", None)
+    return weight_bytes(model) / weight_bytes(target_model) if model is not None else 0.0
 
 
 def check_same_tokenizer(target: Loaded, draft: Loaded) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ..config import KernelConfig, SamplingParams, check_decode_kernel, check_tree_widths
-from ..drafters.registry import MODEL, parse_drafter_spec
+from ..drafters.registry import parse_drafter_spec
 from ..tree import spine_leaves
 
 PROMPT_SETS = ("humaneval", "seed")
@@ -522,6 +522,8 @@ def environment(s: BenchSettings, llm, monitor: GpuMonitor) -> dict:
 # -- the run ---------------------------------------------------------------------------------
 
 def draft_label(name: str) -> str:
+    if "+" in name:  # a combination: each part's label
+        return "+".join(draft_label(p) for p in name.split("+"))
     if not parse_drafter_spec(name).model or name.lower().startswith("example:"):
         return name
     return f"draft:{Path(name.rstrip('/')).name or name}"
@@ -536,7 +538,7 @@ def configurations(s: BenchSettings) -> list[Configuration]:
         # Trees where the drafter builds them (a draft model's next best tokens).
         out += [Configuration(d, k, t, draft_label(d), adaptive, tree)
                 for d in s.drafts for k in s.num_speculative_tokens
-                for tree in ((),) + (s.tree_widths if parse_drafter_spec(d).kind == MODEL else ())
+                for tree in ((),) + (s.tree_widths if parse_drafter_spec(d).builds_trees else ())
                 for adaptive in s.adaptive_speculation]
     return out
 
