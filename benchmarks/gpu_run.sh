@@ -33,6 +33,9 @@
 # trees          HumanEval by chat template (NUM_PROMPTS, default 20), greedy: plain, the 0.5B
 #                draft model's chains and token trees at k = 5, 8; the seed prompts at T = 0.8
 #                with a tree at k = 5
+# auto           the cost model's choice of k (up to 8) or plain decoding for the 0.5B draft
+#                model, n-gram and both combined, on HumanEval, the seed prompts and the
+#                code-and-prose set (NUM_PROMPTS each, default 10), at T = 0 and 0.8
 # shapes         random-weight step curves and plain decoding of the 1.5B and 0.5B shapes
 #                (`flashdraft bench --random-weights`), with BASE=DIR that version's first
 # mkvariants     the megakernel's off-by-default variants (O's first chunk in registers,
@@ -140,6 +143,14 @@ for phase in "$@"; do
       --tree-widths 4,3,3,2,2,2,2,2
     PROMPTS=seed bench trees-seed-t08 "$PWD" --temperature 0.8 --seed 0 --draft $DRAFT \
       --num-speculative-tokens 5 --tree-widths 3,2,2
+    ;;
+  auto)
+    # the cost model's choices (k up to 8, or plain) on every prompt set, T = 0 and 0.8
+    for set in humaneval seed $PROMPTS; do
+      bench auto-$(basename $set .jsonl) "$PWD" --prompts $set --num-prompts ${NUM_PROMPTS:-10} \
+        --temperature 0,0.8 --seed 0 --draft $DRAFT --draft ngram --draft ngram+$DRAFT \
+        --num-speculative-tokens 8
+    done
     ;;
   shapes)
     for shape in qwen2.5-1.5b qwen2.5-0.5b; do
