@@ -339,6 +339,8 @@ def summarize(requests: list[dict], plain: dict | None, planned: int, k: int) ->
         "accepted_tokens": sum(m["accepted_tokens"] for m in metrics),
         # of the generated tokens, those from plain steps run ahead (the cost model's plain stretches)
         "plain_tokens": sum(m.get("plain_tokens", 0) for m in metrics),
+        # token trees: steps whose accepted path ended in an alternative beside the spine
+        "leaf_steps": sum(m.get("leaf_steps", 0) for m in metrics),
         "tau": generated / passes if passes else None,
         # GPU time a verified speculative step spends drafting and verifying, on average
         "draft_s": ratio(sum(m.get("draft_time_s", 0.0) for m in metrics), len(drafted)),
