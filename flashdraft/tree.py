@@ -146,10 +146,14 @@ def spine_tree(k: int, leaves: Sequence[int], device: torch.device | str) -> Spi
     return tree
 
 
-def alternatives(row: torch.Tensor, chosen: torch.Tensor, m: int) -> torch.Tensor:
-    """The m highest-scoring tokens of row [1, V] other than `chosen` (one token id, any
-    shape of one element): [m] int64, best first, on the row's device."""
-    candidates = row.topk(m + 1, dim=-1).indices.view(-1)  # [m + 1]
-    # The chosen token moved to the end (a stable sort of "is it the chosen one"), cut off.
-    order = torch.argsort((candidates == chosen.view(())).int(), stable=True)
-    return candidates.index_select(0, order[:m])
+def alternatives(rows: torch.Tensor, chosen: torch.Tensor, leaves: Sequence[int]) -> torch.Tensor:
+    """For each row i of rows [r, V], the leaves[i] highest-scoring tokens other than chosen[i]
+    (chosen: [r] token ids), best first, row after row: [sum(leaves)] int64, on the rows'
+    device (one top-k for all rows)."""
+    most = max(leaves)
+    candidates = rows.topk(most + 1, dim=-1).indices  # [r, most + 1]
+    # Each row's chosen token moved to its end (a stable sort of "is it the chosen one").
+    order = torch.argsort((candidates == chosen.view(-1, 1)).int(), dim=-1, stable=True)
+    candidates = candidates.gather(1, order)[:, :most].reshape(-1)  # [r * most]
+    keep = [i * most + j for i, m in enumerate(leaves) for j in range(m)]
+    return candidates.index_select(0, torch.tensor(keep, device=rows.device))

@@ -59,8 +59,10 @@ def test_tree_shapes_and_alternatives():
     assert tree.path(2, -1) == [0, 1] and tree.path(0, 4) == [4]
     assert spine_leaves((3, 2), 4) == (2, 1, 0, 0) and spine_leaves((), 2) == (0, 0)
     row = torch.tensor([[0.0, 5.0, 3.0, 4.0, 1.0]])
-    assert alternatives(row, torch.tensor([1]), 2).tolist() == [3, 2]
-    assert alternatives(row, torch.tensor([2]), 2).tolist() == [1, 3]  # the chosen one skipped
+    assert alternatives(row, torch.tensor([1]), [2]).tolist() == [3, 2]
+    assert alternatives(row, torch.tensor([2]), [2]).tolist() == [1, 3]  # the chosen one skipped
+    rows = torch.cat([row, row.flip(1), row])
+    assert alternatives(rows, torch.tensor([1, 0, 4]), [1, 0, 3]).tolist() == [3, 1, 3, 2]
     with pytest.raises(ValueError, match="leaf counts"):
         spine_tree(2, (1,), "cpu")
     with pytest.raises(ValueError, match="tree_widths"):

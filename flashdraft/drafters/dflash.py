@@ -61,6 +61,7 @@ from ..kv_cache import KVCache
 from ..loading.hf import our_sources, read_hf
 from ..model import Block, RMSNorm, Transformer, rope_cos_sin, rope_frequencies
 from ..sampling import fused_by_default, make_rng, race, row_stats
+from ..tree import alternatives, spine_leaves, spine_tree
 from .base import Draft, DraftContext
 
 # The drafter's own RNG state draws on a stream apart from the target's draws.
@@ -571,7 +572,7 @@ class DFlashDrafter:
         logits = self.block_logits(ctx.hidden, ctx.tokens[-1], k)  # [1, k, vocab]
         params = ctx.params
         if params.greedy:
-            return Draft(logits.argmax(-1))
+            return self._draft(logits.argmax(-1), logits, ctx, sampled=False)
         if not self._seeded:  # the request's first sampled proposal
             self.rng.copy_(make_rng(ctx.seed or 0, self.device))
             self._seeded = True
@@ -580,7 +581,20 @@ class DFlashDrafter:
                           fused=self.fused_sampling)
         tokens = race(rows, params.temperature, stats, self.rng, fused=self.fused_sampling,
                       stream=DFLASH_STREAM)
-        return Draft(tokens.view(1, k), logits)
+        return self._draft(tokens.view(1, k), logits, ctx, sampled=True)
+
+    def _draft(self, tokens: torch.Tensor, logits: torch.Tensor, ctx: DraftContext, *,
+               sampled: bool) -> Draft:
+        """tokens [1, k] drafted from the block's logits [1, k, vocab] (q where sampled); where
+        the engine verifies trees, with each position's next best tokens beside them (the
+        block's rows hold them already: one top-k for the block)."""
+        q = logits if sampled else None
+        k = tokens.shape[1]
+        leaves = [min(m, self.target.cfg.vocab_size - 1) for m in spine_leaves(ctx.tree_widths, k)]
+        if not any(leaves):
+            return Draft(tokens, q)
+        nodes = torch.cat([tokens, alternatives(logits[0], tokens[0], leaves).view(1, -1)], dim=1)
+        return Draft(nodes, q, spine_tree(k, leaves, self.device))
 
     def commit(self, tokens: list[int]) -> None:
         pass  # its context grows from DraftContext.hidden, which holds exactly the committed rows

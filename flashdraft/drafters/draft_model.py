@@ -145,7 +145,7 @@ class DraftModelDrafter:
                     q_rows.append(pick.fit(logits[:, -1]).clone())
                     tokens.append(feed.view(1))
                     if leaves[i]:
-                        alts.append(alternatives(q_rows[-1], feed, leaves[i]))
+                        alts.append(alternatives(q_rows[-1], feed, leaves[i:i + 1]))
                     start += 1
                     continue
                 if not chained:
@@ -155,7 +155,7 @@ class DraftModelDrafter:
                 tokens.append(mk.token_out.clone())  # the next step overwrites token_out
                 if leaves[i]:
                     row = fit_vocab(mk.logits.view(1, -1), self.target_vocab)
-                    alts.append(alternatives(row, tokens[-1], leaves[i]))
+                    alts.append(alternatives(row, tokens[-1], leaves[i:i + 1]))
                 start += 1
                 continue
             # 1 or 2 tokens (graphed): the first of a request feeds the target's first token,
@@ -174,7 +174,7 @@ class DraftModelDrafter:
                 row = pick.fit(out[0][:, -1]).clone()  # [1, target vocab]
                 q_rows.append(row)
             if leaves[i]:
-                alts.append(alternatives(row, token, leaves[i]))
+                alts.append(alternatives(row, token, leaves[i:i + 1]))
             tokens.append(token)
             start += feed.shape[1]
             feed = token.view(1, 1)
