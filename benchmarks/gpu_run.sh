@@ -29,7 +29,7 @@
 #                /root/dflash, its train_log.json (the τ-vs-minutes curve) to $OUT
 # dflash-bench   HumanEval by chat template (NUM_PROMPTS, default 20), greedy, and the seed
 #                prompts at T = 0.8: plain, the trained DFlash drafter and the 0.5B draft model
-#                at k = 5 and 15
+#                at k = 5 and 15 (on HumanEval also as token trees of widths 3,2,2)
 # trees          HumanEval by chat template (NUM_PROMPTS, default 20), greedy: plain, the 0.5B
 #                draft model's chains and token trees at k = 5, 8; the seed prompts at T = 0.8
 #                with a tree at k = 5
@@ -133,7 +133,8 @@ for phase in "$@"; do
     ;;
   dflash-bench)
     bench dflash-humaneval "$PWD" --prompts humaneval --num-prompts ${NUM_PROMPTS:-20} \
-      --draft dflash:/root/dflash --draft $DRAFT --num-speculative-tokens 5,15
+      --draft dflash:/root/dflash --draft $DRAFT --num-speculative-tokens 5,15 \
+      --tree-widths 3,2,2
     PROMPTS=seed bench dflash-seed-t08 "$PWD" --temperature 0.8 --seed 0 \
       --draft dflash:/root/dflash --draft $DRAFT --num-speculative-tokens 5,15
     ;;

@@ -54,8 +54,8 @@ class DrafterSpec:
 
     @property
     def builds_trees(self) -> bool:
-        """Whether it proposes token trees where asked to (a draft model)."""
-        return self.kind == MODEL or any(p.builds_trees for p in self.parts)
+        """Whether it proposes token trees where asked to (a draft model, DFlash)."""
+        return self.kind in (MODEL, DFLASH) or any(p.builds_trees for p in self.parts)
 
 
 def known_kinds() -> str:
