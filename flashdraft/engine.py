@@ -214,7 +214,7 @@ class Engine:
         # decoding's tokens) nor from the cache's size, which earlier, longer requests set.
         self.cache.split_len = kernels.split_length(len(prompt) + max_new)
         req = _Request(prompt, params, max_new, drafter, k, metrics, self.eos_token_ids,
-                       self.device, self.costs if self.adaptive else None)
+                       self.device, self.costs if self.adaptive else None, self.tree_widths)
         if self.decode_kernel == "megakernel" and drafter is None and params.greedy:
             req.megakernel = self.megakernel
 
@@ -321,7 +321,8 @@ class Engine:
                 m.predicted_per_step.append(round(req.policy.predicted, 3))
         step = req.commit(new)  # the drafter is told which tokens
         if req.policy is not None:
-            req.policy.after_step(n_draft, n, time.perf_counter() - began)
+            req.policy.after_step(n_draft, n, time.perf_counter() - began,
+                                  None if draft.tree is None else result[1] >= 0)
         return step, next_token.view(1, 1), hidden
 
     def _decode_plainly(self, req: "_Request", last: torch.Tensor):
@@ -419,8 +420,9 @@ class Engine:
         """The request's drafter's draft of at most k tokens (none where k <= 0)."""
         if k <= 0:
             return Draft(torch.empty(1, 0, dtype=torch.long, device=self.device))
+        tree = req.policy is None or req.policy.tree  # else the planner chose the chain
         return req.drafter.propose(DraftContext(req.tokens, req.params, req.seed, hidden,
-                                                self.tree_widths), k)
+                                                req.tree_widths if tree else ()), k)
 
 
 class _Request:
@@ -430,7 +432,7 @@ class _Request:
     def __init__(self, prompt: list[int], params: SamplingParams, max_new: int,
                  drafter: Drafter | None, k: int, metrics: RequestMetrics,
                  eos_token_ids: tuple[int, ...], device: torch.device,
-                 costs: CostModel | None):
+                 costs: CostModel | None, tree_widths: tuple[int, ...] = ()):
         self.tokens, self.n_prompt = list(prompt), len(prompt)
         self.params, self.max_new, self.metrics = params, max_new, metrics
         self.stop_ids = set(params.stop_token_ids) | (
@@ -441,11 +443,18 @@ class _Request:
                      else int(torch.randint(0, 2 ** 62, (1,))))
         self.drafter, self.k = drafter, k
         self.hidden_layers = drafter.hidden_layers if drafter is not None else ()
+        # Token trees where the engine verifies them and the drafter builds them; the planner
+        # chooses between its tree and its chain each step.
+        self.tree_widths = (tree_widths if drafter is not None and any(w > 1 for w in tree_widths)
+                            and getattr(drafter, "builds_trees", False) else ())
+        tree_leaves = ((lambda k: spine_leaves(self.tree_widths, k)) if self.tree_widths
+                       else None)
         # Drafters that read the target's hidden states need every step to be theirs.
         # A seeded sampled request's choices follow from its tokens alone (reproducible).
         timed = params.greedy or params.seed is None
-        self.policy = (SpeculationPlanner(costs, drafter, timed) if drafter is not None
-                       and costs is not None and not drafter.hidden_layers else None)
+        self.policy = (SpeculationPlanner(costs, drafter, timed, tree_leaves)
+                       if drafter is not None and costs is not None and not drafter.hidden_layers
+                       else None)
         self.reader = TokenReader(device)  # plain decoding's, kept for every stretch
         self.timer = StepTimer(device)  # a speculative step's drafting and verification
         self.megakernel = None  # plain decoding's steps, where the engine uses one

@@ -14,6 +14,14 @@ plain decoding (k = 0) when no k beats 1 / p. Everything is measured while it ru
   that the ones before it were accepted: running estimates per drafter, and per request
   (started from the drafter's), which follow a prompt's own acceptance within a few steps.
 
+Token trees (`tree.SpineTree`, where the engine has tree widths and the drafter builds them)
+are one more choice a step: a tree of k spine tokens gives E_tree(k) = 1 + Σ_{i ≤ k} Π_{j < i}
+α_j · (α_i + (1 - α_i) · β_i), with β_i the chance that one of depth i's leaves is kept where
+its spine token was not (0 at depths without leaves), and costs s_tree(k): its own line through
+the tree steps' wall times (before the first, the chain's plus NODE_COST plain steps a leaf).
+Both are measured like the chain's, so a tree that does not pay for its extra nodes is dropped
+for the chain, and a chain that keeps missing by one token takes the tree.
+
 Estimates of cost and acceptance are kept per engine and drafter (`CostModel`): the same
 model on the same GPU costs the same for every request.
 
@@ -44,6 +52,8 @@ REQUEST_DECAY, DRAFTER_DECAY, TIME_DECAY = 0.7, 0.95, 0.98
 PRIOR_ACCEPTANCE = 0.6  # before a drafter's first step
 DEFAULT_COST_HINT = 0.02  # a drafter's cost a token over the target's, where it states none
 FIRST_STRETCH, LONGEST_STRETCH = 4, 64
+PRIOR_LEAF = 0.3  # a tree's β before its first tree step
+NODE_COST = 0.01  # a leaf's verification cost in plain steps, before tree steps are timed
 
 
 class Ema:
@@ -91,6 +101,8 @@ class DrafterCosts:
     cost_hint: float  # its cost a drafted token, over the target's plain step
     steps: LineFit = field(default_factory=LineFit)  # step seconds against k
     acceptance: list[Ema] = field(default_factory=list)  # α_j, j = 1 …
+    tree_steps: LineFit = field(default_factory=LineFit)  # a tree step's seconds against k
+    leaf: list[Ema] = field(default_factory=list)  # β_j, j = 1 …
 
 
 def weight_bytes(module) -> int:
@@ -123,20 +135,30 @@ class CostModel:
         if self.plain.value is None or seconds < 4 * self.plain.value:
             self.plain.add(seconds)
 
-    def step_time(self, costs: DrafterCosts, k: int, timed: bool = True) -> float:
-        """s(k) in seconds; timed=False: the guess below, in plain steps (no measurement)."""
+    def step_time(self, costs: DrafterCosts, k: int, timed: bool = True, leaves: int = 0) -> float:
+        """s(k) in seconds of a chain, or of a tree with `leaves` leaves; timed=False: the
+        guess below, in plain steps (no measurement)."""
         p = self.plain.value if timed else 1.0
+        if leaves and timed and costs.tree_steps.seen:
+            a, b = costs.tree_steps.line(costs.cost_hint * p)
+            return a + b * k
         if not timed or not costs.steps.seen:  # a guess: the target's step, wider, and k drafted tokens
-            return p * (1.1 + (costs.cost_hint + 0.02) * k)
-        a, b = costs.steps.line(costs.cost_hint * p)
-        return a + b * k
+            chain = p * (1.1 + (costs.cost_hint + 0.02) * k)
+        else:
+            a, b = costs.steps.line(costs.cost_hint * p)
+            chain = a + b * k
+        return chain + p * NODE_COST * leaves
 
 
-def expected_tokens(alphas: list[float], k: int) -> float:
-    """E(k) = 1 + Σ_{i ≤ k} Π_{j ≤ i} α_j (the bonus or recovered token included)."""
+def expected_tokens(alphas: list[float], k: int, betas: list[float] | None = None) -> float:
+    """E(k) = 1 + Σ_{i ≤ k} Π_{j ≤ i} α_j (the bonus or recovered token included); with betas
+    (a tree's β_i, 0 where depth i has no leaves), E_tree(k)."""
     total, run = 1.0, 1.0
     for i in range(k):
-        run *= alphas[i] if i < len(alphas) else (alphas[-1] if alphas else PRIOR_ACCEPTANCE)
+        a = alphas[i] if i < len(alphas) else (alphas[-1] if alphas else PRIOR_ACCEPTANCE)
+        if betas is not None and i < len(betas):
+            total += run * (1 - a) * betas[i]  # a leaf kept at depth i + 1 ends the path there
+        run *= a
         total += run
     return total
 
@@ -163,8 +185,15 @@ class SpeculationPlanner:
     planner.resume(tokens)             after each plain token: draft again from the next?
     """
 
-    def __init__(self, model: CostModel, drafter, timed: bool = True):
+    def __init__(self, model: CostModel, drafter, timed: bool = True,
+                 tree_leaves=None):
+        """tree_leaves: where steps may be trees, leaves(k) -> the leaves at depths 1 … k of
+        the tree of k spine tokens (`tree.spine_leaves` of the engine's widths)."""
         self.model, self.costs, self.timed = model, model.of(drafter), timed
+        self.tree_leaves = tree_leaves
+        self.tree = False  # whether the step chosen last is a tree
+        self.betas = ([Ema(REQUEST_DECAY, b.value, 1.0) for b in self.costs.leaf]
+                      if timed else [])
         self.probe = getattr(drafter, "can_propose", None)
         # The request's own acceptance, started from the drafter's (untimed: from the prior,
         # so that nothing from other requests enters its choices).
@@ -186,6 +215,15 @@ class SpeculationPlanner:
     def _step_time(self, k: int) -> float:
         return self.model.step_time(self.costs, k, self.timed)
 
+    def _tree_rate(self, k: int) -> tuple[float, float]:
+        """(E_tree(k), its rate per second) for the tree of k spine tokens."""
+        leaves = self.tree_leaves(k)
+        seen = [b.value for b in self.betas]  # None at depths never tested
+        betas = [((seen[i] if i < len(seen) and seen[i] is not None else PRIOR_LEAF)
+                  if m else 0.0) for i, m in enumerate(leaves)]
+        e = expected_tokens(self.acceptance(), k, betas)
+        return e, e / self.model.step_time(self.costs, k, self.timed, sum(leaves))
+
     @property
     def _plain_s(self) -> float:
         return self.model.plain.value if self.timed else 1.0
@@ -193,28 +231,51 @@ class SpeculationPlanner:
     def choose(self, k_max: int) -> int:
         """k for the next step (>= 1; plain decoding is chosen by after_step's stretches)."""
         # A probe after a plain stretch drafts too: the best k as if plain were not an option.
-        k, self.predicted, _ = best_k(self.acceptance(), self._step_time, float("inf"), k_max)
+        k, self.predicted, self.tree = self._best(k_max, float("inf"))
         return k
 
-    def after_step(self, drafted: int, accepted: int, seconds: float) -> None:
+    def _best(self, k_max: int, plain_s: float) -> tuple[int, float, bool]:
+        """(k, E, tree?) of the fastest step of at most k_max drafts, chain or tree; k = 0:
+        plain decoding (at plain_s a token) is at least as fast."""
+        k, e, rate = best_k(self.acceptance(), self._step_time, plain_s, k_max)
+        tree = False
+        if self.tree_leaves is not None:
+            for j in range(1, k_max + 1):
+                if any(self.tree_leaves(j)):
+                    e_j, r = self._tree_rate(j)
+                    if r > rate:
+                        k, e, rate, tree = j, e_j, r, True
+        return k, e, tree
+
+    def after_step(self, drafted: int, accepted: int, seconds: float,
+                   leaf: bool | None = None) -> None:
+        """drafted: k (a tree's spine); accepted: the path's length; leaf: for a tree step,
+        whether the path ended in a leaf (None: a chain)."""
         if drafted == 0:  # nothing to draft: a plain token, then ask the drafter again
             self.stretch = 1
             return
-        self.costs.steps.add(drafted, seconds)
-        for j in range(min(drafted, accepted + 1)):  # positions that were tested
-            kept = 1.0 if j < accepted else 0.0
+        (self.costs.steps if leaf is None else self.costs.tree_steps).add(drafted, seconds)
+        spine = accepted - 1 if leaf else accepted  # the spine tokens kept
+        if leaf is not None and spine < drafted and self.tree_leaves(drafted)[spine]:
+            # depth spine + 1 had leaves and its spine token was rejected: was a leaf kept?
+            for betas, decay in ((self.betas, REQUEST_DECAY), (self.costs.leaf, DRAFTER_DECAY)):
+                while len(betas) <= spine:
+                    betas.append(Ema(decay))
+                betas[spine].add(1.0 if leaf else 0.0)
+        for j in range(min(drafted, spine + 1)):  # positions that were tested
+            kept = 1.0 if j < spine else 0.0
             if len(self.alphas) <= j:
                 self.alphas.append(Ema(REQUEST_DECAY))
             if len(self.costs.acceptance) <= j:
                 self.costs.acceptance.append(Ema(DRAFTER_DECAY))
             self.alphas[j].add(kept)
             self.costs.acceptance[j].add(kept)
-        k, _, _ = best_k(self.acceptance(), self._step_time, self._plain_s,
-                         max(drafted, len(self.alphas)))
+        k, _, _ = self._best(max(drafted, len(self.alphas)), self._plain_s)
         # A step that beat plain decoding itself is trusted over the estimates: drafting goes
         # on (and the estimates catch up) where the text has turned predictable.
-        paid = (accepted + 1) * self._plain_s >= (seconds if self.timed else
-                                                   self._step_time(drafted))
+        guess = self.model.step_time(self.costs, drafted, False,
+                                     0 if leaf is None else sum(self.tree_leaves(drafted)))
+        paid = (accepted + 1) * self._plain_s >= (seconds if self.timed else guess)
         if k == 0 and not paid:  # plain, longer each time the probe after loses too
             self.stretch = self.backoff
             self.backoff = min(2 * self.backoff, LONGEST_STRETCH)

@@ -142,3 +142,47 @@ def test_an_untimed_planner_chooses_from_its_own_drafts_alone():
     d = Drafter()
     busy = measured(CostModel(), d, P * 9.0, accepted=0).model
     assert choices(CostModel(), [P] * 10) == choices(busy, [P * 5] * 10)
+
+
+def leaves_of(widths):
+    from flashdraft.tree import spine_leaves
+    return lambda k: spine_leaves(widths, k)
+
+
+def test_expected_tokens_of_a_tree():
+    # depth 1: spine kept with 0.5, else a leaf with 0.5: 1 + 0.5 + 0.25 (+ depth 2: 0.5 · 0.5)
+    assert expected_tokens([0.5, 0.5], 2, [0.5, 0.0]) == pytest.approx(1 + 0.5 + 0.25 + 0.25)
+    assert expected_tokens([0.5, 0.5], 2, [0.0, 0.0]) == expected_tokens([0.5, 0.5], 2)
+
+
+@pytest.mark.parametrize("tree_s, beta, want_tree", [
+    (0.0, 0.8, True),  # leaves cost nothing and catch most misses: the tree
+    (0.0, 0.0, False),  # leaves never kept: the chain (ties go to it)
+    (0.02, 0.5, False),  # a tree step costs two plain steps more: not worth half a token
+])
+def test_planner_takes_the_tree_where_it_pays(tree_s, beta, want_tree):
+    """Measured chain and tree steps (injected times) and acceptance: the planner's choice
+    between the chain and the tree of each k follows E / s."""
+    model, d = CostModel(), Drafter()
+    for _ in range(10):
+        model.add_plain(P)
+    planner = SpeculationPlanner(model, d, tree_leaves=leaves_of((3, 3, 3, 3)))
+    for i in range(40):  # chain steps of k = 4 and 3 keeping 2, tree steps keeping 2 + a leaf
+        k = 4 if i % 2 else 3
+        planner.after_step(k, 2, 1.5 * P + 0.1 * P * k)
+        leaf = i % 10 < 10 * beta
+        planner.after_step(k, 3 if leaf else 2, 1.5 * P + 0.1 * P * k + tree_s, leaf=leaf)
+    k = planner.choose(4)
+    assert k > 0 and planner.tree == want_tree
+    assert planner.costs.leaf[2].value == pytest.approx(beta, abs=0.25)
+
+
+def test_a_tree_step_records_spine_acceptance_and_the_leaf():
+    model, d = CostModel(), Drafter()
+    model.add_plain(P)
+    planner = SpeculationPlanner(model, d, tree_leaves=leaves_of((2, 2)))
+    planner.after_step(3, 2, P, leaf=True)  # spine 1 kept, rejected at depth 2, its leaf kept
+    assert [a.value for a in planner.alphas] == [1.0, 0.0]
+    assert planner.betas[1].value == 1.0 and len(planner.betas) == 2
+    planner.after_step(3, 2, P, leaf=False)  # spine 2 kept, depth 3 has no leaves: no β
+    assert planner.betas[1].value == 1.0 and len(planner.costs.leaf) == 2

@@ -15,9 +15,9 @@ from flashdraft.verify import SpineTreeGreedy, SpineTreeVerify
 from tests.test_speculative import PROMPTS, plain, target  # noqa: E402,F401
 
 
-def generate(target, draft, k, widths, params):
+def generate(target, draft, k, widths, params, adaptive=False):
     engine = target.engine
-    engine.adaptive, engine.tree_widths = False, widths
+    engine.adaptive, engine.tree_widths = adaptive, widths
     try:
         return target.generate(PROMPTS, params, draft=draft, num_speculative_tokens=k)
     finally:
@@ -48,6 +48,13 @@ def test_leaves_accept_what_the_spine_missed(target, plain, tiny_models):
     assert [o.token_ids for o in tree] == [o.token_ids for o in chain] == plain
     assert sum(o.metrics.leaf_steps for o in tree) > 0
     assert sum(o.metrics.target_passes for o in tree) < sum(o.metrics.target_passes for o in chain)
+
+
+def test_the_planner_choosing_tree_chain_or_plain_changes_no_token(target, plain, tiny_models):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for name in (tiny_models["qwen2-draft"], "ngram+" + tiny_models["qwen2-draft"]):
+        outs = generate(target, name, 4, (4, 3), params, adaptive=True)
+        assert [o.token_ids for o in outs] == plain
 
 
 def test_tree_shapes_and_alternatives():

@@ -47,6 +47,10 @@ class BestOfDrafters:
         self.model = next((m for m in models if m is not None), None)  # the costly one's
         self.cost_hint = max(self.costs)
 
+    @property
+    def builds_trees(self) -> bool:
+        return any(getattr(d, "builds_trees", False) for d in self.drafters)
+
     def ensure_capacity(self, max_len: int, steps: int = 1) -> None:
         for d in self.drafters:
             if hasattr(d, "ensure_capacity"):

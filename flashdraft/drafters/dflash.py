@@ -380,6 +380,7 @@ class DFlashDrafter:
     cuda_graphs: None (the default) replays the block pass as CUDA graphs wherever the device
     is CUDA (`padded_block_logits`), True asks for them (refused off CUDA), False runs every
     pass eagerly at its own shape (`eager_block_logits`, the reference)."""
+    builds_trees = True  # DraftContext.tree_widths: a SpineTree from the block's logits
 
     def __init__(self, model: DFlashModel, target: Transformer, device: torch.device | str,
                  dtype: torch.dtype, *, block_size: int | None = None,

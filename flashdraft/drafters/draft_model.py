@@ -44,6 +44,7 @@ DRAFT_STREAM = 2
 
 class DraftModelDrafter:
     hidden_layers: tuple[int, ...] = ()
+    builds_trees = True  # DraftContext.tree_widths: a SpineTree of its next best tokens
 
     def __init__(self, model: Transformer, device: torch.device, dtype: torch.dtype,
                  target_vocab: int, *, cuda_graphs: bool = True, decode_kernel: str = "graph",
