@@ -12,7 +12,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from .config import EngineConfig, KernelConfig, SamplingParams
+from .config import EngineConfig, KernelConfig, SamplingParams, speculative_tokens
 from .drafters import Drafter, make_drafter
 from .engine import Engine, RequestMetrics
 from .loading import load_model
@@ -78,7 +78,8 @@ class Detokenizer:
 
 
 class LLM:
-    def __init__(self, model: str, draft: str | None = None, num_speculative_tokens: int = 5,
+    def __init__(self, model: str, draft: str | None = None,
+                 num_speculative_tokens: int | str = "auto",
                  dtype: str | None = None, device: str | None = None,
                  max_model_len: int | None = None, ngram_sizes: Iterable[int] = (4, 3, 2),
                  cuda_graphs: bool = True, compile: bool = False,
@@ -109,7 +110,7 @@ class LLM:
                              compile=compile, adaptive=adaptive_speculation,
                              decode_kernel=decode_kernel, tree_widths=self.config.tree_widths)
         self._drafters: dict[str, Drafter] = {}
-        self.num_speculative_tokens = num_speculative_tokens
+        self.num_speculative_tokens = self.config.num_speculative_tokens
         self.drafter = self.get_drafter(draft) if draft else None
 
     def get_drafter(self, name: str) -> Drafter:
@@ -174,7 +175,8 @@ class LLM:
     def _stream(self, text_prompt: str | None, ids: list[int], params: SamplingParams, draft,
                 num_speculative_tokens: int | None) -> Iterator[StreamDelta]:
         drafter = self.drafter if draft is _DEFAULT else self.get_drafter(draft) if draft else None
-        k = num_speculative_tokens or self.num_speculative_tokens
+        k = (speculative_tokens(num_speculative_tokens) if num_speculative_tokens is not None
+             else self.num_speculative_tokens)
         metrics = RequestMetrics()
         detok = Detokenizer(self.tokenizer)
         longest_stop = max((len(s) for s in params.stop), default=0)

@@ -22,9 +22,9 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True,
                        help="the drafter: ngram (or ngram:4,3,2), model:PATH, dflash:DIR (a DFlash "
                             "block drafter), or a draft model's path, id or alias (same "
                             "tokenizer as the target)")
-        p.add_argument("--num-speculative-tokens", type=int, default=5, metavar="K",
+        p.add_argument("--num-speculative-tokens", default="auto", metavar="K|auto",
                        help="the most tokens drafted per step; the cost model chooses fewer, "
-                            "or plain decoding, where that is faster (default 5)")
+                            "or plain decoding, where that is faster (default auto: up to 8)")
         p.add_argument("--ngram-sizes", default="4,3,2",
                        help="n-gram sizes for --draft ngram, tried longest first (default 4,3,2)")
         p.add_argument("--tree-widths", default="", metavar="W,W,...",
@@ -106,7 +106,7 @@ def build_llm(args):
     from .api import LLM
 
     return LLM(model=args.model, draft=getattr(args, "draft", None),
-               num_speculative_tokens=getattr(args, "num_speculative_tokens", 5),
+               num_speculative_tokens=getattr(args, "num_speculative_tokens", "auto"),
                ngram_sizes=parse_ints(getattr(args, "ngram_sizes", "4,3,2"), "--ngram-sizes"),
                dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                cuda_graphs=args.cuda_graphs, compile=args.compile,

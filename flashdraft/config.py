@@ -261,6 +261,21 @@ def check_decode_kernel(value: str, name: str = "decode_kernel") -> None:
 
 
 MAX_TREE_WIDTH = 8  # candidates a depth of a token tree
+# num_speculative_tokens="auto": the bound the cost model chooses k under (a draft model's
+# chains past it rarely pay: each drafted token costs a draft step)
+AUTO_SPECULATIVE_TOKENS = 8
+
+
+def speculative_tokens(value, name: str = "num_speculative_tokens") -> int:
+    """The most tokens a step drafts: a whole number 1 … 64, or "auto"."""
+    if value == "auto":
+        return AUTO_SPECULATIVE_TOKENS
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 64:
+        raise ValueError(f"{name} must be a whole number between 1 and 64, or auto (the cost "
+                         f"model chooses k up to {AUTO_SPECULATIVE_TOKENS}), got {value!r}")
+    return value
 
 
 def check_tree_widths(widths, name: str = "tree_widths") -> tuple[int, ...]:
@@ -282,7 +297,9 @@ class EngineConfig:
     """What `LLM(...)` was asked for; flags of the CLI map 1:1 onto these fields."""
     model: str
     draft: str | None = None  # None or a drafter spec (drafters.registry): "ngram", "model:PATH", ...
-    num_speculative_tokens: int = 5
+    # the most tokens a step drafts (the cost model chooses fewer, or plain decoding, where that
+    # is faster); "auto": AUTO_SPECULATIVE_TOKENS
+    num_speculative_tokens: int | str = "auto"
     ngram_sizes: tuple[int, ...] = (4, 3, 2)  # tried longest first
     dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None: bf16 on CUDA, fp32 on CPU
     device: str | None = None  # "cpu" | "cuda" | "cuda:N"; None: cuda when present
@@ -307,10 +324,8 @@ class EngineConfig:
     tree_widths: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if (not isinstance(self.num_speculative_tokens, int)
-                or not 1 <= self.num_speculative_tokens <= 64):
-            raise ValueError(f"num_speculative_tokens must be between 1 and 64, "
-                             f"got {self.num_speculative_tokens!r}")
+        object.__setattr__(self, "num_speculative_tokens",
+                           speculative_tokens(self.num_speculative_tokens))
         if self.dtype not in (None, "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
             raise ValueError(f"dtype {self.dtype!r} is not one of float32, bfloat16, float16")
         sizes = tuple(sorted(set(self.ngram_sizes), reverse=True))

@@ -2,6 +2,7 @@
 import pytest
 
 from flashdraft import LLM, SamplingParams
+from flashdraft.config import AUTO_SPECULATIVE_TOKENS, EngineConfig
 from tests.tiny import build_model, build_tokenizer
 
 
@@ -46,5 +47,9 @@ def test_bad_sampling_params(kwargs, field):
 def test_bad_engine_settings(tiny_models):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(tiny_models["qwen2"], device="cpu", draft="ngram", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="or auto"):
+        EngineConfig(model="m", num_speculative_tokens="many")
+    assert EngineConfig(model="m").num_speculative_tokens == AUTO_SPECULATIVE_TOKENS
+    assert EngineConfig(model="m", num_speculative_tokens="3").num_speculative_tokens == 3
     with pytest.raises(ValueError, match="max_model_len=100000 is beyond"):
         LLM(tiny_models["qwen2"], device="cpu", max_model_len=100000)
