@@ -135,13 +135,7 @@ class Engine:
                  decode_kernel: str = "auto", fused_sampling: bool | None = None,
                  tree_widths: tuple[int, ...] = ()):
         self.model, self.device, self.dtype = model, device, dtype
-        # Candidates a depth of the token trees verified where a drafter proposes them
-        # (DraftContext.tree_widths); () or all 1: chains.
-        self.tree_widths = check_tree_widths(tree_widths)
-        if any(w > 1 for w in self.tree_widths) and not getattr(model, "supports_trees", False):
-            raise ValueError(f"tree_widths {list(tree_widths)}: token trees need a target whose "
-                             f"cache is attention's alone (a dense model); "
-                             f"{type(model).__name__} verifies chains only")
+        self.tree_widths = tree_widths
         # Speculation chosen per step by the cost model (scheduling.SpeculationPlanner) for
         # drafters that allow it; False: k drafts at every step.
         self.adaptive = adaptive
@@ -168,6 +162,21 @@ class Engine:
                                else bool(fused_sampling))
         self.rng = make_rng(0, device)
         self._posts: dict[tuple, SampledPick] = {}  # one per parameter set: graphs key on it
+
+    @property
+    def tree_widths(self) -> tuple[int, ...]:
+        """Candidates a depth of the token trees verified where a drafter proposes them
+        (DraftContext.tree_widths); () or all 1: chains."""
+        return self._tree_widths
+
+    @tree_widths.setter
+    def tree_widths(self, widths) -> None:
+        widths = check_tree_widths(widths)
+        if any(w > 1 for w in widths) and not getattr(self.model, "supports_trees", False):
+            raise ValueError(f"tree_widths {list(widths)}: token trees need a target whose "
+                             f"cache is attention's alone (a dense model); "
+                             f"{type(self.model).__name__} verifies chains only")
+        self._tree_widths = widths
 
     def ensure_capacity(self, length: int, drafter: Drafter | None = None,
                         steps: int = 1) -> None:
