@@ -303,13 +303,14 @@ class Engine:
             drafting, verifying = req.timer.read()
             req.metrics.draft_time_s += drafting
             req.metrics.verify_time_s += verifying
-            if tree is None:
+            if tree is None:  # [n, next, drafts]
                 n, new, next_token = result[0], result[2:2 + result[0]] + [result[1]], packed[1:2]
-            else:  # [n, leaf, next, nodes]: the path's leaf, if any, moves into place
+            else:  # [n, leaf, next, nodes]
                 path = tree.path(result[0], result[1])
-                n, new, next_token = len(path), [result[3 + i] for i in path] + [result[2]], packed[2:3]
+                n, new, next_token = len(path), [result[3 + i] for i in path], packed[2:3]
+                new.append(result[2])
                 n_draft = tree.k
-                if result[1] >= 0:
+                if result[1] >= 0:  # a leaf ends the path: it moves to the slot after the spine's
                     req.metrics.leaf_steps += 1
                     self.cache.compact(position + 1 + result[0], [result[1] - result[0]])
                     # the rows of last and the path, for a drafter that reads hidden states

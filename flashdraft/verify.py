@@ -156,7 +156,8 @@ class SpineTreeGreedy:
         k, nodes = self.tree.k, tokens[0, 1:]  # [T]
         best = logits[0].argmax(-1)  # [T + 1]
         n = (nodes[:k] == best[:k]).int().cumprod(0).sum().view(1)  # [1]
-        leaf, row = _first_leaf(self.tree, n, nodes[k:] == best.index_select(0, self.tree.leaf_rows))
+        hit = nodes[k:] == best.index_select(0, self.tree.leaf_rows)  # [L]: the argmax there
+        leaf, row = _first_leaf(self.tree, n, hit)
         return torch.cat([n, leaf, best.index_select(0, row), nodes])
 
 

@@ -21,8 +21,8 @@ the step and the one host synchronisation of a speculative step). A post with a 
 tensor (an RNG state it advances on the device) finds it unchanged by the capture.
 
 Graphs are captured lazily, the first time a (T, kv_len bucket, hidden layers, last_only, post,
-token tree) combination is asked for; steps longer than `max_graph_tokens` and every call on a CPU run
-eagerly, through exactly the same model code.
+token tree) combination is asked for; steps longer than `max_graph_tokens` and every call on a
+CPU run eagerly, through exactly the same model code.
 
 Prefill (`prefill`) is a graph too. Launched from Python, a prefill's few hundred kernels cost
 five to ten times their GPU time (the 1.5B, 200 tokens on the H200: 12-30 ms of launches,
