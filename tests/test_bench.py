@@ -310,6 +310,7 @@ def test_step_curve_table_and_plot(target, tmp_path):
     curve = results["step_curve"]
     assert [r["tokens"] for r in curve["rows"]] == [1, 2, 4]
     assert all(r["ms"] > 0 for r in curve["rows"]) and curve["rows"][0]["over_one_token"] == 1
+    assert curve["rows"][2]["tree_ms"] > 0 and curve["rows"][0]["tree_ms"] is None
     assert curve["context"] == results["prompts"][0]["prompt_tokens"] + 2
     md = (out / "results.md").read_text()
     assert "Target step cost" in md and "| 4 |" in md and "](step-curve.png)" in md

@@ -30,7 +30,7 @@ import torch
 
 from ..config import KernelConfig, SamplingParams, check_decode_kernel, check_tree_widths
 from ..drafters.registry import parse_drafter_spec
-from ..tree import spine_leaves
+from ..tree import spine_leaves, spine_tree
 
 PROMPT_SETS = ("humaneval", "seed")
 PEERS = ("transformers",)
@@ -854,30 +854,42 @@ def run_bench(s: BenchSettings, out=None) -> dict:
 
 def measure_step_curve(llm, sizes: tuple[int, ...], context: int, repeats: int = 20) -> dict:
     """The target's pass over n tokens after `context` cached positions, as the engine runs a
-    verification (its CUDA graphs on a GPU): median ms of `repeats` after a warm-up, per n."""
+    verification (its CUDA graphs on a GPU): median ms of `repeats` after a warm-up, per n;
+    where the target verifies trees, also a tree's pass of n tokens (a spine and one leaf
+    beside each of its first positions: attention through the tree's mask)."""
     engine = llm.engine
     engine.ensure_capacity(context + max(sizes) + 1)
     cuda = engine.device.type == "cuda"
+    trees = getattr(engine.model, "supports_trees", False)
+
+    def median_ms(tokens, tree):
+        for _ in range(3):  # a graph's capture and warm-up
+            engine._forward(tokens, context, (), tree=tree)
+        times = []
+        for _ in range(repeats):
+            if cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                engine._forward(tokens, context, (), tree=tree)
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+            else:
+                began = time.perf_counter()
+                engine._forward(tokens, context, (), tree=tree)
+                times.append((time.perf_counter() - began) * 1e3)
+        return statistics.median(times)
+
     rows = []
     with torch.inference_mode():
         for n in sizes:
             tokens = torch.randint(0, engine.model.cfg.vocab_size, (1, n), device=engine.device)
-            for _ in range(3):  # a graph's capture and warm-up
-                engine._forward(tokens, context, ())
-            times = []
-            for _ in range(repeats):
-                if cuda:
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    engine._forward(tokens, context, ())
-                    b.record()
-                    b.synchronize()
-                    times.append(a.elapsed_time(b))
-                else:
-                    began = time.perf_counter()
-                    engine._forward(tokens, context, ())
-                    times.append((time.perf_counter() - began) * 1e3)
-            rows.append({"tokens": n, "ms": statistics.median(times)})
+            row = {"tokens": n, "ms": median_ms(tokens, None), "tree_ms": None}
+            if trees and n >= 3:
+                k = n // 2  # nodes n - 1 = k spine tokens + n - 1 - k leaves, one a depth
+                leaves = [1 if i < n - 1 - k else 0 for i in range(k)]
+                row["tree_ms"] = median_ms(tokens, spine_tree(k, leaves, engine.device).mask)
+            rows.append(row)
     one = next((r["ms"] for r in rows if r["tokens"] == 1), None)
     for r in rows:
         r["over_one_token"] = r["ms"] / one if one else None
@@ -1021,10 +1033,12 @@ def format_markdown(results: dict, full: bool = False) -> str:
     curve = results.get("step_curve")
     if curve:
         rows = [[str(r["tokens"]), f"{r['ms']:.3f}", f"{r['ms'] / r['tokens']:.3f}",
-                 _f(r["over_one_token"], ".2f")] for r in curve["rows"]]
+                 _f(r["over_one_token"], ".2f"), _f(r.get("tree_ms"), ".3f")]
+                for r in curve["rows"]]
         lines += ["", f"Target step cost: one pass over n tokens after {curve['context']} cached "
-                      f"positions (median of {curve['repeats']}):", "",
-                  *table(["n", "ms", "ms / token", "× one token"], rows)]
+                      f"positions (median of {curve['repeats']}; tree: the same n as a token "
+                      f"tree):", "",
+                  *table(["n", "ms", "ms / token", "× one token", "tree ms"], rows)]
     peer = results["peer"]
     if peer and any(r["summary"] for r in peer["runs"]):
         rows = []
@@ -1103,7 +1117,11 @@ def write_plots(results: dict, outdir: Path) -> list[str]:
         fig = Figure(figsize=(7.5, 4.8), layout="constrained")
         ax = fig.add_subplot()
         n = [r["tokens"] for r in curve["rows"]]
-        ax.plot(n, [r["ms"] for r in curve["rows"]], marker="o")
+        ax.plot(n, [r["ms"] for r in curve["rows"]], marker="o", label="chain")
+        tree = [(r["tokens"], r["tree_ms"]) for r in curve["rows"] if r.get("tree_ms")]
+        if tree:
+            ax.plot(*zip(*tree), marker="s", label="token tree")
+            ax.legend()
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens in one pass (n = drafts + 1)")
         ax.set_ylabel("ms")
