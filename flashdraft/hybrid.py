@@ -33,10 +33,13 @@ Memory: the ring holds `steps` states of [v_heads, d_k, d_v] float32 for each De
 (Qwen3.5-27B: 48 layers × 48 × 128 × 128 × 4 bytes = 151 MB a position); `steps` is the
 longest verification the engine runs, k + 1.
 
-This is the PyTorch reference: decode and verification steps loop over their tokens, a prefill
-runs the chunked form (chunks of `CHUNK` tokens). Products go through `kernels.linear` (the
-skinny GPU kernel, or a quantized layer's own), the rest is plain PyTorch. Steps run eagerly:
-the cache's bookkeeping is on the host, so CUDA graphs do not capture them (`cuda_graphs`).
+The PyTorch here is the reference: decode and verification steps loop over their tokens
+(`delta_rule_recurrent`), a prefill runs the chunked form (chunks of `CHUNK` tokens). On a GPU
+a step whose every state is kept runs the rule in one Triton kernel instead
+(`deltanet_kernels.delta_rule_step`: the same states in the same slots). Products go through
+`kernels.linear` (the skinny GPU kernel, or a quantized layer's own), the rest is plain
+PyTorch. Steps run eagerly: the cache's bookkeeping is on the host, so CUDA graphs do not
+capture them (`cuda_graphs`).
 """
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .backends import kernels
+from .backends import deltanet_kernels, kernels
 from .config import KernelConfig, ModelConfig
 from .kv_cache import KVCache
 from .model import (MLP, SMALL_T, attention_mask, grouped_attention, rope_cos_sin,
@@ -271,18 +274,14 @@ class GatedDeltaNet(nn.Module):
                                         self.v_heads], dim=-1)
         mixed = self._convolve(mixed, cache.conv[cache.linear_index[layer]], slots)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        group = self.v_heads // self.k_heads
 
-        def heads(y, d, repeat=1):  # [batch, seq, n * d] -> [batch, n * repeat, seq, d] float32
-            y = y.reshape(b, t, -1, d).float()
-            return (y.repeat_interleave(repeat, dim=2) if repeat > 1 else y).transpose(1, 2)
+        def heads(y, d):  # [batch, seq, n * d] -> [batch, n, seq, d] (a view)
+            return y.reshape(b, t, -1, d).transpose(1, 2)
 
-        q = l2_normalize(heads(q, self.dk, group)) * self.dk ** -0.5
-        k = l2_normalize(heads(k, self.dk, group))
-        v = heads(v, self.dv)
         beta = beta.float().sigmoid().transpose(1, 2)  # [batch, v_heads, seq]
         g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)).transpose(1, 2)
-        out = self._delta_rule(q, k, v, g, beta, cache.state[cache.linear_index[layer]], slots)
+        out = self.rule(heads(q, self.dk), heads(k, self.dk), heads(v, self.dv), g, beta,
+                        cache.state[cache.linear_index[layer]], slots, kc)
         out = gated_rms_norm(out.transpose(1, 2).to(x.dtype), z.view(b, t, self.v_heads, self.dv),
                              self.norm_weight, self.eps)
         return kernels.linear(out.reshape(b, t, self.value_dim), self.w_out, kc)
@@ -296,6 +295,28 @@ class GatedDeltaNet(nn.Module):
         ring.index_copy_(1, slots.conv_write, inputs[:, inputs.shape[1] - len(slots.conv_write):])
         out = F.conv1d(inputs.transpose(1, 2), self.conv, groups=self.conv_dim)
         return F.silu(out).transpose(1, 2).to(mixed.dtype)
+
+    @staticmethod
+    def rule(q, k, v, g, beta, ring: torch.Tensor, slots: StepSlots,
+             kc: KernelConfig = kernels.DEFAULT) -> torch.Tensor:
+        """The gated delta rule of one step: q, k [batch, k_heads, seq, d_k] and v [batch,
+        v_heads, seq, d_v] as the convolution leaves them (any dtype; q and k not normalised
+        yet), g, beta [batch, v_heads, seq] float32; the state read from and written to ring
+        [batch, steps, v_heads, d_k, d_v] at `slots`. Returns [batch, v_heads, seq, d_v]
+        float32. A step that keeps every state runs `deltanet_kernels.delta_rule_step` where
+        the kernels serve (the key heads' groups, the norms and q's scale inside it)."""
+        scale, group = q.shape[-1] ** -0.5, v.shape[1] // k.shape[1]
+        if slots.kept and deltanet_kernels.serves(v, v.shape[2], kc):
+            return deltanet_kernels.delta_rule_step(q, k, v, g, beta, ring, slots.read,
+                                                    slots.write, scale, kc=kc)
+
+        def per_value_head(y):  # [batch, k_heads, seq, d_k] -> [batch, v_heads, seq, d_k]
+            y = y.float()
+            return y.repeat_interleave(group, dim=1) if group > 1 else y
+
+        q = l2_normalize(per_value_head(q)) * scale
+        k = l2_normalize(per_value_head(k))
+        return GatedDeltaNet._delta_rule(q, k, v.float(), g, beta, ring, slots)
 
     @staticmethod
     def _delta_rule(q, k, v, g, beta, ring: torch.Tensor, slots: StepSlots) -> torch.Tensor:

@@ -1,7 +1,7 @@
-"""The sampling kernels compile for a Hopper GPU (sm90) on any machine: Triton's front end and
-its PTX generation need no GPU, and they refuse what its interpreter lets through (a name given
-a second type inside a branch, say). Run in a subprocess: the test session has chosen the
-interpreter (conftest) before Triton was imported."""
+"""The sampling and DeltaNet kernels compile for a Hopper GPU (sm90) on any machine: Triton's
+front end and its PTX generation need no GPU, and they refuse what its interpreter lets through
+(a name given a second type inside a branch, say). Run in a subprocess: the test session has
+chosen the interpreter (conftest) before Triton was imported."""
 import os
 import subprocess
 import sys
@@ -13,9 +13,11 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from flashdraft.backends import deltanet_kernels as D
 from flashdraft.backends import sampling_kernels as K
 
-TYPES = dict(temperature="fp32", top_p="fp32", log_min_p="fp32", scale="fp32", stream="u32",
+TYPES = dict(temperature="fp32", top_p="fp32", log_min_p="fp32", scale="fp32", eps="fp32",
+             stream="u32",
              logits_ptr="*bf16", cand_ptr="*i64", token_ptr="*i64", rng_ptr="*i64",
              onehot_ptr="*i64", count_ptr="*i32", ncand_ptr="*i32", st_ptr="*i32",
              hcount_ptr="*i32", flag_ptr="*i32", arg_ptr="*i32", parg_ptr="*i32")
@@ -51,6 +53,13 @@ for mode in range(3):
     for rows_per_program in (1, 4):
         compile_(K._race_kernel, C_PAD=128, ROWS=rows_per_program, BLOCK=2048, MODE=mode)
 compile_(K._uniform_kernel, BLOCK=128)
+# Qwen3.5-27B's heads (three value heads a key head, 128 × 128), and a small padded shape
+for read in (False, True):
+    for norm in (False, True):
+        compile_(D._delta_rule_step_kernel, GROUP=3, DK=128, DV=128, BLOCK_K=128, BLOCK_V=32,
+                 HAS_READ=read, NORMALIZE=norm, USE_PDL=True)
+compile_(D._delta_rule_step_kernel, GROUP=2, DK=8, DV=12, BLOCK_K=8, BLOCK_V=16,
+         HAS_READ=True, NORMALIZE=True, USE_PDL=False)
 print("\n\n".join(failed))
 sys.exit(1 if failed else 0)
 '''
