@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,11 @@ SMALL_T = 32
 # None lets torch choose.
 PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                          SDPBackend.MATH]
+
+
+class TreeBits(NamedTuple):
+    """A token tree's visibility as the fused attention kernel takes it (`TreeMask.bits`)."""
+    bits: torch.Tensor  # [T] int64
 
 
 def attention_mask(positions: torch.Tensor, kv_len: int, dtype: torch.dtype,
@@ -133,7 +139,8 @@ class Attention(nn.Module):
                 kc: KernelConfig):
         # qkv: [batch, seq, q_dim + 2 kv_dim], the output of wqkv (run with the norm before it,
         # `Block`); positions: [batch, seq]; cos, sin: [batch, seq, head_dim / 2];
-        # mask: None where kernels.attention serves (the GPU, seq <= SMALL_T), else additive
+        # mask: None where kernels.attention serves (the GPU, seq <= SMALL_T; TreeBits for a
+        # token tree's step there), else additive
         # [batch, 1, seq, 1, kv_len] if seq <= SMALL_T (grouped_attention), else bool
         # [batch, 1, seq, kv_len] (SDPA), or "causal": SDPA's own causal mask (a prefill from
         # position 0, kv_len = seq). Returns the attention output [batch, seq, heads *
@@ -144,10 +151,11 @@ class Attention(nn.Module):
                 self.q_norm.weight if self.q_norm is not None else None,
                 self.k_norm.weight if self.k_norm is not None else None,
                 self.q_norm.eps if self.q_norm is not None else 0.0)
-        if mask is None:
+        if mask is None or isinstance(mask, TreeBits):
             # One kernel on the GPU: (Qwen3's head norms,) rope, the step's keys and values
-            # into the cache, attention.
-            return kernels.rope_attention(qkv, *rope, kv_len, cache.split_len, kc)
+            # into the cache, attention (a token tree's through its ancestors' bits).
+            return kernels.rope_attention(qkv, *rope, kv_len, cache.split_len, kc,
+                                          None if mask is None else mask.bits)
         # (Qwen3's head norms,) rope on the q and k heads in place, the keys and values into
         # the cache at their positions (one kernel on the GPU).
         kernels.rope_and_cache_write(qkv, *rope, kc)
@@ -333,9 +341,10 @@ class Transformer(nn.Module):
         residual = self.embed(tokens)  # the residual stream
         rope_positions = positions if tree is None else tree.rope_positions(positions)
         cos, sin = rope_cos_sin(rope_positions, self.inv_freq, residual.dtype)
-        if (tree is None and tokens.shape[1] <= SMALL_T
-                and kernels.use_triton(residual, self.kernel_config)):
-            mask = None  # kernels.attention needs positions only
+        if (tokens.shape[1] <= SMALL_T and kernels.use_triton(residual, self.kernel_config)
+                and (tree is None or tree.bits is not None)):
+            # kernels.attention needs positions only, and a tree's ancestors as bit sets
+            mask = None if tree is None else TreeBits(tree.bits)
         else:
             mask = attention_mask(positions, kv_len, residual.dtype,
                                   None if tree is None else tree.visible(positions, kv_len))

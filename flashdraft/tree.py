@@ -25,6 +25,9 @@ class TreeMask:
     parents: tuple[int, ...]  # parents[i] < i, or -1 (a child of the last committed token)
     depth: torch.Tensor = field(repr=False)  # [T] int64: 0 for the children of the context
     ancestors: torch.Tensor = field(repr=False)  # [T, T] bool: [i, j] j is i or an ancestor of i
+    # [T] int64: ancestors as bit sets (bit j of row i), the fused attention kernel's form;
+    # None above 63 nodes
+    bits: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def from_parents(cls, parents: Sequence[int], device: torch.device | str = "cpu") -> "TreeMask":
@@ -43,8 +46,11 @@ class TreeMask:
             if p >= 0:  # a parent's row is complete before its children's (p < i)
                 depth[i] = depth[p] + 1
                 ancestors[i] |= ancestors[p]
+        bits = None
+        if n <= 63:
+            bits = (ancestors.long() << torch.arange(n)).sum(1).to(device)
         return cls(parents, torch.tensor(depth, dtype=torch.int64, device=device),
-                   ancestors.to(device))
+                   ancestors.to(device), bits)
 
     @property
     def size(self) -> int:

@@ -1,5 +1,5 @@
-"""The sampling and DeltaNet kernels compile for a Hopper GPU (sm90) on any machine: Triton's
-front end and its PTX generation need no GPU, and they refuse what its interpreter lets through
+"""The sampling, DeltaNet and attention kernels compile for a Hopper GPU (sm90) on any machine:
+Triton's front end and its PTX generation need no GPU, and they refuse what its interpreter lets through
 (a name given a second type inside a branch, say). Run in a subprocess: the test session has
 chosen the interpreter (conftest) before Triton was imported."""
 import os
@@ -14,13 +14,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from flashdraft.backends import deltanet_kernels as D
+from flashdraft.backends import kernels as A
 from flashdraft.backends import sampling_kernels as K
 
 TYPES = dict(temperature="fp32", top_p="fp32", log_min_p="fp32", scale="fp32", eps="fp32",
              stream="u32",
              logits_ptr="*bf16", cand_ptr="*i64", token_ptr="*i64", rng_ptr="*i64",
              onehot_ptr="*i64", count_ptr="*i32", ncand_ptr="*i32", st_ptr="*i32",
-             hcount_ptr="*i32", flag_ptr="*i32", arg_ptr="*i32", parg_ptr="*i32")
+             hcount_ptr="*i32", flag_ptr="*i32", arg_ptr="*i32", parg_ptr="*i32",
+             pos_ptr="*i64", anc_ptr="*i64", qk_scale="fp32")
 try:
     target = GPUTarget("cuda", 90, 32)
     triton.compiler.make_backend(target)
@@ -60,6 +62,11 @@ for read in (False, True):
                  HAS_READ=read, NORMALIZE=norm, USE_PDL=True)
 compile_(D._delta_rule_step_kernel, GROUP=2, DK=8, DV=12, BLOCK_K=8, BLOCK_V=16,
          HAS_READ=True, NORMALIZE=True, USE_PDL=False)
+# attention over the cache, rope inside, chains and token trees (the 1.5B's heads)
+for tree in (False, True):
+    compile_(A._attention_kernel, GROUP=6, D=128, BLOCK_M=16, BLOCK_N=64, SPLIT=256,
+             MAX_SPLITS=4, PRECISION="tf32", ROPE=True, QK_NORM=False, T_MAX=32, TREE=tree,
+             USE_PDL=True)
 print("\n\n".join(failed))
 sys.exit(1 if failed else 0)
 '''

@@ -558,3 +558,37 @@ def test_gated_for_decides_which_gate_up_products_fuse_silu(monkeypatch):
         model = torch.nn.Module()
         model.w_gate_up = layers[32]
         assert list(tune.matrices(model)) == [(32 if want[32] else 64, 64, want[32])]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_token_trees_step_sees_its_ancestors_only(dtype):
+    """The fused kernel with a tree's ancestor bits (rope at depths, keys at the nodes' slots)
+    against the reference with the tree's visibility, over a step that straddles a split."""
+    from flashdraft.tree import TreeMask
+
+    g = torch.Generator().manual_seed(11)
+    parents = [-1, 0, 0, 1, 1, 2, -1, 6, 3, 8]
+    tree = TreeMask.from_parents(parents, DEVICE)
+    t, heads, n_kv, d, max_len = len(parents), 4, 2, 32, 320
+    qkv = torch.randn(1, t, heads + 2 * n_kv, d, generator=g).to(DEVICE, dtype)
+    cache = torch.randn(2, 1, n_kv, max_len, d, generator=g).to(DEVICE, dtype)
+    slots = torch.arange(250, 250 + t, device=DEVICE).unsqueeze(0)
+    inv_freq = 1.0 / 10000 ** (torch.arange(d // 2).float() * 2 / d)
+    freqs = tree.rope_positions(slots).cpu().unsqueeze(-1).float() * inv_freq
+    cos, sin = freqs.cos().to(DEVICE, dtype), freqs.sin().to(DEVICE, dtype)
+    kv_len, split = 250 + t, kernels.split_length(max_len)
+    c_ref, c_k = cache.clone(), cache.clone()
+    q_ref = qkv.clone()
+    kernels.rope_and_cache_write_reference(q_ref, cos, sin, slots, c_ref, heads, n_kv, None,
+                                           None, 1e-6)
+    ref = kernels.attention_reference(q_ref[:, :, :heads], c_ref, slots, kv_len, tree.bits)
+    out = kernels.rope_attention(qkv, cos, sin, slots, c_k, heads, n_kv, None, None, 1e-6,
+                                 kv_len, split, kc=KC, tree_bits=tree.bits)
+    close(out, ref, dtype)
+    close(c_k, c_ref, dtype)
+    # the reference's visibility is the tree's own
+    rel = torch.arange(kv_len, device=DEVICE) - 250
+    bit = (tree.bits.view(t, 1) >> rel.clamp(0, t - 1)) & 1
+    want = tree.visible(slots, kv_len)[0]
+    assert torch.equal((rel < 0) | ((rel >= 0) & (rel < t) & (bit != 0)), want)
+    counters_are_back_to_zero()

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from flashdraft import model as model_module
+from flashdraft.backends import kernels
+from flashdraft.config import KernelConfig
 from flashdraft.kv_cache import KVCache
 from flashdraft.loading import load_model
 from flashdraft.tree import TreeMask
@@ -166,3 +168,17 @@ def test_compaction_outside_the_cache_is_refused():
     cache = KVCache(1, 1, 1, 8, 4, torch.float32, "cpu")
     with pytest.raises(ValueError, match=r"path \[0, 5\] from slot 4"):
         cache.compact(4, [0, 5])
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs Triton")
+def test_the_fused_kernels_run_a_tree_as_the_mask_path_does(tiny_models):
+    """On a GPU a tree's step takes the fused attention kernel with its ancestors' bits (every
+    other kernel as a chain's); here through Triton's interpreter, against the mask path."""
+    path = tiny_models["qwen3"]
+    plain = load_model(path, torch.float32, torch.device("cpu")).model
+    fused = load_model(path, torch.float32, torch.device("cpu"),
+                       kernel_config=KernelConfig(interpret=True)).model
+    parents = SHAPES["random 12"]
+    _, _, _, want, _ = tree_pass(plain, parents, seed=8)
+    _, _, _, got, _ = tree_pass(fused, parents, seed=8)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -131,11 +131,18 @@ def rope_and_cache_write_reference(qkv, cos, sin, positions, cache_layer, n_head
     cache_layer[:, batch_index, :, positions] = kv
 
 
-def attention_reference(q, cache_layer, positions, kv_len):
-    # q [b, t, heads, d] -> [b, t, heads * d]; keys/values: cache_layer[:, :b, :, :kv_len]
+def attention_reference(q, cache_layer, positions, kv_len, tree_bits=None):
+    # q [b, t, heads, d] -> [b, t, heads * d]; keys/values: cache_layer[:, :b, :, :kv_len];
+    # tree_bits [t] int64: a token tree's step (`attention`)
     b, t, heads, d = q.shape
     keys, values = cache_layer[0, :b, :, :kv_len], cache_layer[1, :b, :, :kv_len]
-    visible = torch.arange(kv_len, device=q.device) <= positions.unsqueeze(-1)  # [b, t, kv_len]
+    if tree_bits is None:
+        visible = torch.arange(kv_len, device=q.device) <= positions.unsqueeze(-1)  # [b, t, kv]
+    else:
+        rel = torch.arange(kv_len, device=q.device) - positions[:, :1]  # [b, kv_len]
+        in_step = (rel >= 0) & (rel < t)
+        bit = (tree_bits.view(1, t, 1) >> rel.clamp(0, t - 1).unsqueeze(1)) & 1
+        visible = (rel < 0).unsqueeze(1) | (in_step.unsqueeze(1) & (bit != 0))
     out = F.scaled_dot_product_attention(q.transpose(1, 2).float(), keys.float(), values.float(),
                                          attn_mask=visible.unsqueeze(1),
                                          enable_gqa=heads != keys.shape[1])
@@ -267,7 +274,7 @@ if triton is not None:
 
     @triton.jit
     def _attention_kernel(q_ptr, cache_ptr, pos_ptr, out_ptr, part_o_ptr, part_ml_ptr, count_ptr,
-                          cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps,
+                          cos_ptr, sin_ptr, qn_ptr, kn_ptr, anc_ptr, eps,
                           t, n_heads, n_kv, n_splits, qk_scale,
                           stride_qb, stride_qt, stride_qh,
                           stride_c2, stride_cb, stride_ch, stride_cn,
@@ -275,13 +282,16 @@ if triton is not None:
                           GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr,
                           PRECISION: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
-                          T_MAX: tl.constexpr, USE_PDL: tl.constexpr):
+                          T_MAX: tl.constexpr, TREE: tl.constexpr, USE_PDL: tl.constexpr):
         # Program (b * n_kv + kv head, split, row block). Rows are (token, query head of this
         # kv head) pairs: row = token * GROUP + g. With ROPE, q_ptr is the qkv output (q, k
         # and v heads of each token, as they come from the product) and this kernel does
         # `_rope_cache_kernel`'s work first: q heads rotated in registers, and the step's own
         # keys and values (positions p0 .. p0 + t - 1, consecutive) written into the cache by
-        # the programs whose split holds them, before they read it.
+        # the programs whose split holds them, before they read it. With TREE the step is a
+        # token tree's: its tokens sit at cache slots p0 .. p0 + t - 1 (pos_ptr: slots; cos and
+        # sin already at each node's depth), and token i sees every slot before p0 and, of the
+        # step's, those whose bit is set in anc_ptr[i] (its ancestors and itself).
         _pdl_wait(USE_PDL)
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -328,6 +338,9 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
+        if TREE:
+            first = tl.load(pos_ptr + b * stride_pb)
+            anc = tl.load(anc_ptr + tok, mask=row_ok, other=0)  # [BLOCK_M] int64 bit sets
         if start < end:
             # A static trip count with no branch inside, so that loads are pipelined; blocks
             # past `end` load nothing (masked) and leave m, l and acc exactly as they were.
@@ -339,7 +352,15 @@ if triton is not None:
                 v = tl.load(v_base + cols[:, None] * stride_cn + d[None, :],
                             mask=col_ok[:, None], other=0.0, cache_modifier=".cg" if ROPE else "")
                 scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2
-                visible = (cols[None, :] <= qpos[:, None]) & col_ok[None, :]
+                if TREE:
+                    rel = cols - first  # the step's token at that slot, if 0 <= rel < t
+                    in_step = (rel >= 0) & (rel < t)
+                    shift = tl.where(in_step, rel, 0).to(tl.int64)
+                    bit = (anc[:, None] >> shift[None, :]) & 1
+                    visible = (((rel < 0)[None, :] | (in_step[None, :] & (bit != 0)))
+                               & col_ok[None, :])
+                else:
+                    visible = (cols[None, :] <= qpos[:, None]) & col_ok[None, :]
                 scores = tl.where(visible, scores, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(scores, axis=1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -747,13 +768,18 @@ def rope_and_cache_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 
 def attention(q: torch.Tensor, cache_layer: torch.Tensor, positions: torch.Tensor, kv_len: int,
-              split_len: int, kc: KernelConfig = DEFAULT) -> torch.Tensor:
+              split_len: int, kc: KernelConfig = DEFAULT,
+              tree_bits: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q [b, t, heads, head_dim] (a view of the qkv output is fine) over
     cache_layer [2, batch, n_kv, max_len, head_dim] up to kv_len, each query seeing the keys at
-    positions <= its own; positions [b, t] increase along t. Returns [b, t, heads * head_dim]."""
+    positions <= its own; positions [b, t] increase along t (by one). tree_bits [t] int64: the
+    step is a token tree's (`tree.TreeMask.bits`): token i sees the slots before the step's
+    first and, of the step's, those whose bit is set in tree_bits[i]. Returns [b, t, heads *
+    head_dim]."""
     if not use_triton(q, kc):
-        return attention_reference(q, cache_layer, positions, kv_len)
-    return _attention(q, q.shape[2], cache_layer, positions, kv_len, split_len, kc)
+        return attention_reference(q, cache_layer, positions, kv_len, tree_bits)
+    return _attention(q, q.shape[2], cache_layer, positions, kv_len, split_len, kc,
+                      tree_bits=tree_bits)
 
 
 # Rope and the cache write inside the attention kernel (`rope_attention`): one kernel a layer
@@ -764,25 +790,29 @@ ROPE_MAX_T = 32  # tokens a step of the fused kernel may carry (the model's SMAL
 def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    positions: torch.Tensor, cache_layer: torch.Tensor, n_heads: int, n_kv: int,
                    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-                   kv_len: int, split_len: int, kc: KernelConfig = DEFAULT) -> torch.Tensor:
+                   kv_len: int, split_len: int, kc: KernelConfig = DEFAULT,
+                   tree_bits: torch.Tensor | None = None) -> torch.Tensor:
     """`rope_and_cache_write` then `attention` of its q heads: for qkv [b, t, n_heads + 2 n_kv,
     head_dim] at positions [b, t], each sequence's positions consecutive (start .. start +
     t - 1, as every step of the engine has them). On the GPU one kernel: the
     q heads are rotated in registers (qkv is left as it is) and the step's keys and values are
-    written to the cache by the attention programs that read them."""
+    written to the cache by the attention programs that read them. tree_bits: a token tree's
+    step, as `attention` takes it (cos and sin then at the nodes' depths)."""
     t = qkv.shape[1]
     if not (use_triton(qkv, kc) and t <= ROPE_MAX_T):
         rope_and_cache_write(qkv, cos, sin, positions, cache_layer, n_heads, n_kv, q_norm,
                              k_norm, eps, kc)
-        return attention(qkv[:, :, :n_heads], cache_layer, positions, kv_len, split_len, kc)
+        return attention(qkv[:, :, :n_heads], cache_layer, positions, kv_len, split_len, kc,
+                         tree_bits)
     assert qkv.stride(-1) == 1 and qkv.stride(-2) == qkv.shape[-1]
     rope = (cos.contiguous(), sin.contiguous(), q_norm, k_norm, eps)
-    return _attention(qkv, n_heads, cache_layer, positions, kv_len, split_len, kc, rope)
+    return _attention(qkv, n_heads, cache_layer, positions, kv_len, split_len, kc, rope,
+                      tree_bits)
 
 
 def _attention(q: torch.Tensor, heads: int, cache_layer: torch.Tensor, positions: torch.Tensor,
                kv_len: int, split_len: int, kc: KernelConfig,
-               rope: tuple | None = None) -> torch.Tensor:
+               rope: tuple | None = None, tree_bits: torch.Tensor | None = None) -> torch.Tensor:
     """The attention kernel's launch for q [b, t, >= heads, head_dim] (its first `heads` heads
     attend); rope: (cos, sin, q_norm, k_norm, eps) with q the whole qkv output."""
     b, t, _, d = q.shape
@@ -807,14 +837,16 @@ def _attention(q: torch.Tensor, heads: int, cache_layer: torch.Tensor, positions
     cos, sin, q_norm, k_norm, eps = rope or (q, q, None, None, 0.0)
     _attention_kernel[grid](
         q, cache_layer, positions, out, part_o, part_ml, counters, cos, sin,
-        q if q_norm is None else q_norm, q if k_norm is None else k_norm, eps, t, heads, n_kv,
+        q if q_norm is None else q_norm, q if k_norm is None else k_norm,
+        positions if tree_bits is None else tree_bits, eps, t, heads, n_kv,
         n_splits, d ** -0.5 * 1.4426950408889634,  # softmax scale, in log2 units (exp2)
         q.stride(0), q.stride(1), q.stride(2),
         cache_layer.stride(0), cache_layer.stride(1), cache_layer.stride(2), cache_layer.stride(3),
         positions.stride(0), out.stride(0), out.stride(1), out.stride(2), cos.stride(0),
         cos.stride(1), GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=64, SPLIT=split_len,
         MAX_SPLITS=max_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        ROPE=rope is not None, QK_NORM=q_norm is not None, T_MAX=ROPE_MAX_T, num_warps=4,
+        ROPE=rope is not None, QK_NORM=q_norm is not None, T_MAX=ROPE_MAX_T,
+        TREE=tree_bits is not None, num_warps=4,
         **pdl_options(q, kc))
     return out.view(b, t, heads * d)
 
