@@ -38,8 +38,13 @@ The PyTorch here is the reference: decode and verification steps loop over their
 a step whose every state is kept runs the rule in one Triton kernel instead
 (`deltanet_kernels.delta_rule_step`: the same states in the same slots). Products go through
 `kernels.linear` (the skinny GPU kernel, or a quantized layer's own), the rest is plain
-PyTorch. Steps run eagerly: the cache's bookkeeping is on the host, so CUDA graphs do not
-capture them (`cuda_graphs`).
+PyTorch.
+
+Steps are CUDA graphs (`cuda_graphs`): every slot a step reads or writes is computed on the
+device from its positions tensor (`HybridCache.slots`), so one recorded step of t tokens serves
+every position, and a padded prefill masks its padding out of the states on the device too
+(`logits_at`). The host's view of which states the rings hold serves only to refuse a step that
+would read a state no longer there, where positions are free to read (a CPU cache: `checked`).
 """
 from __future__ import annotations
 
@@ -63,16 +68,20 @@ CHUNK = 64
 
 @dataclass
 class StepSlots:
-    """Where one step of t tokens at positions start … start + t - 1 reads and writes the
-    recurrent layers' cache (`HybridCache.begin`)."""
-    read: int | None  # the slot of the state after start - 1; None: a new sequence (zeros)
-    # the slots of the states written: after each position (kept), or after the last only
-    write: list[int]
-    kept: bool  # every position's state is written (t <= steps)
-    # [kernel - 1] int64: the conv input slots of positions start - kernel + 1 … start - 1
-    window: torch.Tensor
+    """Where one step of t tokens at positions s … s + t - 1 reads and writes the recurrent layers'
+    cache (`HybridCache.slots`): tensors on the cache's device, computed there from the step's
+    positions, so that a recorded step reads and writes the right slots at every position."""
+    kept: bool  # every position's state is written (t <= steps: a decode or a verification)
+    read: torch.Tensor  # [1] int64: the slot of the state after s - 1; -1 at s = 0 (zeros)
+    # [t] int64 (kept), else [1]: the slots of the states after each position, or the last real
+    write: torch.Tensor
+    window: torch.Tensor  # [kernel - 1] int64: the conv slots of positions s - kernel + 1 … s - 1
     window_valid: torch.Tensor  # [kernel - 1] bool: those positions are >= 0
-    conv_write: torch.Tensor  # [w] int64: the conv input slots of the step's last w positions
+    # [w] int64: the rows of [window, step] whose conv inputs are kept (the last w real
+    # positions'; a negative row is a position before the window, whose slot keeps its input) …
+    conv_rows: torch.Tensor
+    conv_write: torch.Tensor  # [w] int64: … and their conv slots
+    real: torch.Tensor | None  # [t] bool: tokens before a padded prefill's padding; None: all
 
 
 class HybridCache:
@@ -80,10 +89,14 @@ class HybridCache:
     the full-attention layers (a `KVCache` addressed by position), and for each DeltaNet layer
     its recurrent state and its convolution's inputs, in rings addressed by position.
 
-    Which positions the rings hold for the sequence is known on the host: `end` (one past the
-    last position the last step wrote, or the length `commit` moved it back to) and `kept_from`
-    (the first position whose state is still in its slot). A step may start at any position s
-    with kept_from <= s - 1 < end (or at 0: a new sequence).
+    A step may start at any position s whose state (after s - 1) is still in its slot: within
+    the last `steps` positions the last step wrote (a prefill longer than that keeps its last
+    one only), and not past the length `commit` moved back to; or at 0, a new sequence. Where
+    `checked` (a CPU cache, whose positions the host reads for free), the host follows which
+    positions those are and refuses a step or a commit outside them: `end` (one past the last
+    position the last step wrote, or the length `commit` moved it back to) and `kept_from` (the
+    first position whose state is still in its slot). On a GPU nothing is followed: a step's
+    positions alone say where it reads, and the engine's invariant keeps them right.
     """
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype,
@@ -96,6 +109,8 @@ class HybridCache:
             table[i] = len(table)
         self.kv = KVCache(len(self.attention_index), batch, cfg.num_kv_heads, max_len,
                           cfg.head_dim, dtype, device)
+        # [attention layers, batch, kv_heads, max_len, head_dim] each: views, as KVCache's
+        self.k, self.v = self.kv.k, self.kv.v
         self.max_len, self.steps = max_len, max(1, steps)
         self.kernel = cfg.linear_conv_kernel_dim
         n_lin = len(self.linear_index)
@@ -112,6 +127,7 @@ class HybridCache:
         self.conv_slots = self.steps + self.kernel - 1
         self.conv = torch.zeros(n_lin, batch, self.conv_slots, conv_dim, dtype=dtype,
                                 device=device)
+        self.checked = torch.device(device).type == "cpu"
         self.end = self.kept_from = 0
         # Positions one attention program reads on the GPU; the engine sets it per request.
         self.split_len = self.kv.split_len
@@ -120,9 +136,34 @@ class HybridCache:
         """Whether this cache serves sequences of max_len positions verified `steps` at a time."""
         return self.max_len >= max_len and self.steps >= steps
 
-    def begin(self, start: int, t: int) -> StepSlots:
-        """Where a step of t tokens from position `start` reads and writes, and the bookkeeping
-        of what the rings hold after it."""
+    def slots(self, positions: torch.Tensor, last: torch.Tensor | None = None) -> StepSlots:
+        """Where the step at positions [batch, t] (consecutive, the same in every row) reads and
+        writes, computed on their device without a host read. last: 0-dim int64, the step's last
+        real token (a padded prefill: the tokens after it change no state); None: its last."""
+        row = positions[0]  # [t]
+        t, device = row.shape[0], row.device
+        start = row[:1]  # [1]
+        end = start + (t if last is None else last + 1)  # [1]: past the last real position
+        kept = t <= self.steps
+        window = start + torch.arange(1 - self.kernel, 0, device=device)  # [kernel - 1]
+        # The conv inputs of the last w real positions are kept: the window and the step's
+        # own, as many as the ring holds.
+        w = min(t + self.kernel - 1, self.conv_slots)
+        conv_positions = end - w + torch.arange(w, device=device)  # [w]
+        return StepSlots(
+            kept=kept, read=torch.where(start > 0, (start - 1) % self.steps, -1),
+            write=(row if kept else end - 1) % self.steps,
+            window=window % self.conv_slots, window_valid=window >= 0,
+            conv_rows=conv_positions - start + self.kernel - 1,
+            conv_write=conv_positions % self.conv_slots,
+            real=None if last is None else torch.arange(t, device=device) <= last)
+
+    def begin(self, start: int, t: int, real: int | None = None) -> None:
+        """Follows a step of t tokens from position `start` (of which the first `real` are not
+        padding; None: all) on the host, where the cache is `checked`: refuses it if the state
+        it reads is gone, and notes which states the rings hold after it."""
+        if not self.checked:
+            return
         if start != 0 and not self.kept_from <= start - 1 < self.end:
             raise ValueError(
                 f"a step from position {start} needs the recurrent state after position "
@@ -130,27 +171,19 @@ class HybridCache:
                 f"… {self.end - 1}: a step may start where the last one ended, or go back at "
                 f"most {self.steps - 1} positions into it (the cache's steps={self.steps}; a "
                 f"prefill keeps its last position's state only)")
-        device = self.state.device
-        kept = t <= self.steps
-        written = range(start, start + t) if kept else [start + t - 1]
-        window = torch.arange(start - self.kernel + 1, start)
-        slots = StepSlots(
-            read=None if start == 0 else (start - 1) % self.steps,
-            write=[p % self.steps for p in written], kept=kept,
-            window=(window % self.conv_slots).to(device), window_valid=(window >= 0).to(device),
-            conv_write=(torch.arange(max(start, start + t - self.conv_slots), start + t)
-                        % self.conv_slots).to(device))
-        # States of earlier positions survive where this step wrote no slot of theirs.
+        end = start + (t if real is None else real)
+        # States of earlier positions survive where this step wrote no slot of theirs (its
+        # padding writes slots too).
         older = self.kept_from if start else 0
-        self.kept_from = max(older, start + t - self.steps) if kept else start + t - 1
-        self.end = start + t
-        return slots
+        self.kept_from = max(older, start + t - self.steps) if t <= self.steps else end - 1
+        self.end = end
 
     def commit(self, length: int) -> None:
         """The sequence is `length` tokens long: positions from `length` on are discarded (the
-        rejected drafts of a verification). The state after length - 1 is already in its slot;
-        this moves the end back, and refuses a length whose state is not kept."""
-        if length == self.end:
+        rejected drafts of a verification). The state after length - 1 is already in its slot:
+        nothing moves; a `checked` cache moves its end back, and refuses a length whose state
+        is not kept."""
+        if not self.checked or length == self.end:
             return
         if not (length == 0 or self.kept_from <= length - 1 < self.end):
             raise ValueError(f"cannot commit a length of {length}: the cache holds the states "
