@@ -9,6 +9,12 @@ The sequence invariant: `tokens` is prompt + generated, and the target's cache h
 keys and values of all of `tokens` but the last, so every verification pass runs over
 `[tokens[-1], d_1 … d_k]` at positions len - 1 … len - 1 + k.
 
+A step may verify a token tree instead of a chain (`tree_widths`; `tree.SpineTree`: the
+drafter's spine with its next best tokens beside each position) in the same single pass: the
+target's graph takes the tree's visibility, the accepted path is the spine's first n tokens and
+perhaps one leaf, whose keys and values then move to the slot after the spine's
+(`KVCache.compact`). The planner chooses tree or chain each step.
+
 One host synchronisation per speculative step: the accepted count, the next token and the
 draft come back together in one transfer. Plain decoding runs one step ahead and never waits
 for the GPU: each token is read while the step after it runs.

@@ -313,6 +313,8 @@ class GatedDeltaNet(nn.Module):
 
         beta = beta.float().sigmoid().transpose(1, 2)  # [batch, v_heads, seq]
         g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)).transpose(1, 2)
+        if slots.real is not None:  # a padded prefill: with β = g = 0 padding changes no state
+            beta, g = beta * slots.real, g * slots.real
         out = self.rule(heads(q, self.dk), heads(k, self.dk), heads(v, self.dv), g, beta,
                         cache.state[cache.linear_index[layer]], slots, kc)
         out = gated_rms_norm(out.transpose(1, 2).to(x.dtype), z.view(b, t, self.v_heads, self.dv),
@@ -325,7 +327,11 @@ class GatedDeltaNet(nn.Module):
         whose slots then take this step's inputs."""
         window = ring[:, slots.window] * slots.window_valid[:, None].to(ring.dtype)
         inputs = torch.cat([window, mixed.to(ring.dtype)], dim=1)  # [batch, kernel - 1 + seq, C]
-        ring.index_copy_(1, slots.conv_write, inputs[:, inputs.shape[1] - len(slots.conv_write):])
+        kept = inputs.index_select(1, slots.conv_rows.clamp(min=0))  # [batch, w, C]
+        if slots.real is not None:  # rows before the window: positions whose inputs stay
+            kept = torch.where((slots.conv_rows >= 0)[:, None], kept,
+                               ring.index_select(1, slots.conv_write))
+        ring.index_copy_(1, slots.conv_write, kept)
         out = F.conv1d(inputs.transpose(1, 2), self.conv, groups=self.conv_dim)
         return F.silu(out).transpose(1, 2).to(mixed.dtype)
 
@@ -355,17 +361,15 @@ class GatedDeltaNet(nn.Module):
     def _delta_rule(q, k, v, g, beta, ring: torch.Tensor, slots: StepSlots) -> torch.Tensor:
         """The rule from the state the step reads (ring [batch, steps, v_heads, d_k, d_v]),
         writing the states after its positions (all of them, or the last: `slots.kept`)."""
-        b, h, _, dk = k.shape
-        state = (ring[:, slots.read] if slots.read is not None
-                 else torch.zeros(b, h, dk, v.shape[-1], dtype=torch.float32, device=q.device))
+        state = ring.index_select(1, slots.read.clamp(min=0)).squeeze(1)  # [batch, h, d_k, d_v]
+        state = torch.where(slots.read >= 0, state, 0.0)  # a new sequence starts from zeros
         if slots.kept:
-            def keep(i, s):
-                ring[:, slots.write[i]] = s
-
-            out, _ = delta_rule_recurrent(q, k, v, g, beta, state, keep)
+            states = []
+            out, _ = delta_rule_recurrent(q, k, v, g, beta, state, lambda i, s: states.append(s))
+            ring.index_copy_(1, slots.write, torch.stack(states, dim=1))
         else:
             out, state = delta_rule_chunked(q, k, v, g, beta, state)
-            ring[:, slots.write[0]] = state
+            ring.index_copy_(1, slots.write, state.unsqueeze(1))
         return out
 
 
@@ -447,8 +451,9 @@ class HybridTransformer(nn.Module):
     """The decoder; `forward` has `model.Transformer.forward`'s signature, with a `HybridCache`
     (`new_cache`) for the cache."""
 
-    # Steps keep host-side bookkeeping in the cache (`HybridCache.begin`): run eagerly.
-    cuda_graphs = False
+    # A step's slots come from its positions on the device (`HybridCache.slots`): StepRunner
+    # records decode, verification and padded prefill steps as CUDA graphs.
+    cuda_graphs = True
 
     def __init__(self, cfg: ModelConfig, kernel_config: KernelConfig = kernels.DEFAULT):
         super().__init__()
@@ -476,22 +481,23 @@ class HybridTransformer(nn.Module):
                 kv_len: int | None = None, hidden_layers: tuple[int, ...] = (),
                 last_only: bool = False, logits_at: torch.Tensor | None = None):
         """As `Transformer.forward`: tokens, positions [batch, seq] (each row's positions
-        consecutive, the same for every row). kv_len: the end of the step's positions,
-        exactly (start = kv_len - seq; steps are not graphed, so it is never rounded up).
-        logits_at: int64 [r], the rows whose logits are wanted; rows past the last of them are
-        padding (a prefill padded to a fixed length) and are not run, since a recurrent state
-        cannot skip them: the hidden states returned then stop at the last of them.
+        consecutive, the same for every row). kv_len: the end of the step's positions, or a
+        bound past it (a graph's bucket: attention masks by position); None: read from
+        positions. logits_at: int64 [r], the rows whose logits are wanted; rows past the last of
+        them are padding (a prefill padded to a fixed length), which a recurrent state cannot
+        skip: they run with β = g = 0, changing no state, and their hidden states are not the
+        model's. Given kv_len, nothing here reads the device on the host but for a `checked`
+        cache (a CPU's): the same call, recorded once, serves a step of its shape at every
+        position.
         Returns logits [batch, seq (1 with last_only, r with logits_at), vocab] (float32) and
         the requested layers' outputs [batch, seq, hidden]."""
-        if logits_at is not None:
-            real = int(logits_at.max()) + 1
-            if kv_len is not None:
-                kv_len -= tokens.shape[1] - real
-            tokens, positions = tokens[:, :real], positions[:, :real]
         t = tokens.shape[1]
-        start = int(positions[0, 0]) if kv_len is None else kv_len - t
-        kv_len = start + t
-        slots = cache.begin(start, t)
+        last = None if logits_at is None else logits_at.max()
+        if kv_len is None:
+            kv_len = int(positions[0, -1]) + 1
+        if cache.checked:
+            cache.begin(int(positions[0, 0]), t, None if last is None else int(last) + 1)
+        slots = cache.slots(positions, last)
         x = self.embed(tokens)  # [batch, seq, hidden]: the residual stream
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
         mask = attention_mask(positions, kv_len, x.dtype)
