@@ -80,8 +80,9 @@ def main() -> None:
     for t in LENGTHS:
         q, k, v, g, beta = step_inputs(args, t, dev)
         # a step from position STEPS: reads slot STEPS - 1, writes slots 0 … t - 1
-        slots = StepSlots(read=STEPS - 1, write=list(range(t)), kept=True, window=empty,
-                          window_valid=empty.bool(), conv_write=empty)
+        slots = StepSlots(kept=True, read=torch.full((1,), STEPS - 1, device=dev),
+                          write=torch.arange(t, device=dev), window=empty,
+                          window_valid=empty.bool(), conv_rows=empty, conv_write=empty, real=None)
         row = {"torch loop": event_us(
                    lambda: GatedDeltaNet.rule(q, k, v, g, beta, ring, slots, torch_kc)),
                "kernel": event_us(

@@ -31,6 +31,12 @@ def inputs(b, k_heads, v_heads, t, dk, dv, seed):
     return [x.to(DEVICE) for x in (q, k, v, g, beta)]
 
 
+def slots(read, write):
+    """The slot tensors delta_rule_step takes: read [1] (None: -1, zeros), write [t]."""
+    return (torch.tensor([-1 if read is None else read], device=DEVICE),
+            torch.tensor(write, device=DEVICE))
+
+
 def close(a, b):
     err = (a - b).abs().max().item()
     assert err <= TOL * max(1.0, b.abs().max().item()), f"max error {err}"
@@ -69,8 +75,8 @@ def test_step_matches_the_recurrent_rule(b, k_heads, v_heads, t, dk, dv, normali
         q_in, k_in = (x.repeat_interleave(group, dim=1) for x in (q, k))
     else:
         q_in, k_in = q, k
-    out = deltanet_kernels.delta_rule_step(q_in, k_in, v, g, beta, ring, read, write, scale,
-                                           kc=KC)
+    out = deltanet_kernels.delta_rule_step(q_in, k_in, v, g, beta, ring, *slots(read, write),
+                                           scale, kc=KC)
     ref_out, ref_states = reference(q, k, v, g, beta, before[:, read], scale)
     assert out.shape == (b, v_heads, t, dv)
     close(out, ref_out)
@@ -84,16 +90,16 @@ def test_a_new_sequence_starts_from_zeros_and_a_full_ring_overwrites_its_read_sl
     b, heads, t, dk, dv = 2, 2, 4, 16, 16
     q, k, v, g, beta = inputs(b, heads, heads, t, dk, dv, seed=3)
     ring = torch.full((b, t, heads, dk, dv), 5.0, device=DEVICE)
-    out = deltanet_kernels.delta_rule_step(q, k, v, g, beta, ring, None, [2, 3, 0, 1],
-                                           dk ** -0.5, kc=KC)
+    out = deltanet_kernels.delta_rule_step(q, k, v, g, beta, ring,
+                                           *slots(None, [2, 3, 0, 1]), dk ** -0.5, kc=KC)
     zeros = torch.zeros(b, heads, dk, dv, device=DEVICE)
     ref_out, ref_states = reference(q, k, v, g, beta, zeros, dk ** -0.5)
     close(out, ref_out)
     close(ring[:, [2, 3, 0, 1]].transpose(0, 1), ref_states)
     # the step as long as the ring: its last state goes to the slot it read, read first
     ring2 = ring.clone()
-    out2 = deltanet_kernels.delta_rule_step(q, k, v, g, beta, ring2, 1, [2, 3, 0, 1],
-                                            dk ** -0.5, kc=KC)
+    out2 = deltanet_kernels.delta_rule_step(q, k, v, g, beta, ring2,
+                                            *slots(1, [2, 3, 0, 1]), dk ** -0.5, kc=KC)
     ref_out2, ref_states2 = reference(q, k, v, g, beta, ring[:, 1], dk ** -0.5)
     close(out2, ref_out2)
     close(ring2[:, [2, 3, 0, 1]].transpose(0, 1), ref_states2)
@@ -108,21 +114,23 @@ def test_strided_and_half_precision_inputs_are_read_as_they_are():
     q_view, k_view = packed[..., :dk], packed[..., dk:]
     ring = torch.zeros(b, 8, heads, dk, dv, device=DEVICE)
     g_view = g.transpose(1, 2).contiguous().transpose(1, 2)
-    out = deltanet_kernels.delta_rule_step(q_view, k_view, v, g_view, beta, ring, None,
-                                           [0, 1, 2], dk ** -0.5, kc=KC)
+    out = deltanet_kernels.delta_rule_step(q_view, k_view, v, g_view, beta, ring,
+                                           *slots(None, [0, 1, 2]), dk ** -0.5, kc=KC)
     ref_out, _ = reference(q.float(), k.float(), v.float(), g, beta,
                            torch.zeros(b, heads, dk, dv, device=DEVICE), dk ** -0.5)
     close(out, ref_out)
 
 
-@pytest.mark.parametrize("t,write,message", [
-    (3, [0, 1], "3 tokens and 2 slots"), (2, [0, 2], "follow each other"),
-    (33, list(range(33)), "1 … 32")])
-def test_bad_slots_are_refused(t, write, message):
+@pytest.mark.parametrize("t,read,write,message", [
+    (3, [-1], [0, 1], "3 tokens and slots of shape \\(2,\\)"),
+    (2, [0, 1], [0, 1], "reads one slot"), (2, [-1], [0.0, 1.0], "write slots must be .* int64"),
+    (33, [-1], list(range(33)), "1 … 32")])
+def test_bad_slots_are_refused(t, read, write, message):
     q, k, v, g, beta = inputs(1, 1, 1, t, 16, 16, seed=0)
     ring = torch.zeros(1, 40, 1, 16, 16, device=DEVICE)
+    read, write = (torch.tensor(x, device=DEVICE) for x in (read, write))
     with pytest.raises(ValueError, match=message):
-        deltanet_kernels.delta_rule_step(q, k, v, g, beta, ring, None, write, kc=KC)
+        deltanet_kernels.delta_rule_step(q, k, v, g, beta, ring, read, write, kc=KC)
 
 
 def test_the_hybrid_model_decodes_and_verifies_through_the_kernel(tmp_path, monkeypatch):

@@ -22,7 +22,8 @@ TYPES = dict(temperature="fp32", top_p="fp32", log_min_p="fp32", scale="fp32", e
              logits_ptr="*bf16", cand_ptr="*i64", token_ptr="*i64", rng_ptr="*i64",
              onehot_ptr="*i64", count_ptr="*i32", ncand_ptr="*i32", st_ptr="*i32",
              hcount_ptr="*i32", flag_ptr="*i32", arg_ptr="*i32", parg_ptr="*i32",
-             pos_ptr="*i64", anc_ptr="*i64", qk_scale="fp32")
+             pos_ptr="*i64", anc_ptr="*i64", read_ptr="*i64", write_ptr="*i64",
+             qk_scale="fp32")
 try:
     target = GPUTarget("cuda", 90, 32)
     triton.compiler.make_backend(target)
@@ -56,12 +57,11 @@ for mode in range(3):
         compile_(K._race_kernel, C_PAD=128, ROWS=rows_per_program, BLOCK=2048, MODE=mode)
 compile_(K._uniform_kernel, BLOCK=128)
 # Qwen3.5-27B's heads (three value heads a key head, 128 × 128), and a small padded shape
-for read in (False, True):
-    for norm in (False, True):
-        compile_(D._delta_rule_step_kernel, GROUP=3, DK=128, DV=128, BLOCK_K=128, BLOCK_V=32,
-                 HAS_READ=read, NORMALIZE=norm, USE_PDL=True)
+for norm in (False, True):
+    compile_(D._delta_rule_step_kernel, GROUP=3, DK=128, DV=128, BLOCK_K=128, BLOCK_V=32,
+             NORMALIZE=norm, USE_PDL=True)
 compile_(D._delta_rule_step_kernel, GROUP=2, DK=8, DV=12, BLOCK_K=8, BLOCK_V=16,
-         HAS_READ=True, NORMALIZE=True, USE_PDL=False)
+         NORMALIZE=True, USE_PDL=False)
 # attention over the cache, rope inside, chains and token trees (the 1.5B's heads)
 for tree in (False, True):
     compile_(A._attention_kernel, GROUP=6, D=128, BLOCK_M=16, BLOCK_N=64, SPLIT=256,

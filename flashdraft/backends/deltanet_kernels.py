@@ -89,7 +89,8 @@ if triton is not None:
         cell = rk[:, None] * stride_rk + rv[None, :]  # S[k, v] within a slot's head
         ring = ring_ptr + b.to(tl.int64) * stride_rb + h * stride_rh
         read = tl.load(read_ptr)  # -1: a new sequence, from zeros
-        state = tl.load(ring + read * stride_rs + cell, mask=ok & (read >= 0), other=0.0)
+        state = tl.load(ring + tl.maximum(read, 0) * stride_rs + cell, mask=ok, other=0.0)
+        state = tl.where(read >= 0, state, 0.0)
         q_row = q_ptr + b.to(tl.int64) * stride_qb + kh * stride_qh
         k_row = k_ptr + b.to(tl.int64) * stride_kb + kh * stride_kh
         v_row = v_ptr + b.to(tl.int64) * stride_vb + h * stride_vh
