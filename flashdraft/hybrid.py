@@ -132,6 +132,12 @@ class HybridCache:
         # Positions one attention program reads on the GPU; the engine sets it per request.
         self.split_len = self.kv.split_len
 
+    def graph_key(self) -> tuple:
+        """What a CUDA graph of a step over this cache depends on: the addresses and shapes of
+        its keys and values and of its rings (a ring's slot count is baked into the step)."""
+        return (self.kv.graph_key(), self.state.data_ptr(), tuple(self.state.shape),
+                self.conv.data_ptr(), tuple(self.conv.shape))
+
     def fits(self, max_len: int, steps: int) -> bool:
         """Whether this cache serves sequences of max_len positions verified `steps` at a time."""
         return self.max_len >= max_len and self.steps >= steps

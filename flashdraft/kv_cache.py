@@ -40,6 +40,11 @@ class KVCache:
         """Keys and values [batch, kv_heads, kv_len, head_dim] of a layer: views."""
         return self.kv[layer, 0, :batch, :, :kv_len], self.kv[layer, 1, :batch, :, :kv_len]
 
+    def graph_key(self) -> tuple:
+        """What a CUDA graph of a step over this cache depends on: its tensors' addresses and
+        shapes."""
+        return (self.kv.data_ptr(), tuple(self.kv.shape))
+
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 

@@ -257,8 +257,10 @@ class StepRunner:
         return g.outputs
 
     def _follow(self, cache: KVCache) -> None:
-        # Graphs hold the cache's addresses: they stay valid exactly while those do.
-        cache_id = (cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape))
+        # Graphs hold the cache's addresses: they stay valid exactly while those do (every
+        # tensor a step reads or writes: a hybrid's rings too, whose slot counts its graphs
+        # bake in).
+        cache_id = cache.graph_key()
         if self._cache_id != cache_id:
             self.reset()
             self._cache_id = cache_id
