@@ -16,6 +16,7 @@ from .config import EngineConfig, KernelConfig, SamplingParams, speculative_toke
 from .drafters import Drafter, make_drafter
 from .engine import Engine, RequestMetrics
 from .loading import load_model
+from .parallel import TensorParallel, load_shard
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -85,7 +86,8 @@ class LLM:
                  cuda_graphs: bool = True, compile: bool = False,
                  quantization: str | None = None, draft_quantization: str | None = "auto",
                  adaptive_speculation: bool = True, decode_kernel: str = "auto",
-                 kernels: KernelConfig = KernelConfig(), tree_widths: Iterable[int] = ()):
+                 kernels: KernelConfig = KernelConfig(), tree_widths: Iterable[int] = (),
+                 tensor_parallel: int = 1):
         self.config = EngineConfig(model=model, draft=draft,
                                    num_speculative_tokens=num_speculative_tokens,
                                    ngram_sizes=tuple(ngram_sizes), dtype=dtype, device=device,
@@ -94,11 +96,21 @@ class LLM:
                                    draft_quantization=draft_quantization,
                                    adaptive_speculation=adaptive_speculation,
                                    decode_kernel=decode_kernel, kernels=kernels,
-                                   tree_widths=tuple(tree_widths))
+                                   tree_widths=tuple(tree_widths),
+                                   tensor_parallel=tensor_parallel)
+        # tensor parallelism: this process is one rank, all of which run every request alike
+        self.parallel = (TensorParallel.join(tensor_parallel, device) if tensor_parallel > 1
+                         else None)
+        self.rank = 0 if self.parallel is None else self.parallel.rank  # rank 0 prints
+        if self.parallel is not None:
+            device = self.parallel.device(device)
         self.device, self.dtype = pick_device_dtype(device, dtype)
-        # quantized as it loads: the device never holds the full-precision model
-        self.target = load_model(model, self.dtype, self.device, quantization,
-                                 kernel_config=kernels)
+        if self.parallel is not None:
+            self.target = load_shard(model, self.dtype, self.device, self.parallel, kernels)
+            self.parallel.agree_on_seed(self.device)
+        else:  # quantized as it loads: the device never holds the full-precision model
+            self.target = load_model(model, self.dtype, self.device, quantization,
+                                     kernel_config=kernels)
         self.tokenizer = self.target.tokenizer
         limit = self.target.config.max_position_embeddings
         if max_model_len is not None and max_model_len > limit:
@@ -107,7 +119,8 @@ class LLM:
         self.max_model_len = max_model_len or limit
         self.engine = Engine(self.target.model, self.device, self.dtype, self.max_model_len,
                              self.target.config.eos_token_ids, cuda_graphs=cuda_graphs,
-                             compile=compile, adaptive=adaptive_speculation,
+                             compile=compile,
+                             adaptive=adaptive_speculation and self.parallel is None,
                              decode_kernel=decode_kernel, tree_widths=self.config.tree_widths)
         self._drafters: dict[str, Drafter] = {}
         self.num_speculative_tokens = self.config.num_speculative_tokens

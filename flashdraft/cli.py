@@ -6,6 +6,7 @@ KernelConfig or SamplingParams (or of the subcommand's own settings).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .config import DECODE_KERNELS, KERNEL_BACKENDS
@@ -113,7 +114,8 @@ def build_llm(args):
                quantization=args.quantization, draft_quantization=args.draft_quantization,
                adaptive_speculation=getattr(args, "adaptive_speculation", True),
                decode_kernel=args.decode_kernel, kernels=kernel_config_from(args),
-               tree_widths=parse_ints(getattr(args, "tree_widths", ""), "--tree-widths"))
+               tree_widths=parse_ints(getattr(args, "tree_widths", ""), "--tree-widths"),
+               tensor_parallel=getattr(args, "tensor_parallel", 1))
 
 
 def sampling_from(args):
@@ -135,6 +137,8 @@ def stats_line(m) -> str:
 def cmd_generate(args) -> None:
     params = sampling_from(args)
     llm = build_llm(args)
+    if llm.rank != 0:  # every rank generates the same text: rank 0 prints it
+        sys.stdout = sys.stderr = open(os.devnull, "w")
     for prompt in args.prompt:
         if args.chat:
             ids = llm.chat_prompt_ids([{"role": "user", "content": prompt}])
@@ -147,6 +151,8 @@ def cmd_generate(args) -> None:
             if delta.output is not None:
                 print()
                 print(stats_line(delta.output.metrics), file=sys.stderr)
+    if llm.parallel is not None:
+        llm.parallel.leave()
 
 
 def cmd_chat(args) -> None:
@@ -282,6 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(g)
     add_sampling_args(g)
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="spread the model over N GPUs, one process each: start it with "
+                        "`torchrun --nproc-per-node N -m flashdraft.cli generate "
+                        "--tensor-parallel N ...` (dense models, full precision; default 1)")
     g.add_argument("prompt", nargs="+")
     g.set_defaults(func=cmd_generate)
 

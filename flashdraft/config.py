@@ -322,8 +322,12 @@ class EngineConfig:
     # token trees: candidates a draft position (the drafter's best and its next best tokens,
     # verified in one pass), e.g. (3, 2, 2); positions past the list: one. (): chains
     tree_widths: tuple[int, ...] = ()
+    # GPUs one model is spread over (flashdraft.parallel: one process each, started by torchrun;
+    # every rank runs the same steps, so the cost model's timing-driven choices are off)
+    tensor_parallel: int = 1
 
     def __post_init__(self):
+        _check_tensor_parallel(self)
         object.__setattr__(self, "num_speculative_tokens",
                            speculative_tokens(self.num_speculative_tokens))
         if self.dtype not in (None, "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
@@ -351,3 +355,22 @@ class EngineConfig:
         if self.draft_quantization == "auto":
             return self.quantization
         return None if self.draft_quantization in (None, "none") else self.draft_quantization
+
+
+def _check_tensor_parallel(cfg: EngineConfig) -> None:
+    """A user's error for tensor_parallel and the settings it does not run with."""
+    n = cfg.tensor_parallel
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"tensor_parallel must be a whole number >= 1 (GPUs), got {n!r}")
+    if n == 1:
+        return
+    if cfg.quantization is not None:
+        raise ValueError(f"tensor_parallel={n} shards full-precision weights; "
+                         f"quantization={cfg.quantization!r} cannot be sharded yet")
+    if cfg.decode_kernel == "megakernel":
+        raise ValueError(f"tensor_parallel={n}: the decode megakernel runs a whole model on one "
+                         f"GPU; use decode_kernel auto or graph")
+    if cfg.draft is not None and cfg.adaptive_speculation:
+        raise ValueError(f"tensor_parallel={n} with a drafter: the cost model chooses k from "
+                         f"each rank's own timings, and every rank must run the same steps; "
+                         f"pass --no-adaptive-speculation (adaptive_speculation=False)")

@@ -200,13 +200,16 @@ class Residual:
       products measured no faster and were removed).
     """
 
-    def __init__(self, x: torch.Tensor, folded: bool, kc: KernelConfig):
+    def __init__(self, x: torch.Tensor, folded: bool, kc: KernelConfig, group=None):
         self.x = x  # [batch, seq, hidden]: the stream, but for delta
         self.delta: torch.Tensor | None = None  # [batch, seq, hidden]: an output not added yet
         # [batch * seq, tiles] float32: x's rows' sums of squares by column tile, when known
         self.ss: torch.Tensor | None = None
         self.folded = folded  # the model's norm weights are folded into the products after them
         self.kc = kc
+        # tensor parallelism's process group (`flashdraft.parallel`): each rank's sublayer
+        # output is a partial sum, all-reduced before it joins the stream; None: one device
+        self.group = group
 
     def normed(self, norm: RMSNorm, module: nn.Module, gated: bool = False,
                folded: bool = True) -> torch.Tensor:
@@ -224,10 +227,13 @@ class Residual:
         may be an MLP's activation not computed yet (`kernels.SiluPending`), which the product
         then computes."""
         pending = isinstance(x, kernels.SiluPending)
-        if self.folded and kernels.folds_norm(x.gate_up if pending else x, module, self.kc):
+        if (self.group is None and self.folded
+                and kernels.folds_norm(x.gate_up if pending else x, module, self.kc)):
             self.ss = kernels.add_linear(x, module, self.x, self.kc)
         else:
             self.delta = kernels.linear(x.value() if pending else x, module, self.kc)
+            if self.group is not None:  # the ranks' partial sums: the output, then its add
+                torch.distributed.all_reduce(self.delta, group=self.group)
             self.ss = None
 
     def value(self) -> torch.Tensor:
@@ -238,7 +244,7 @@ class Residual:
         """The stream at positions `index` along seq only (int64 indices, or a slice)."""
         pick = ((lambda t: t.index_select(1, index)) if isinstance(index, torch.Tensor)
                 else (lambda t: t[:, index]))
-        picked = Residual(pick(self.x), self.folded, self.kc)
+        picked = Residual(pick(self.x), self.folded, self.kc, self.group)
         if self.delta is not None:
             picked.delta = pick(self.delta)
         return picked
@@ -279,6 +285,10 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
         self.norms_folded = False  # fold_norms
+        # set by `parallel.shard`: this rank holds a slice of the heads and of the MLP, and its
+        # wo and w_down outputs are partial sums the ranks all-reduce (`Residual`); None: the
+        # whole model on one device
+        self.process_group = None
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device,
                   steps: int = 1) -> KVCache:
@@ -349,7 +359,7 @@ class Transformer(nn.Module):
             mask = attention_mask(positions, kv_len, residual.dtype,
                                   None if tree is None else tree.visible(positions, kv_len))
         hidden = [residual.clone()] if 0 in hidden_layers else []
-        stream = Residual(residual, self.norms_folded, self.kernel_config)
+        stream = Residual(residual, self.norms_folded, self.kernel_config, self.process_group)
         for i, block in enumerate(self.layers):
             block(stream, cos, sin, positions, mask, cache, i, kv_len)
             if i + 1 in hidden_layers:

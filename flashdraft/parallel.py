@@ -1,0 +1,190 @@
+"""Tensor parallelism of the dense decoder over torch.distributed, Megatron-style.
+
+Every rank holds a slice of each block and runs the same program on the same inputs (SPMD):
+
+- wqkv column-parallel by heads: the fused output is [q heads | k heads | v heads], and each
+  rank keeps its q heads, its kv heads and the v heads of those, so its attention runs on its
+  own heads and its KV cache holds only its kv heads;
+- w_gate_up column-parallel: [gate | up], each half sliced the same way, so SiLU(gate) · up
+  stays local;
+- wo and w_down row-parallel: each rank's product over its slice of the input is a partial
+  sum; `model.Residual` all-reduces it before it joins the residual stream (two all-reduces
+  a layer, the only communication);
+- the embedding, the norms and the LM head replicated (a vocabulary-parallel head may
+  follow), so after the last all-reduce every rank holds the same logits and picks the same
+  tokens: the engine needs no broadcast, and rank 0 speaks for all.
+
+torchrun starts the ranks (`torchrun --nproc-per-node N -m flashdraft.cli generate
+--tensor-parallel N ...`); NCCL on CUDA, gloo on CPUs (the tests), one code path.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import KernelConfig
+from .model import Transformer
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """One rank's place in the tensor-parallel group."""
+    world_size: int
+    rank: int
+    local_rank: int = 0  # its GPU on this host: cuda:{local_rank}
+    group: object = None  # the torch.distributed process group; None: the default (world) one
+
+    def __post_init__(self):
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"tensor parallelism needs world_size >= 1, got {self.world_size!r}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not one of 0 .. {self.world_size - 1}")
+
+    @classmethod
+    def join(cls, size: int, device: str | None = None) -> "TensorParallel":
+        """This process's rank of `size`: torch.distributed as initialised (by the caller, or
+        here from the variables torchrun sets: NCCL for CUDA, gloo for CPUs), with `size`
+        processes; else a user's error saying how to launch."""
+        launch = (f"launch it with `torchrun --nproc-per-node {size} -m flashdraft.cli generate "
+                  f"--tensor-parallel {size} ...` (or initialise torch.distributed with {size} "
+                  f"processes before LLM(tensor_parallel={size}))")
+        if not dist.is_available():
+            raise ValueError(f"tensor_parallel={size} needs torch.distributed, which this "
+                             f"PyTorch build lacks")
+        cuda = _wants_cuda(device)
+        if not dist.is_initialized() and "WORLD_SIZE" in os.environ:  # started by torchrun
+            local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            if cuda:
+                torch.cuda.set_device(local_rank)
+            dist.init_process_group("nccl" if cuda else "gloo")
+        if not dist.is_initialized():
+            raise ValueError(f"tensor_parallel={size} runs one process per GPU, and "
+                             f"torch.distributed is not initialised: {launch}")
+        world = dist.get_world_size()
+        if world != size:
+            raise ValueError(f"tensor_parallel={size}, but torch.distributed has {world} "
+                             f"processes: {launch}")
+        rank = dist.get_rank()
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        if cuda:
+            torch.cuda.set_device(local_rank)
+        return cls(world_size=world, rank=rank, local_rank=local_rank)
+
+    def device(self, device: str | None) -> str:
+        """The device this rank runs on for the user's `device`: CUDA's cuda:{local_rank}."""
+        if not _wants_cuda(device):
+            return "cpu"
+        if device not in (None, "cuda", f"cuda:{self.local_rank}"):
+            raise ValueError(f"device {device!r}: with tensor parallelism rank {self.rank} runs "
+                             f"on cuda:{self.local_rank} (its LOCAL_RANK); pass --device cuda "
+                             f"or leave it out")
+        return f"cuda:{self.local_rank}"
+
+    def agree_on_seed(self, device) -> None:
+        """Seed torch's generator alike on every rank (rank 0's draw), so that requests without
+        a seed sample the same tokens everywhere."""
+        seed = torch.randint(0, 2 ** 62, (1,)).to(device)
+        dist.broadcast(seed, src=0, group=self.group)
+        torch.manual_seed(int(seed))
+
+    def leave(self) -> None:
+        """End this process's part once every rank is done (a rank that exits while another
+        still tears down its connections can abort it)."""
+        dist.barrier(group=self.group)
+        dist.destroy_process_group()
+
+    @property
+    def process_group(self):
+        return dist.group.WORLD if self.group is None else self.group
+
+
+def _wants_cuda(device: str | None) -> bool:
+    return torch.device(device).type == "cuda" if device else torch.cuda.is_available()
+
+
+def check_divisible(cfg, world_size: int) -> None:
+    """A user's error for a model whose kv heads (or MLP width) do not split into world_size
+    whole parts."""
+    if cfg.num_kv_heads % world_size:
+        fits = [n for n in range(1, cfg.num_kv_heads + 1) if cfg.num_kv_heads % n == 0]
+        raise ValueError(f"tensor_parallel={world_size} does not divide the model's "
+                         f"num_kv_heads={cfg.num_kv_heads}: each rank holds whole kv heads (and "
+                         f"their {cfg.num_heads // cfg.num_kv_heads} q heads each); use a "
+                         f"tensor_parallel of {', '.join(map(str, fits))}")
+    if cfg.intermediate_size % world_size:
+        raise ValueError(f"tensor_parallel={world_size} does not divide the model's "
+                         f"intermediate_size={cfg.intermediate_size}; use a tensor_parallel "
+                         f"that does")
+
+
+def _parts(width: int, *offsets: int, rank: int, world: int) -> torch.Tensor:
+    """The indices of rank's share of each part [offset, offset + width) of a fused dimension."""
+    share = width // world
+    return torch.cat([torch.arange(o + rank * share, o + (rank + 1) * share) for o in offsets])
+
+
+def _keep(linear: nn.Module, index: torch.Tensor, dim: int) -> None:
+    """Keep only `index` along dim of linear's weight (0: output rows, with the bias; 1: input
+    columns), as new storage so the whole weight can be freed."""
+    w = linear.weight
+    linear.weight = nn.Parameter(w.index_select(dim, index.to(w.device)).contiguous(),
+                                 requires_grad=False)
+    if dim == 0 and linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias.index_select(0, index.to(w.device)).contiguous(),
+                                   requires_grad=False)
+    linear.out_features, linear.in_features = linear.weight.shape
+
+
+@torch.no_grad()
+def shard(model: Transformer, tp: TensorParallel) -> Transformer:
+    """Keep rank tp.rank's slice of `model` (a loaded dense decoder), in place; returns it.
+    Its cfg becomes this rank's (num_heads, num_kv_heads, intermediate_size divided by the
+    world size), from which its KV cache is made."""
+    if type(model) is not Transformer:
+        raise ValueError(f"tensor parallelism shards the dense decoder (Llama, Qwen2, Qwen3); "
+                         f"{type(model).__name__} is not one yet: run it with tensor_parallel=1")
+    cfg, world, rank = model.cfg, tp.world_size, tp.rank
+    check_divisible(cfg, world)
+    linears = [m for block in model.layers for m in (block.attn.wqkv, block.attn.wo,
+                                                     block.mlp.w_gate_up, block.mlp.w_down)]
+    if any(type(m) is not nn.Linear for m in linears):
+        raise ValueError("tensor parallelism slices full-precision weights; a quantized model "
+                         "(--quantization) cannot be sharded yet: leave quantization unset")
+    if world == 1:
+        return model
+    d = cfg.head_dim
+    q, kv, inner = cfg.num_heads * d, cfg.num_kv_heads * d, cfg.intermediate_size
+    qkv_rows = torch.cat([_parts(q, 0, rank=rank, world=world),
+                          _parts(kv, q, q + kv, rank=rank, world=world)])
+    q_cols = _parts(q, 0, rank=rank, world=world)
+    mlp_rows = _parts(inner, 0, inner, rank=rank, world=world)
+    mlp_cols = _parts(inner, 0, rank=rank, world=world)
+    for block in model.layers:
+        attn, mlp = block.attn, block.mlp
+        _keep(attn.wqkv, qkv_rows, 0)
+        _keep(attn.wo, q_cols, 1)
+        attn.n_heads, attn.n_kv = cfg.num_heads // world, cfg.num_kv_heads // world
+        _keep(mlp.w_gate_up, mlp_rows, 0)
+        _keep(mlp.w_down, mlp_cols, 1)
+    model.cfg = dataclasses.replace(cfg, num_heads=cfg.num_heads // world,
+                                    num_kv_heads=cfg.num_kv_heads // world,
+                                    intermediate_size=inner // world)
+    model.process_group = tp.process_group
+    return model
+
+
+def load_shard(ref: str, dtype: torch.dtype, device, tp: TensorParallel,
+               kernel_config: KernelConfig):
+    """The model `ref` names (`loading.load_model`), read on the CPU, cut to this rank's slice
+    (`shard`) and moved to device: the device holds the slice only. (Each rank still reads
+    the whole checkpoint; reading only its slices may follow.)"""
+    from .loading import load_model
+
+    loaded = load_model(ref, dtype, torch.device("cpu"), kernel_config=kernel_config)
+    loaded.model = shard(loaded.model, tp).to(device)
+    return loaded
