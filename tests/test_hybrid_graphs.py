@@ -142,7 +142,7 @@ def generate(path, graphs: bool, draft, k: int):
     and how many graph replays its steps took."""
     llm = LLM(path, device="cuda", dtype="float32", cuda_graphs=graphs,
               adaptive_speculation=False)
-    outs = llm.generate(PROMPTS, GREEDY, draft=draft, num_speculative_tokens=k)
+    outs = llm.generate(PROMPTS, GREEDY, draft=draft, num_speculative_tokens=k or None)
     runner = llm.engine.runner
     return [o.token_ids for o in outs], (runner.stats.replays if runner is not None else 0)
 
