@@ -30,15 +30,22 @@ BLOCKS = (16, 32, 64)
 
 
 def event_us(fn, repeats: int = 100) -> float:
-    """Microseconds per call of fn() between CUDA events, after warm-up (eager launches: the
-    hybrid's steps are not graphed)."""
-    for _ in range(5):
-        fn()
+    """Microseconds per call of fn() between CUDA events, as a CUDA graph of `repeats` calls
+    (as the engine replays a step: eager launches from Python would time the launches)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(5):  # compilation, the allocator
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
-    for _ in range(repeats):
-        fn()
+    graph.replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / repeats * 1e3
