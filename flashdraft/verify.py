@@ -111,15 +111,25 @@ class SampledVerify(SampledPick):
                              f"rows of q, not {q_logits.shape[0]}")
         self.q[:q_logits.shape[0]].copy_(self.fit(q_logits), non_blocking=True)
 
+    def stats_pq(self, rows: torch.Tensor, q_rows: torch.Tensor | None):
+        """RowStats of the target's rows [r, V] and of the draft's [r', V] (None: none), found
+        in one pass of the kernels over both: each row's stats are its own, and one descent
+        over r + r' rows costs about what one over r rows does (its programs run side by
+        side), half of two."""
+        if q_rows is None:
+            return self.stats(rows), None
+        both = self.stats(torch.cat([rows, q_rows]))
+        n = rows.shape[0]
+        return _take(both, slice(0, n)), _take(both, slice(n, None))
+
     def __call__(self, tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         drafts = tokens[0, 1:]  # [k]
         k = drafts.shape[0]
         rows = self.fit(logits[0])  # [k + 1, V]
-        p_stats = self.stats(rows)
+        q_rows = self.q[:k] if self.q is not None else None
+        p_stats, q_stats = self.stats_pq(rows, q_rows)
         p_d = prob_at(rows[:k], drafts, self.temperature, RowStats(*(x[:k] for x in p_stats)))
         if self.q is not None:
-            q_rows = self.q[:k]
-            q_stats = self.stats(q_rows)
             q_d = prob_at(q_rows, drafts, self.temperature, q_stats)
         else:
             q_d = torch.ones_like(p_d)
@@ -196,11 +206,10 @@ class SpineTreeVerify(SampledVerify):
         k, nodes = tree.k, tokens[0, 1:]  # [T]
         spine, leaves = nodes[:k], nodes[k:]  # [k], [L]
         rows = self.fit(logits[0])  # [T + 1, V]
-        p_stats = self.stats(rows)
-        p_d = prob_at(rows[:k], spine, temp, _take(p_stats, slice(0, k)))
         q_rows = self.q[:k] if self.q is not None else None
+        p_stats, q_stats = self.stats_pq(rows, q_rows)
+        p_d = prob_at(rows[:k], spine, temp, _take(p_stats, slice(0, k)))
         if q_rows is not None:
-            q_stats = self.stats(q_rows)
             q_d = prob_at(q_rows, spine, temp, q_stats)
         else:
             q_d = torch.ones_like(p_d)

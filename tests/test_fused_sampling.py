@@ -37,6 +37,20 @@ def test_row_stats_random_rows(top_k):
         check_stats(logits, (0.5, 1.0, 1.5)[i % 3], top_k, top_p, min_p)
 
 
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (5, 1.0), (3, 0.5)])
+def test_each_rows_stats_are_its_own(top_k, top_p):
+    """A row's stats do not depend on the rows beside it (so p's and q's rows are found in one
+    pass, `SampledVerify.stats_pq`): rows alone, in pairs and all at once, bit for bit."""
+    g = torch.Generator().manual_seed(top_k)
+    scale = torch.tensor([0.3, 1.0, 3.0, 6.0, 0.01])[:, None]
+    logits = (torch.randn(5, 700, generator=g) * scale).to(DEV)
+    whole = S.row_stats(logits, 0.8, top_k, top_p, fused=True, **KW)
+    for rows in ([0], [1, 2], [3, 4], [4, 0, 2]):
+        part = S.row_stats(logits[rows], 0.8, top_k, top_p, fused=True, **KW)
+        for got, want in zip(part, whole):
+            assert torch.equal(got, want[rows]), rows
+
+
 def adversarial_rows():
     """Rows that make the cut hard: each a [V] float32 tensor with its name."""
     v = 600
