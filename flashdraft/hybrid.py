@@ -485,7 +485,7 @@ class HybridTransformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: HybridCache,
                 kv_len: int | None = None, hidden_layers: tuple[int, ...] = (),
-                last_only: bool = False, logits_at: torch.Tensor | None = None):
+                last_only: bool = False, logits_at: torch.Tensor | None = None, tree=None):
         """As `Transformer.forward`: tokens, positions [batch, seq] (each row's positions
         consecutive, the same for every row). kv_len: the end of the step's positions, or a
         bound past it (a graph's bucket: attention masks by position); None: read from
@@ -496,7 +496,11 @@ class HybridTransformer(nn.Module):
         cache (a CPU's): the same call, recorded once, serves a step of its shape at every
         position.
         Returns logits [batch, seq (1 with last_only, r with logits_at), vocab] (float32) and
-        the requested layers' outputs [batch, seq, hidden]."""
+        the requested layers' outputs [batch, seq, hidden]. tree: None (the recurrent states
+        follow one sequence: token trees are refused, as `supports_trees` says)."""
+        if tree is not None:
+            raise ValueError("token trees need a target whose cache is attention's alone: the "
+                             "hybrid verifies chains only")
         t = tokens.shape[1]
         last = None if logits_at is None else logits_at.max()
         if kv_len is None:

@@ -80,7 +80,7 @@ def eager_step(model, tokens: torch.Tensor, start: int, cache: KVCache,
     positions = torch.arange(start, start + t, device=tokens.device).unsqueeze(0)
     logits, hidden = model(tokens, positions, cache, kv_len=start + t,
                            hidden_layers=hidden_layers, last_only=last_only, logits_at=logits_at,
-                           **({} if tree is None else {"tree": tree}))
+                           tree=tree)
     return (logits, hidden) if post is None else (logits, hidden, post(tokens, logits))
 
 
@@ -274,8 +274,7 @@ class StepRunner:
         def run():
             logits, hidden = self._forward(static_tokens, positions, cache, kv_len=kv_len,
                                            hidden_layers=hidden_layers, last_only=last_only,
-                                           logits_at=logits_at,
-                                           **({} if tree is None else {"tree": tree}))
+                                           logits_at=logits_at, tree=tree)
             return logits, hidden, (post(static_tokens, logits) if post is not None else None)
         # A post's RNG state, which the warm-up advances, is put back (a seed gives the same
         # tokens whether or not a step was captured on the way).
