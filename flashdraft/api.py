@@ -7,16 +7,17 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Iterable, Iterator
 
 import torch
 
 from .config import EngineConfig, KernelConfig, SamplingParams, speculative_tokens
-from .drafters import Drafter, make_drafter
+from .drafters import Drafter, make_drafter, parse_drafter_spec
 from .engine import Engine, RequestMetrics
 from .loading import load_model
 from .parallel import TensorParallel, load_shard
+from .scheduling import StepCostCache, device_kind, weight_bytes
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -87,7 +88,7 @@ class LLM:
                  quantization: str | None = None, draft_quantization: str | None = "auto",
                  adaptive_speculation: bool = True, decode_kernel: str = "auto",
                  kernels: KernelConfig = KernelConfig(), tree_widths: Iterable[int] = (),
-                 tensor_parallel: int = 1):
+                 tensor_parallel: int = 1, step_cost_cache: bool | None = None):
         self.config = EngineConfig(model=model, draft=draft,
                                    num_speculative_tokens=num_speculative_tokens,
                                    ngram_sizes=tuple(ngram_sizes), dtype=dtype, device=device,
@@ -97,7 +98,8 @@ class LLM:
                                    adaptive_speculation=adaptive_speculation,
                                    decode_kernel=decode_kernel, kernels=kernels,
                                    tree_widths=tuple(tree_widths),
-                                   tensor_parallel=tensor_parallel)
+                                   tensor_parallel=tensor_parallel,
+                                   step_cost_cache=step_cost_cache)
         # tensor parallelism: this process is one rank, all of which run every request alike
         self.parallel = (TensorParallel.join(tensor_parallel, device) if tensor_parallel > 1
                          else None)
@@ -121,18 +123,46 @@ class LLM:
                              self.target.config.eos_token_ids, cuda_graphs=cuda_graphs,
                              compile=compile,
                              adaptive=adaptive_speculation and self.parallel is None,
-                             decode_kernel=decode_kernel, tree_widths=self.config.tree_widths)
+                             decode_kernel=decode_kernel, tree_widths=self.config.tree_widths,
+                             step_cost_cache=self._step_cost_cache())
         self._drafters: dict[str, Drafter] = {}
         self.num_speculative_tokens = self.config.num_speculative_tokens
         self.drafter = self.get_drafter(draft) if draft else None
+
+    def _step_cost_cache(self) -> StepCostCache | None:
+        """Where the engine's step costs are kept across runs (EngineConfig.step_cost_cache),
+        under what makes them this setup's: the GPU, the target, its dtype, quantization and
+        every setting of how its steps run. None: not kept (nor with tensor parallelism, whose
+        choices are not timed)."""
+        on = self.config.step_cost_cache
+        if not (self.device.type == "cuda" if on is None else on) or self.parallel is not None:
+            return None
+        c = self.config
+        return StepCostCache({
+            "device": device_kind(self.device), "torch": torch.__version__,
+            "model": self.target.source, "weight_bytes": weight_bytes(self.target.model),
+            "dtype": str(self.dtype), "quantization": c.quantization,
+            "kernels": asdict(c.kernels), "decode_kernel": c.decode_kernel,
+            "cuda_graphs": c.cuda_graphs, "compile": c.compile})
 
     def get_drafter(self, name: str) -> Drafter:
         """A drafter by its spec (drafters.registry: "ngram", "model:PATH", or a draft model's
         path / id / alias), made once."""
         if name not in self._drafters:
-            self._drafters[name] = make_drafter(name, self.target, self.config, self.device,
-                                                self.dtype)
+            drafter = make_drafter(name, self.target, self.config, self.device, self.dtype)
+            model = getattr(drafter, "model", None)
+            # its step costs, kept under its spec and the weights it streams
+            self.engine.costs.identify(drafter, {
+                "spec": name, "kind": parse_drafter_spec(name).kind,
+                "weight_bytes": weight_bytes(model) if model is not None else 0,
+                "quantization": self.config.draft_quant if model is not None else None})
+            self._drafters[name] = drafter
         return self._drafters[name]
+
+    def close(self) -> None:
+        """Save what the cost model measured (EngineConfig.step_cost_cache); the LLM stays
+        usable."""
+        self.engine.close()
 
     # -- prompts ---------------------------------------------------------------------------
     def encode(self, prompt) -> tuple[str | None, list[int]]:

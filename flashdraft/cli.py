@@ -37,6 +37,12 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True,
                        help="draft K tokens at every step (default: the cost model chooses "
                             "k, or plain decoding, each step; greedy output is the same "
                             "either way)")
+        p.add_argument("--no-step-cost-cache", dest="step_cost_cache", action="store_false",
+                       default=None,
+                       help="measure the cost model's step costs afresh, and keep nothing "
+                            "(default on CUDA: they are kept in the cache directory's "
+                            "step_costs.json per GPU, model and settings, and the next run "
+                            "starts from them)")
     p.add_argument("--device", default=None,
                    help="cpu, cuda or cuda:N (default: cuda when present)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -115,7 +121,8 @@ def build_llm(args):
                adaptive_speculation=getattr(args, "adaptive_speculation", True),
                decode_kernel=args.decode_kernel, kernels=kernel_config_from(args),
                tree_widths=parse_ints(getattr(args, "tree_widths", ""), "--tree-widths"),
-               tensor_parallel=getattr(args, "tensor_parallel", 1))
+               tensor_parallel=getattr(args, "tensor_parallel", 1),
+               step_cost_cache=getattr(args, "step_cost_cache", None))
 
 
 def sampling_from(args):
@@ -151,6 +158,7 @@ def cmd_generate(args) -> None:
             if delta.output is not None:
                 print()
                 print(stats_line(delta.output.metrics), file=sys.stderr)
+    llm.close()
     if llm.parallel is not None:
         llm.parallel.leave()
 
@@ -177,6 +185,7 @@ def cmd_chat(args) -> None:
                 print()
                 print(stats_line(delta.output.metrics), file=sys.stderr)
         messages.append({"role": "assistant", "content": reply})
+    llm.close()
 
 
 def cmd_models(args) -> None:

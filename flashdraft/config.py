@@ -322,6 +322,11 @@ class EngineConfig:
     # token trees: candidates a draft position (the drafter's best and its next best tokens,
     # verified in one pass), e.g. (3, 2, 2); positions past the list: one. (): chains
     tree_widths: tuple[int, ...] = ()
+    # keep the cost model's step costs (the plain step, each drafter's step lines; not
+    # acceptance) in the cache directory's step_costs.json, per GPU, model and settings, so that
+    # the next engine of the same setup starts from them (flashdraft.scheduling.StepCostCache);
+    # None: on where the device is CUDA (CPU timings are too noisy to be worth keeping)
+    step_cost_cache: bool | None = None
     # GPUs one model is spread over (flashdraft.parallel: one process each, started by torchrun;
     # every rank runs the same steps, so the cost model's timing-driven choices are off)
     tensor_parallel: int = 1
@@ -346,6 +351,9 @@ class EngineConfig:
         if not isinstance(self.kernels, KernelConfig):
             raise ValueError(f"kernels must be a KernelConfig, got {self.kernels!r}")
         object.__setattr__(self, "tree_widths", check_tree_widths(self.tree_widths))
+        if self.step_cost_cache is not None and not isinstance(self.step_cost_cache, bool):
+            raise ValueError(f"step_cost_cache must be True, False or None (on for CUDA), "
+                             f"got {self.step_cost_cache!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
 

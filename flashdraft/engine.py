@@ -49,7 +49,7 @@ from .drafters.base import Draft, DraftContext, Drafter
 from .kv_cache import KVCache, grow_cache
 from .model import Transformer
 from .sampling import SampledPick, fused_by_default, make_rng
-from .scheduling import CostModel, SpeculationPlanner
+from .scheduling import CostModel, SpeculationPlanner, StepCostCache
 from .tree import spine_leaves
 from .verify import SampledVerify, SpineTreeGreedy, SpineTreeVerify, greedy_result
 
@@ -139,13 +139,17 @@ class Engine:
                  max_model_len: int, eos_token_ids: tuple[int, ...], *,
                  cuda_graphs: bool = True, compile: bool = False, adaptive: bool = True,
                  decode_kernel: str = "auto", fused_sampling: bool | None = None,
-                 tree_widths: tuple[int, ...] = ()):
+                 tree_widths: tuple[int, ...] = (),
+                 step_cost_cache: StepCostCache | None = None):
+        """step_cost_cache: where the cost model's step costs are kept across engines of this
+        setup (scheduling.StepCostCache; None: this engine measures its own from scratch)."""
         self.model, self.device, self.dtype = model, device, dtype
         self.tree_widths = tree_widths
         # Speculation chosen per step by the cost model (scheduling.SpeculationPlanner) for
         # drafters that allow it; False: k drafts at every step.
         self.adaptive = adaptive
-        self.costs = CostModel(model)  # this engine's measured step costs and acceptance
+        # this engine's measured step costs (started from the cache's) and acceptance
+        self.costs = CostModel(model, step_cost_cache)
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
         self.cache: KVCache | None = None
@@ -168,6 +172,10 @@ class Engine:
                                else bool(fused_sampling))
         self.rng = make_rng(0, device)
         self._posts: dict[tuple, SampledPick] = {}  # one per parameter set: graphs key on it
+
+    def close(self) -> None:
+        """Save what the cost model measured (where it has a cache); the engine stays usable."""
+        self.costs.save()
 
     @property
     def tree_widths(self) -> tuple[int, ...]:
@@ -264,6 +272,7 @@ class Engine:
             ended = ended or time.perf_counter()
             metrics.decode_time_s = ended - decode_start
             metrics.total_time_s = ended - start
+            self.costs.save_if_due()  # between requests, off every step's path
 
     def _speculate(self, req: "_Request", last: torch.Tensor, hidden: list[torch.Tensor]
                    ) -> tuple[StepOutput, torch.Tensor, list[torch.Tensor]] | None:

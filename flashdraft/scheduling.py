@@ -23,14 +23,25 @@ Both are measured like the chain's, so a tree that does not pay for its extra no
 for the chain, and a chain that keeps missing by one token takes the tree.
 
 Estimates of cost and acceptance are kept per engine and drafter (`CostModel`): the same
-model on the same GPU costs the same for every request.
+model on the same GPU costs the same for every request, and for every engine of the same setup.
+So the step costs (p and each drafter's chain and tree lines; never acceptance, which follows
+the text) are kept across engines in a JSON file of the cache directory (`StepCostCache`,
+`EngineConfig.step_cost_cache`), one entry per setup: the GPU kind, the target (its source
+and weight bytes), dtype, quantization and kernel settings, and for each drafter its spec and
+model. A new engine of a known setup starts from those lines instead of the weight-bytes guess
+(and without a first plain stretch to measure p), at the weight of RESTORED_WEIGHT samples, so
+that this run's own steps take over within a few dozen. The file is written off the hot path:
+after a request once SAVE_EVERY timings have come in since the last write, and when the engine
+closes; a temporary file renamed over the old one, so a reader never sees half of it; a file
+that cannot be read or makes no sense is ignored with one warning, and replaced at the next save.
 
 A seeded sampled request must give the same tokens every time, and at T > 0 its tokens
 depend on which steps were speculative. Its planner is untimed: step costs are the guess
 from weight bytes (in plain steps), acceptance starts from the prior and follows the
 request's own drafts, so its choices follow from its tokens alone. Greedy output never
 depends on the choices, so greedy requests are always timed. A request's `SpeculationPlanner`
-asks it for k before each step and tells it what each step took.
+asks it for k before each step and tells it what each step took. (An untimed planner reads
+no measurement at all, restored or not: persisted costs never enter its choices.)
 
 When plain decoding wins, acceptance is no longer observed, so the planner decodes a stretch
 of plain tokens and then probes with one speculative step: 4 tokens at first, doubling up to
@@ -43,8 +54,15 @@ tokens until it has (`can_propose`), as before.
 """
 from __future__ import annotations
 
+import json
+import math
+import os
+import tempfile
+import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # How fast old observations fade: per step for acceptance (a request's, the drafter's), per
 # sample for the step-time fits.
@@ -54,6 +72,14 @@ DEFAULT_COST_HINT = 0.02  # a drafter's cost a token over the target's, where it
 FIRST_STRETCH, LONGEST_STRETCH = 4, 64
 PRIOR_LEAF = 0.3  # a tree's β before its first tree step
 NODE_COST = 0.01  # a leaf's verification cost in plain steps, before tree steps are timed
+# A plain step this many times the estimate is a one-off (a graph captured, the host busy),
+# unless OUTLIER_RUN of them come in a row: then the estimate itself is wrong (a saved one
+# from a machine that was less busy) and they are taken.
+OUTLIER, OUTLIER_RUN = 4.0, 4
+# The step-cost cache (StepCostCache): timings between writes, the weight in samples that a
+# saved line starts with, the setups a file keeps (the least recently saved go first).
+SAVE_EVERY, RESTORED_WEIGHT, SAVED_SETUPS = 64, 8.0, 64
+STEP_COST_FORMAT = 1  # the file's version; a file of another version is started afresh
 
 
 class Ema:
@@ -65,6 +91,16 @@ class Ema:
     def add(self, x: float) -> None:
         self.weight = self.decay * self.weight + 1.0
         self.value = x if self.value is None else self.value + (x - self.value) / self.weight
+
+    def state(self) -> list[float]:
+        return [self.value, self.weight]
+
+    def restore(self, state) -> None:
+        """The mean `state()` gave, at most RESTORED_WEIGHT samples' worth."""
+        value, weight = _numbers(state, 2)
+        if not value > 0 or not weight > 0:
+            raise ValueError(f"a mean of {state!r}: a time and a weight > 0 expected")
+        self.value, self.weight = value, min(weight, RESTORED_WEIGHT)
 
 
 class LineFit:
@@ -83,6 +119,19 @@ class LineFit:
     def seen(self) -> bool:
         return self.w > 0
 
+    def state(self) -> list[float]:
+        return [self.w, self.x, self.y, self.xx, self.xy]
+
+    def restore(self, state) -> None:
+        """The sums `state()` gave, scaled down to at most RESTORED_WEIGHT samples (the same
+        line, which this run's samples then move faster)."""
+        w, *sums = _numbers(state, 5)
+        if not w > 0:
+            raise ValueError(f"a line fit of {state!r}: a weight > 0 expected")
+        scale = min(1.0, RESTORED_WEIGHT / w)
+        self.w = w * scale
+        self.x, self.y, self.xx, self.xy = (v * scale for v in sums)
+
     def line(self, slope_prior: float) -> tuple[float, float]:
         """(a, b): the fit where the samples span more than one x; else the line of slope
         slope_prior through their mean."""
@@ -93,6 +142,15 @@ class LineFit:
         else:
             b = slope_prior
         return max(my - b * mx, 0.0), b
+
+
+def _numbers(state, n: int) -> list[float]:
+    """n finite numbers from a saved list, or a ValueError saying what was there."""
+    if (not isinstance(state, list) or len(state) != n
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                       and math.isfinite(v) for v in state)):
+        raise ValueError(f"{n} finite numbers expected, got {state!r}")
+    return [float(v) for v in state]
 
 
 @dataclass
@@ -111,15 +169,154 @@ def weight_bytes(module) -> int:
                for t in (*module.parameters(), *module.buffers()))
 
 
+def device_kind(device) -> str:
+    """The GPU's name (its step costs are the GPU's), or "cpu"."""
+    import torch
+
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def step_cost_path() -> Path:
+    """The step-cost cache's file in the flashdraft cache directory (read at call time)."""
+    from .loading.examples import cache_dir
+
+    return cache_dir() / "step_costs.json"
+
+
+class StepCostCache:
+    """One engine setup's step costs in the JSON file that all setups share:
+
+        {"format": 1, "setups": {KEY: {"saved": unix time, "plain": [mean, weight],
+                                       "drafters": {DRAFTER KEY: {"steps": [5 sums],
+                                                                  "tree_steps": [5 sums]}}}}}
+
+    KEY and DRAFTER KEY are the JSON (sorted keys) of what identifies the setup and the
+    drafter (`LLM` says which settings). Nothing here raises: a file that cannot be read or
+    written costs one warning and the measurements start (or stay) fresh."""
+
+    def __init__(self, key: dict, path: Path | str | None = None):
+        """path: None: `step_cost_path()`, found when first read."""
+        self.key = json.dumps(key, sort_keys=True)
+        self._path = Path(path) if path is not None else None
+        self._warned = False
+
+    @property
+    def path(self) -> Path:
+        if self._path is None:
+            self._path = step_cost_path()
+        return self._path
+
+    def _warn(self, what: str, error: Exception) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"the step-cost cache {self.path} {what} ({error}); the cost model "
+                          f"measures this run's steps afresh", stacklevel=3)
+
+    def _read(self) -> dict:
+        """The file's setups; {} where there is no file (quietly) or no usable one (a warning)."""
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            self._warn("cannot be read", e)
+            return {}
+        try:
+            data = json.loads(text)
+            if not isinstance(data, dict) or not isinstance(data.get("setups"), dict):
+                raise ValueError("no 'setups' object")
+        except ValueError as e:
+            self._warn("is not a step-cost file and is ignored", e)
+            return {}
+        return data["setups"] if data.get("format") == STEP_COST_FORMAT else {}
+
+    def load(self) -> dict:
+        """This setup's entry, {} where none is saved (or none is usable)."""
+        entry = self._read().get(self.key, {})
+        if not isinstance(entry, dict):
+            self._warn("holds no usable entry for this setup", ValueError(repr(entry)[:80]))
+            return {}
+        return entry
+
+    def save(self, plain: list[float] | None, drafters: dict[str, dict]) -> None:
+        """Merge this setup's measurements into the file (each drafter's fits over what was
+        saved of it before) and write it whole: a temporary file renamed over the old one."""
+        setups = self._read()
+        old = setups.get(self.key)
+        entry = dict(old) if isinstance(old, dict) else {}
+        saved = entry.get("drafters")
+        saved = dict(saved) if isinstance(saved, dict) else {}
+        for name, fits in drafters.items():
+            before = saved.get(name)
+            saved[name] = {**(before if isinstance(before, dict) else {}), **fits}
+        entry.update(saved=time.time(), drafters=saved)
+        if plain is not None:
+            entry["plain"] = plain
+        setups[self.key] = entry
+        recent = sorted(setups, key=lambda k: _saved_at(setups[k]), reverse=True)
+        data = {"format": STEP_COST_FORMAT,
+                "setups": {k: setups[k] for k in recent[:SAVED_SETUPS]}}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".step_costs.",
+                                       suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(data, f, indent=1)
+                os.replace(tmp, self.path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except OSError as e:
+            self._warn("cannot be written", e)
+
+
+def _saved_at(entry) -> float:
+    t = entry.get("saved") if isinstance(entry, dict) else None
+    return t if isinstance(t, (int, float)) else 0.0
+
+
 class CostModel:
     """One engine's measurements: the plain step, and each drafter's steps and acceptance.
     target: the engine's model, against whose weights a draft model's cost is first guessed
-    (a decode step streams the weights once)."""
+    (a decode step streams the weights once). cache: where its step costs are kept across
+    engines of the same setup (None: nowhere); a drafter's are kept once it is `identify`-ed."""
 
-    def __init__(self, target=None):
+    def __init__(self, target=None, cache: StepCostCache | None = None):
         self.plain = Ema(TIME_DECAY)  # seconds a plain token
         self.drafters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.target_bytes = weight_bytes(target) if target is not None else None
+        self.cache = cache
+        self.names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # drafter -> key
+        self.unsaved = 0  # timings since the last save
+        self._outliers = 0  # plain steps left out in a row
+        self.saved = cache.load() if cache is not None else {}
+        if "plain" in self.saved:
+            self._restore(self.plain, self.saved["plain"])
+
+    def _restore(self, estimate, state) -> None:
+        try:
+            estimate.restore(state)
+        except ValueError as e:
+            self.cache._warn("holds a value that is not a measurement", e)
+
+    def identify(self, drafter, key: dict) -> None:
+        """What identifies the drafter across engines (its spec, its model): its step costs
+        are restored from the cache and saved to it under this key."""
+        self.names[drafter] = json.dumps(key, sort_keys=True)
+        if drafter in self.drafters:  # measured before it had a name: restore what is unseen
+            self._restore_drafter(self.drafters[drafter], self.names[drafter])
+
+    def _restore_drafter(self, costs: "DrafterCosts", name: str) -> None:
+        saved = self.saved.get("drafters", {})
+        fits = saved.get(name) if isinstance(saved, dict) else None
+        if not isinstance(fits, dict):
+            return
+        for field_name in ("steps", "tree_steps"):
+            fit = getattr(costs, field_name)
+            if field_name in fits and not fit.seen:
+                self._restore(fit, fits[field_name])
 
     def of(self, drafter) -> DrafterCosts:
         if drafter not in self.drafters:
@@ -127,13 +324,47 @@ class CostModel:
             model = getattr(drafter, "model", None)
             if hint is None and model is not None and self.target_bytes:
                 hint = weight_bytes(model) / self.target_bytes
-            self.drafters[drafter] = DrafterCosts(DEFAULT_COST_HINT if hint is None else hint)
+            costs = DrafterCosts(DEFAULT_COST_HINT if hint is None else hint)
+            if drafter in self.names:
+                self._restore_drafter(costs, self.names[drafter])
+            self.drafters[drafter] = costs
         return self.drafters[drafter]
 
     def add_plain(self, seconds: float) -> None:
-        # A step far above the estimate is a one-off (a graph captured, the host busy).
-        if self.plain.value is None or seconds < 4 * self.plain.value:
-            self.plain.add(seconds)
+        # A step far above the estimate is a one-off (a graph captured, the host busy), unless
+        # they keep coming.
+        if self.plain.value is not None and seconds >= OUTLIER * self.plain.value:
+            self._outliers += 1
+            if self._outliers < OUTLIER_RUN:
+                return
+        self._outliers = 0
+        self.plain.add(seconds)
+        self.unsaved += 1
+
+    def add_step(self, costs: DrafterCosts, k: int, seconds: float, tree: bool = False) -> None:
+        """A speculative step's wall time: a chain of k drafts, or a tree of k spine tokens."""
+        (costs.tree_steps if tree else costs.steps).add(k, seconds)
+        self.unsaved += 1
+
+    def save(self) -> None:
+        """Write the step costs to the cache, if it has one and anything new came in."""
+        if self.cache is None or not self.unsaved:
+            return
+        drafters = {}
+        for drafter, name in self.names.items():
+            costs = self.drafters.get(drafter)
+            if costs is not None:
+                fits = {f: getattr(costs, f).state() for f in ("steps", "tree_steps")
+                        if getattr(costs, f).seen}
+                if fits:
+                    drafters[name] = fits
+        self.cache.save(self.plain.state() if self.plain.value is not None else None, drafters)
+        self.unsaved = 0
+
+    def save_if_due(self) -> None:
+        """save() once SAVE_EVERY timings have come in since the last (between requests)."""
+        if self.unsaved >= SAVE_EVERY:
+            self.save()
 
     def step_time(self, costs: DrafterCosts, k: int, timed: bool = True, leaves: int = 0) -> float:
         """s(k) in seconds of a chain, or of a tree with `leaves` leaves; timed=False: the
@@ -254,7 +485,7 @@ class SpeculationPlanner:
         if drafted == 0:  # nothing to draft: a plain token, then ask the drafter again
             self.stretch = 1
             return
-        (self.costs.steps if leaf is None else self.costs.tree_steps).add(drafted, seconds)
+        self.model.add_step(self.costs, drafted, seconds, tree=leaf is not None)
         spine = accepted - 1 if leaf else accepted  # the spine tokens kept
         if leaf is not None and spine < drafted and self.tree_leaves(drafted)[spine]:
             # depth spine + 1 had leaves and its spine token was rejected: was a leaf kept?

@@ -1,8 +1,10 @@
 """The cost model that chooses k (or plain decoding) per step, with injected costs."""
+import json
+
 import pytest
 
-from flashdraft.scheduling import (FIRST_STRETCH, LONGEST_STRETCH, CostModel, SpeculationPlanner,
-                                   best_k, expected_tokens)
+from flashdraft.scheduling import (FIRST_STRETCH, LONGEST_STRETCH, CostModel, Ema,
+                                   SpeculationPlanner, best_k, expected_tokens)
 
 P = 0.010  # seconds a plain token
 
@@ -127,9 +129,10 @@ def test_step_times_fit_a_line_in_k_and_acceptance_is_per_request_and_per_drafte
     assert second.acceptance()[0] < 0.2 < model.of(d).acceptance[0].value
 
 
-def test_an_untimed_planner_chooses_from_its_own_drafts_alone():
+def test_an_untimed_planner_chooses_from_its_own_drafts_alone(tmp_path):
     """A seeded sampled request: the same accepted counts give the same choices whatever the
-    engine measured before or the steps' wall times."""
+    engine measured before (in this run, or restored from the step-cost cache) or the steps'
+    wall times."""
     def choices(model, times):
         planner = SpeculationPlanner(model, d, timed=False)
         out = []
@@ -142,6 +145,12 @@ def test_an_untimed_planner_chooses_from_its_own_drafts_alone():
     d = Drafter()
     busy = measured(CostModel(), d, P * 9.0, accepted=0).model
     assert choices(CostModel(), [P] * 10) == choices(busy, [P * 5] * 10)
+    saved = cached_model(tmp_path / "step_costs.json", drafter=d)
+    run_steps(saved, d)
+    saved.save()
+    restored = cached_model(tmp_path / "step_costs.json", drafter=d)
+    assert restored.of(d).steps.seen
+    assert choices(CostModel(), [P] * 10) == choices(restored, [P * 5] * 10)
 
 
 def leaves_of(widths):
@@ -186,3 +195,157 @@ def test_a_tree_step_records_spine_acceptance_and_the_leaf():
     assert planner.betas[1].value == 1.0 and len(planner.betas) == 2
     planner.after_step(3, 2, P, leaf=False)  # spine 2 kept, depth 3 has no leaves: no β
     assert planner.betas[1].value == 1.0 and len(planner.costs.leaf) == 2
+
+
+# -- step costs kept across engines (StepCostCache) ------------------------------------------
+
+SETUP = {"device": "NVIDIA H100", "model": "/m", "weight_bytes": 10, "dtype": "torch.bfloat16"}
+
+
+def cached_model(path, setup=SETUP, drafter=None, name="model:/d"):
+    from flashdraft.scheduling import StepCostCache
+
+    model = CostModel(cache=StepCostCache(setup, path))
+    if drafter is not None:
+        model.identify(drafter, {"spec": name})
+    return model
+
+
+def run_steps(model, drafter):
+    """Plain tokens of P and chain and tree steps on distinct lines."""
+    for _ in range(10):
+        model.add_plain(P)
+    costs = model.of(drafter)
+    for k in (2, 4, 6, 8) * 3:
+        model.add_step(costs, k, P * (1.0 + 0.25 * k))
+        model.add_step(costs, k, P * (1.5 + 0.3 * k), tree=True)
+        costs.acceptance.append(Ema(0.9, 1.0))  # acceptance: never kept
+
+
+def test_step_costs_round_trip_through_the_cache(tmp_path):
+    path, d = tmp_path / "step_costs.json", Drafter()
+    first = cached_model(path, drafter=d)
+    assert first.plain.value is None  # nothing saved yet
+    run_steps(first, d)
+    first.save()
+    assert path.is_file() and not list(tmp_path.glob(".step_costs.*"))  # renamed into place
+    # a second engine of the same setup, with the same drafter (a new object of the same key)
+    d2 = Drafter()
+    second = cached_model(path, drafter=d2)
+    assert second.plain.value == pytest.approx(P)
+    costs = second.of(d2)
+    assert second.step_time(costs, 5) == pytest.approx(P * 2.25)
+    assert second.step_time(costs, 5, leaves=3) == pytest.approx(P * 3.0)
+    assert costs.acceptance == [] and costs.steps.w <= 8.0  # fresh samples take over quickly
+    # the planner starts speculating at once: p is known
+    assert not SpeculationPlanner(second, d2).plain
+    # saving again merges: another drafter's entry joins, the first one's stays
+    d3 = Drafter()
+    second.identify(d3, {"spec": "ngram"})
+    second.add_step(second.of(d3), 3, P * 1.2)
+    second.save()
+    d5 = Drafter()
+    assert cached_model(path, drafter=d5).of(d5).steps.seen
+    assert set(json.loads(path.read_text())["setups"][second.cache.key]["drafters"]) == {
+        '{"spec": "model:/d"}', '{"spec": "ngram"}'}
+
+
+def test_step_costs_of_another_setup_or_drafter_are_not_reused(tmp_path):
+    path, d = tmp_path / "step_costs.json", Drafter()
+    model = cached_model(path, drafter=d)
+    run_steps(model, d)
+    model.save()
+    other_gpu = cached_model(path, {**SETUP, "device": "NVIDIA H200"}, d)
+    assert other_gpu.plain.value is None and not other_gpu.of(d).steps.seen
+    other_drafter = cached_model(path, drafter=d, name="model:/other")
+    assert other_drafter.plain.value == pytest.approx(P)  # the same target: its step is known
+    assert not other_drafter.of(d).steps.seen
+    unnamed = cached_model(path)  # a drafter never identified: not restored
+    assert not unnamed.of(d).steps.seen
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"format": 1, "setups": []}',
+                                  '{"format": 1, "setups": {"%s": {"plain": ["x", 1]}}}'])
+def test_a_corrupt_step_cost_file_warns_once_and_starts_afresh(tmp_path, text):
+    from flashdraft.scheduling import StepCostCache
+
+    path, d = tmp_path / "step_costs.json", Drafter()
+    key = StepCostCache(SETUP).key
+    path.write_text(text.replace("%s", key.replace('"', '\\"')))
+    with pytest.warns(UserWarning, match="step-cost cache") as seen:
+        model = cached_model(path, drafter=d)
+        run_steps(model, d)
+        model.save()  # replaces the bad file
+    assert len(seen) == 1 and model.plain.value == pytest.approx(P)
+    assert cached_model(path).plain.value == pytest.approx(P)
+
+
+def test_an_unwritable_cache_warns_and_never_raises(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    d = Drafter()
+    with pytest.warns(UserWarning, match="step-cost cache") as seen:
+        model = cached_model(blocker / "step_costs.json", drafter=d)  # its folder is a file
+        run_steps(model, d)
+        model.save()
+        model.add_plain(P)
+        model.save()
+    assert len(seen) == 1 and model.plain.value == pytest.approx(P)
+
+
+def test_saves_come_between_requests_once_enough_is_new(tmp_path, monkeypatch):
+    from flashdraft import scheduling
+
+    path, d = tmp_path / "step_costs.json", Drafter()
+    model = cached_model(path, drafter=d)
+    monkeypatch.setattr(scheduling, "SAVE_EVERY", 20)
+    for _ in range(19):
+        model.add_plain(P)
+    model.save_if_due()
+    assert not path.exists()
+    model.add_plain(P)
+    model.save_if_due()
+    assert path.exists() and model.unsaved == 0
+
+
+def test_a_wrong_saved_plain_step_gives_way_to_the_measured_one():
+    """A plain step well above the estimate is an outlier, but not when it keeps coming."""
+    model = CostModel()
+    model.add_plain(P)
+    for _ in range(20):
+        model.add_plain(10 * P)
+    assert model.plain.value > 5 * P
+
+
+def test_engine_keeps_its_step_costs_for_the_next_engine(tiny_models, tmp_path, monkeypatch):
+    """LLM(step_cost_cache=True) saves on close to $FLASHDRAFT_CACHE/step_costs.json, read
+    when saved, and a new LLM of the same setup starts from it; the CPU default keeps nothing."""
+    from flashdraft import LLM, SamplingParams
+
+    monkeypatch.setenv("FLASHDRAFT_CACHE", str(tmp_path))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    draft = tiny_models["qwen2-draft"]
+    llm = LLM(tiny_models["qwen2"], draft=draft, device="cpu", step_cost_cache=True)
+    llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}] * 2, params)
+    llm.close()
+    saved = json.loads((tmp_path / "step_costs.json").read_text())
+    (key, entry), = saved["setups"].items()
+    assert json.loads(key)["device"] == "cpu" and "plain" in entry
+    (name, fits), = entry["drafters"].items()
+    assert json.loads(name)["spec"] == draft and "steps" in fits
+    again = LLM(tiny_models["qwen2"], draft=draft, device="cpu", step_cost_cache=True)
+    assert again.engine.costs.plain.value == pytest.approx(entry["plain"][0])
+    assert again.engine.costs.of(again.drafter).steps.seen
+    LLM(tiny_models["qwen2"], device="cpu").close()  # default on a CPU: off
+    assert json.loads((tmp_path / "step_costs.json").read_text()) == saved
+
+
+def test_the_step_cost_cache_flag():
+    from flashdraft.cli import build_parser
+    from flashdraft.config import EngineConfig
+
+    parse = build_parser().parse_args
+    assert parse(["generate", "--model", "m", "x"]).step_cost_cache is None  # on for CUDA
+    assert parse(["serve", "--model", "m", "--no-step-cost-cache"]).step_cost_cache is False
+    with pytest.raises(ValueError, match="step_cost_cache"):
+        EngineConfig(model="m", step_cost_cache="yes")

@@ -12,7 +12,7 @@ from dataclasses import fields
 from ..config import KernelConfig
 
 # The only variables flashdraft itself reads (besides the usual CUDA_VISIBLE_DEVICES, HF_HOME).
-ENVIRONMENT_VARIABLES = {"FLASHDRAFT_CACHE": "where example models and the tuned table live",
+ENVIRONMENT_VARIABLES = {"FLASHDRAFT_CACHE": "where example models, the tuned table and step costs live",
                          "FLASHDRAFT_API_KEY": "the server's API key, when --api-key is not given"}
 
 
