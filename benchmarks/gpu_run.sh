@@ -25,17 +25,19 @@
 #                top-p 0.95 in one run; the seed prompts at T = 0.8 with the 0.5B draft model
 #                (k = 3, 5); with BASE=DIR that version's seed run first
 # dflash-train   `flashdraft train-drafter` for the target (MINUTES, default 8; RESPONSES of
-#                the target a training prompt, default 4; DFLASH_LAYERS, default 1) into
+#                the target a training prompt, default 4, GEN_BATCH of them generated together,
+#                default 64; DFLASH_LAYERS, default 1) into
 #                /root/dflash, its train_log.json (the τ-vs-minutes curve) to $OUT
 # dflash-bench   HumanEval by chat template (NUM_PROMPTS, default 20), greedy, and the seed
 #                prompts at T = 0.8: plain, the trained DFlash drafter and the 0.5B draft model
-#                at k = 5 and 15 (on HumanEval also as token trees of widths 3,2,2)
+#                at k = 5 and 15 (on HumanEval also as token trees of widths 3,2,2);
+#                DFLASH_SEED=no: HumanEval only
 # trees          HumanEval by chat template (NUM_PROMPTS, default 20), greedy: plain, the 0.5B
 #                draft model's chains and token trees at k = 5, 8; the seed prompts at T = 0.8
 #                with a tree at k = 5
 # auto           the cost model's choice of k (up to 8) or plain decoding for the 0.5B draft
 #                model, n-gram and both combined, on HumanEval, the seed prompts and the
-#                code-and-prose set (NUM_PROMPTS each, default 10), at T = 0 and 0.8
+#                code-and-prose set (NUM_PROMPTS each, default 10; SETS: others), at T = 0 and 0.8
 # shapes         random-weight step curves and plain decoding of the 1.5B and 0.5B shapes
 #                (`flashdraft bench --random-weights`), with BASE=DIR that version's first
 # mkvariants     the megakernel's off-by-default variants (O's first chunk in registers,
@@ -128,15 +130,16 @@ for phase in "$@"; do
     python3 -m flashdraft.cli train-drafter --target $TARGET --output /root/dflash \
       --layers ${DFLASH_LAYERS:-1} --block-size 16 --minutes ${MINUTES:-8} \
       --responses-per-prompt ${RESPONSES:-4} --temperature 0.8 --max-new-tokens 256 \
-      --no-progress 2>&1 | grep -v Warn | tail -30
+      --generation-batch ${GEN_BATCH:-64} --no-progress 2>&1 | grep -v Warn | tail -30
     cp /root/dflash/train_log.json "$OUT/dflash-train-log.json"
     ;;
   dflash-bench)
     bench dflash-humaneval "$PWD" --prompts humaneval --num-prompts ${NUM_PROMPTS:-20} \
       --draft dflash:/root/dflash --draft $DRAFT --num-speculative-tokens 5,15 \
       --tree-widths 3,2,2
-    PROMPTS=seed bench dflash-seed-t08 "$PWD" --temperature 0.8 --seed 0 \
-      --draft dflash:/root/dflash --draft $DRAFT --num-speculative-tokens 5,15
+    [ "${DFLASH_SEED:-yes}" = no ] || PROMPTS=seed bench dflash-seed-t08 "$PWD" \
+      --temperature 0.8 --seed 0 --draft dflash:/root/dflash --draft $DRAFT \
+      --num-speculative-tokens 5,15
     ;;
   trees)
     bench trees-humaneval "$PWD" --prompts humaneval --num-prompts ${NUM_PROMPTS:-20} \
@@ -147,7 +150,7 @@ for phase in "$@"; do
     ;;
   auto)
     # the cost model's choices (k up to 8, or plain) on every prompt set, T = 0 and 0.8
-    for set in humaneval seed $PROMPTS; do
+    for set in ${SETS:-humaneval seed $PROMPTS}; do
       bench auto-$(basename $set .jsonl) "$PWD" --prompts $set --num-prompts ${NUM_PROMPTS:-10} \
         --temperature 0,0.8 --seed 0 --draft $DRAFT --draft ngram --draft ngram+$DRAFT \
         --num-speculative-tokens 8

@@ -284,6 +284,7 @@ def cmd_train_drafter(args) -> None:
                           if args.target_layer_ids else None),
         mask_token_id=args.mask_token_id, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, responses_per_prompt=args.responses_per_prompt,
+        generation_batch=args.generation_batch,
         max_len=args.max_len, batch_size=args.batch_size, anchors=args.anchors, lr=args.lr,
         heldout=args.heldout, seed=args.seed, device=args.device, dtype=args.dtype,
         progress=not args.no_progress))
@@ -455,6 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="of the generated responses (default 0, greedy)")
     tr.add_argument("--responses-per-prompt", type=int, default=1,
                     help="responses sampled per prompt (needs --temperature > 0)")
+    tr.add_argument("--generation-batch", type=int, default=32,
+                    help="responses generated together (default 32; more is faster where the "
+                         "GPU's memory holds their caches)")
     tr.add_argument("--max-len", type=int, default=1024, help="tokens a training sequence")
     tr.add_argument("--batch-size", type=int, default=8, help="sequences a step (default 8)")
     tr.add_argument("--anchors", type=int, default=16, help="blocks a sequence a step (default 16)")

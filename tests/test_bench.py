@@ -415,3 +415,19 @@ def test_warmup_covers_every_graph_shape_the_timed_requests_meet():
     # k = 30: prompt 0's steps reach 259 (bucket 2), which covers prompts 1 and 2
     assert warmup_indices(ids, s, k=30) == [0, 4]
     assert warmup_indices(ids, BenchSettings(model="m", max_tokens=128, warmup=0), k=5) == []
+
+
+def test_a_combined_drafter_names_its_model_once(target, tiny_models, tmp_path):
+    """A drafter spec that is no path (ngram+MODEL, dflash:DIR) names the weights it loads in
+    the results' environment, each model once."""
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS[:1])
+    draft = tiny_models["qwen2-draft"]
+    argv = ["bench", "--model", target, "--draft", f"ngram+{draft}", "--draft", draft,
+            "--num-speculative-tokens", "2", "--prompts", str(prompts), "--max-tokens", "4",
+            "--output", str(tmp_path / "out"), "--device", "cpu", "--dtype", "float32",
+            "--no-progress"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        cli.main(argv)
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    drafts = [m for m in results["environment"]["models"] if m["role"] == "draft"]
+    assert [m["ref"] for m in drafts] == [draft]

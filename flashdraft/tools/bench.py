@@ -503,7 +503,9 @@ def environment(s: BenchSettings, llm, monitor: GpuMonitor) -> dict:
 
     commit, dirty = git_commit()
     models = [model_files(s.model, "target")]
-    models += [model_files(d, "draft") for d in s.drafts if parse_drafter_spec(d).model]
+    # the weights each drafter loads (a DFlash directory, a combination's draft model), once each
+    drafter_models = dict.fromkeys(m for d in s.drafts if (m := parse_drafter_spec(d).model))
+    models += [model_files(m, "draft") for m in drafter_models]
     return {
         "commit": commit, "commit_dirty": dirty, "flashdraft": __version__,
         "command": s.command,
