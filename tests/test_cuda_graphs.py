@@ -184,6 +184,34 @@ def test_graph_steps_match_eager_steps_on_gpu():
 @gpu
 @needs_cuda
 @torch.inference_mode()
+def test_a_padded_catch_up_computes_the_real_tokens_results():
+    """StepRunner.catch_up: the logits of the last real token and the real tokens' keys and
+    values as an unpadded eager step gives them, whatever the padding writes past them; a
+    catch-up longer than CATCH_UP_MAX, or whose padding would pass the cache's end, runs eager."""
+    from flashdraft.backends.cuda_graphs import CATCH_UP_MAX
+
+    model = _model("cuda")
+    runner = StepRunner(model, "cuda", kv_bucket=64)
+    c1 = KVCache.for_model(TINY, 1, 256, torch.float32, "cuda")
+    c2 = KVCache.for_model(TINY, 1, 256, torch.float32, "cuda")
+    start = 0
+    for t in (7, 3, 1, 5, 17, 40, CATCH_UP_MAX + 1, 9):
+        tokens = torch.randint(0, TINY.vocab_size, (1, t), device="cuda")
+        a, _ = runner.catch_up(tokens, start, c1)
+        b, _ = eager_step(model, tokens, start, c2, last_only=True)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        end = start + t
+        torch.testing.assert_close(c1.k[:, :, :, :end], c2.k[:, :, :, :end], rtol=1e-4, atol=1e-4)
+        start = end
+    assert runner.stats.eager_calls == 1  # the one past CATCH_UP_MAX
+    c3 = KVCache.for_model(TINY, 1, 64, torch.float32, "cuda")
+    runner.catch_up(torch.zeros(1, 5, dtype=torch.long, device="cuda"), 58, c3)  # 58 + 8 > 64
+    assert runner.stats.eager_calls == 2
+
+
+@gpu
+@needs_cuda
+@torch.inference_mode()
 def test_greedy_verification_inside_the_graph_matches_it_after_an_eager_step():
     """The packed greedy result a verification graph computes in its replay ([n, next token,
     drafts]) is what verify_greedy gives on the eager step's logits, for each n."""

@@ -61,6 +61,7 @@ PREFILL_GRAPH_MAX = 2048
 # Cache positions a graph's attention reads are rounded up to a multiple of this (StepRunner's
 # default kv_bucket): one graph serves a stretch of positions.
 KV_BUCKET = 256
+CATCH_UP_MAX = 64  # the longest catch-up (StepRunner.catch_up) replayed as a graph
 
 
 def bucketed_kv_len(end: int, bucket: int, max_len: int) -> int:
@@ -231,6 +232,36 @@ class StepRunner:
         g.graph.replay()
         self.stats.replays += 1
         return g.logits, [h[:, :valid] for h in g.hidden]
+
+    def catch_up(self, tokens: torch.Tensor, start: int, cache: KVCache, post=None):
+        """Tokens [1, t] at positions start … start + t - 1 (a drafter feeding what the target
+        committed while it was idle), run padded to a power of two up to CATCH_UP_MAX (one
+        graph per padded length and kv bucket): returns the logits of the last of them
+        [1, 1, vocab] (and post's output, as __call__). The padding's keys and values land in
+        the cache positions just past the t, which hold nothing yet (every step writes its
+        positions before it reads them), and no real token attends to them (causal). Longer,
+        or where the padding would run past the cache, or with graphs off: eager, unpadded."""
+        t = tokens.shape[1]
+        n = max(4, 1 << (t - 1).bit_length())
+        if not self.enabled or n > CATCH_UP_MAX or start + n > cache.max_len:
+            self.stats.eager_calls += 1
+            return eager_step(self.model, tokens, start, cache, last_only=True, post=post)
+        self._follow(cache)
+        kv_len = self.kv_len_for(start + n, cache)
+        key = ("catch-up", n, kv_len, cache.split_len, post)
+        padded = torch.zeros(1, n, dtype=tokens.dtype, device=self.device)
+        padded[:, :t] = tokens
+        g = self._graphs.get(key)
+        if g is None:
+            at = torch.full((1,), t - 1, dtype=torch.long, device=self.device)
+            g = self._graphs[key] = self._capture(padded, start, cache, kv_len, post=post,
+                                                  logits_at=at)
+        g.tokens.copy_(padded, non_blocking=True)
+        torch.arange(start, start + n, out=g.positions[0])
+        g.logits_at.fill_(t - 1)
+        g.graph.replay()
+        self.stats.replays += 1
+        return (g.logits, g.hidden) if post is None else (g.logits, g.hidden, g.post)
 
     def replay(self, key: tuple, cache: KVCache, build, fill):
         """A fixed-shape step of another kind than the model's (a drafter's pass that writes to

@@ -61,6 +61,9 @@ class DraftModelDrafter:
         self.runner = (StepRunner(model, device)
                        if cuda_graphs and torch.device(device).type == "cuda"
                        and getattr(model, "cuda_graphs", True) else None)
+        # A catch-up can run padded where the cache holds keys and values alone (the padding's
+        # land past the real tokens, unread): not a recurrent model's states.
+        self.pads_freely = getattr(model, "supports_trees", False)
         # Checkpoints of one family pad their embeddings differently (e.g. 151,936 vs 152,064
         # rows for one tokenizer): q is cut or padded to the target's width, and sampled from
         # in that form, so that q is exactly the distribution the drafts came from.
@@ -163,8 +166,11 @@ class DraftModelDrafter:
             # later ones what the target added after the kept drafts.
             # A sampled step draws its token inside its graph (pick), from logits that the
             # next replay overwrites: the row is copied out as q's.
+            # More after a plain stretch: one padded graph of the catch-up.
             if self.runner is not None and feed.shape[1] <= 2:
                 out = self.runner(feed, start, self.cache, last_only=True, post=pick)
+            elif self.runner is not None and self.pads_freely:
+                out = self.runner.catch_up(feed, start, self.cache, post=pick)
             else:
                 out = eager_step(self.model, feed, start, self.cache, last_only=True, post=pick)
             if pick is None:
