@@ -87,8 +87,9 @@ class LLM:
                  cuda_graphs: bool = True, compile: bool = False,
                  quantization: str | None = None, draft_quantization: str | None = "auto",
                  adaptive_speculation: bool = True, decode_kernel: str = "auto",
-                 kernels: KernelConfig = KernelConfig(), tree_widths: Iterable[int] = (),
-                 tensor_parallel: int = 1, step_cost_cache: bool | None = None):
+                 kernels: KernelConfig = KernelConfig(), tree_widths: Iterable[int] | str = (),
+                 tree_budget: int = 0, tensor_parallel: int = 1,
+                 step_cost_cache: bool | None = None):
         self.config = EngineConfig(model=model, draft=draft,
                                    num_speculative_tokens=num_speculative_tokens,
                                    ngram_sizes=tuple(ngram_sizes), dtype=dtype, device=device,
@@ -97,7 +98,9 @@ class LLM:
                                    draft_quantization=draft_quantization,
                                    adaptive_speculation=adaptive_speculation,
                                    decode_kernel=decode_kernel, kernels=kernels,
-                                   tree_widths=tuple(tree_widths),
+                                   tree_widths=(tree_widths if isinstance(tree_widths, str)
+                                                else tuple(tree_widths)),
+                                   tree_budget=tree_budget,
                                    tensor_parallel=tensor_parallel,
                                    step_cost_cache=step_cost_cache)
         # tensor parallelism: this process is one rank, all of which run every request alike
@@ -124,6 +127,7 @@ class LLM:
                              compile=compile,
                              adaptive=adaptive_speculation and self.parallel is None,
                              decode_kernel=decode_kernel, tree_widths=self.config.tree_widths,
+                             tree_budget=self.config.tree_budget,
                              step_cost_cache=self._step_cost_cache())
         self._drafters: dict[str, Drafter] = {}
         self.num_speculative_tokens = self.config.num_speculative_tokens

@@ -28,10 +28,15 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True,
                             "or plain decoding, where that is faster (default auto: up to 8)")
         p.add_argument("--ngram-sizes", default="4,3,2",
                        help="n-gram sizes for --draft ngram, tried longest first (default 4,3,2)")
-        p.add_argument("--tree-widths", default="", metavar="W,W,...",
+        p.add_argument("--tree-widths", default="", metavar="W,W,...|auto",
                        help="verify token trees: candidates per draft position (the draft "
                             "model's best token and its next best), e.g. 3,2,2; positions past "
-                            "the list take one (default: chains)")
+                            "the list take one; auto: the cost model chooses them each step "
+                            "under --tree-budget (default: chains)")
+        p.add_argument("--tree-budget", type=int, default=0, metavar="N",
+                       help="the most nodes (spine and leaves) of a token tree whose widths "
+                            "the cost model chooses each step, among a few shapes (implies "
+                            "--tree-widths auto; default with auto: 16)")
         p.add_argument("--no-adaptive-speculation", dest="adaptive_speculation",
                        action="store_false",
                        help="draft K tokens at every step (default: the cost model chooses "
@@ -109,6 +114,11 @@ def parse_ints(text: str, flag: str) -> tuple[int, ...]:
         raise SystemExit(f"error: {flag} takes comma-separated whole numbers, got {text!r}")
 
 
+def tree_widths_from(text: str) -> tuple[int, ...] | str:
+    """--tree-widths: W,W,... or auto."""
+    return "auto" if text.strip() == "auto" else parse_ints(text, "--tree-widths")
+
+
 def build_llm(args):
     from .api import LLM
 
@@ -120,7 +130,8 @@ def build_llm(args):
                quantization=args.quantization, draft_quantization=args.draft_quantization,
                adaptive_speculation=getattr(args, "adaptive_speculation", True),
                decode_kernel=args.decode_kernel, kernels=kernel_config_from(args),
-               tree_widths=parse_ints(getattr(args, "tree_widths", ""), "--tree-widths"),
+               tree_widths=tree_widths_from(getattr(args, "tree_widths", "")),
+               tree_budget=getattr(args, "tree_budget", 0),
                tensor_parallel=getattr(args, "tensor_parallel", 1),
                step_cost_cache=getattr(args, "step_cost_cache", None))
 

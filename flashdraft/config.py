@@ -261,6 +261,10 @@ def check_decode_kernel(value: str, name: str = "decode_kernel") -> None:
 
 
 MAX_TREE_WIDTH = 8  # candidates a depth of a token tree
+# tree_widths="auto": the node budget (spine and leaves) under which the cost model shapes the
+# trees; at most MAX_TREE_BUDGET (the fused attention kernel's bit sets: 63 nodes, the root
+# included)
+AUTO_TREE_BUDGET, MAX_TREE_BUDGET = 16, 62
 # num_speculative_tokens="auto": the bound the cost model chooses k under (a draft model's
 # chains past it rarely pay: each drafted token costs a draft step)
 AUTO_SPECULATIVE_TOKENS = 8
@@ -292,6 +296,15 @@ def check_tree_widths(widths, name: str = "tree_widths") -> tuple[int, ...]:
     return widths
 
 
+def check_tree_budget(budget, name: str = "tree_budget") -> int:
+    """A token tree's node budget (0: none), or a user's error naming the value."""
+    if (not isinstance(budget, int) or isinstance(budget, bool)
+            or not (budget == 0 or 2 <= budget <= MAX_TREE_BUDGET)):
+        raise ValueError(f"{name} must be a whole number of tree nodes between 2 and "
+                         f"{MAX_TREE_BUDGET} (the spine and its leaves; 0: none), got {budget!r}")
+    return budget
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What `LLM(...)` was asked for; flags of the CLI map 1:1 onto these fields."""
@@ -320,8 +333,12 @@ class EngineConfig:
     # how the target's and the draft model's steps run on the GPU (KernelConfig)
     kernels: KernelConfig = KernelConfig()
     # token trees: candidates a draft position (the drafter's best and its next best tokens,
-    # verified in one pass), e.g. (3, 2, 2); positions past the list: one. (): chains
-    tree_widths: tuple[int, ...] = ()
+    # verified in one pass), e.g. (3, 2, 2); positions past the list: one. (): chains.
+    # "auto": the cost model chooses them under a budget of AUTO_TREE_BUDGET nodes
+    tree_widths: tuple[int, ...] | str = ()
+    # the most nodes (spine and leaves) of a token tree whose widths the cost model chooses
+    # each step, among a few shapes (flashdraft.scheduling.tree_shapes); 0: tree_widths' trees
+    tree_budget: int = 0
     # keep the cost model's step costs (the plain step, each drafter's step lines; not
     # acceptance) in the cache directory's step_costs.json, per GPU, model and settings, so that
     # the next engine of the same setup starts from them (flashdraft.scheduling.StepCostCache);
@@ -350,7 +367,16 @@ class EngineConfig:
         check_decode_kernel(self.decode_kernel)
         if not isinstance(self.kernels, KernelConfig):
             raise ValueError(f"kernels must be a KernelConfig, got {self.kernels!r}")
+        if self.tree_widths == "auto":
+            object.__setattr__(self, "tree_widths", ())
+            object.__setattr__(self, "tree_budget", self.tree_budget or AUTO_TREE_BUDGET)
         object.__setattr__(self, "tree_widths", check_tree_widths(self.tree_widths))
+        check_tree_budget(self.tree_budget)
+        if self.tree_budget and any(w > 1 for w in self.tree_widths):
+            raise ValueError(f"tree_budget={self.tree_budget} lets the cost model choose the "
+                             f"trees' widths, and tree_widths={list(self.tree_widths)} fixes "
+                             f"them: give one of the two (tree_widths auto: a budget of "
+                             f"{AUTO_TREE_BUDGET} nodes)")
         if self.step_cost_cache is not None and not isinstance(self.step_cost_cache, bool):
             raise ValueError(f"step_cost_cache must be True, False or None (on for CUDA), "
                              f"got {self.step_cost_cache!r}")

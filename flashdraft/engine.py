@@ -9,11 +9,12 @@ The sequence invariant: `tokens` is prompt + generated, and the target's cache h
 keys and values of all of `tokens` but the last, so every verification pass runs over
 `[tokens[-1], d_1 … d_k]` at positions len - 1 … len - 1 + k.
 
-A step may verify a token tree instead of a chain (`tree_widths`; `tree.SpineTree`: the
-drafter's spine with its next best tokens beside each position) in the same single pass: the
-target's graph takes the tree's visibility, the accepted path is the spine's first n tokens and
-perhaps one leaf, whose keys and values then move to the slot after the spine's
-(`KVCache.compact`). The planner chooses tree or chain each step.
+A step may verify a token tree instead of a chain (`tree_widths`, or `tree_budget`: a few
+shapes of at most that many nodes; `tree.SpineTree`: the drafter's spine with its next best
+tokens beside each position) in the same single pass: the target's graph takes the tree's
+visibility, the accepted path is the spine's first n tokens and perhaps one leaf, whose keys
+and values then move to the slot after the spine's (`KVCache.compact`). The planner chooses
+tree (and, with a budget, its shape) or chain each step.
 
 One host synchronisation per speculative step: the accepted count, the next token and the
 draft come back together in one transfer. Plain decoding runs one step ahead and never waits
@@ -43,14 +44,13 @@ from dataclasses import dataclass, field
 import torch
 
 from .backends import kernels
-from .config import SamplingParams, check_decode_kernel, check_tree_widths
+from .config import SamplingParams, check_decode_kernel, check_tree_budget, check_tree_widths
 from .backends.cuda_graphs import StepRunner, eager_step, prefill
 from .drafters.base import Draft, DraftContext, Drafter
 from .kv_cache import KVCache, grow_cache
 from .model import Transformer
 from .sampling import SampledPick, fused_by_default, make_rng
-from .scheduling import CostModel, SpeculationPlanner, StepCostCache
-from .tree import spine_leaves
+from .scheduling import CostModel, SpeculationPlanner, StepCostCache, tree_shapes
 from .verify import SampledVerify, SpineTreeGreedy, SpineTreeVerify, greedy_result
 
 
@@ -139,12 +139,12 @@ class Engine:
                  max_model_len: int, eos_token_ids: tuple[int, ...], *,
                  cuda_graphs: bool = True, compile: bool = False, adaptive: bool = True,
                  decode_kernel: str = "auto", fused_sampling: bool | None = None,
-                 tree_widths: tuple[int, ...] = (),
+                 tree_widths: tuple[int, ...] = (), tree_budget: int = 0,
                  step_cost_cache: StepCostCache | None = None):
         """step_cost_cache: where the cost model's step costs are kept across engines of this
         setup (scheduling.StepCostCache; None: this engine measures its own from scratch)."""
         self.model, self.device, self.dtype = model, device, dtype
-        self.tree_widths = tree_widths
+        self.tree_widths, self.tree_budget = tree_widths, tree_budget
         # Speculation chosen per step by the cost model (scheduling.SpeculationPlanner) for
         # drafters that allow it; False: k drafts at every step.
         self.adaptive = adaptive
@@ -186,11 +186,28 @@ class Engine:
     @tree_widths.setter
     def tree_widths(self, widths) -> None:
         widths = check_tree_widths(widths)
-        if any(w > 1 for w in widths) and not getattr(self.model, "supports_trees", False):
-            raise ValueError(f"tree_widths {list(widths)}: token trees need a target whose "
-                             f"cache is attention's alone (a dense model); "
-                             f"{type(self.model).__name__} verifies chains only")
+        if any(w > 1 for w in widths):
+            self._refuse_trees(f"tree_widths {list(widths)}")
         self._tree_widths = widths
+
+    @property
+    def tree_budget(self) -> int:
+        """The most nodes (spine and leaves) of the token trees whose shapes the cost model
+        chooses (scheduling.tree_shapes); 0: the tree_widths' trees, if any."""
+        return self._tree_budget
+
+    @tree_budget.setter
+    def tree_budget(self, budget) -> None:
+        budget = check_tree_budget(budget)
+        if budget:
+            self._refuse_trees(f"tree_budget {budget}")
+        self._tree_budget = budget
+
+    def _refuse_trees(self, asked: str) -> None:
+        if not getattr(self.model, "supports_trees", False):
+            raise ValueError(f"{asked}: token trees need a target whose cache is attention's "
+                             f"alone (a dense model); {type(self.model).__name__} verifies "
+                             f"chains only")
 
     def ensure_capacity(self, length: int, drafter: Drafter | None = None,
                         steps: int = 1) -> None:
@@ -229,7 +246,9 @@ class Engine:
             raise ValueError(f"the prompt has {len(prompt)} tokens, which leaves no room to "
                              f"generate within max_model_len={self.max_model_len}")
         # A step verifies at most k drafts, or a tree of k spine tokens and their leaves.
-        nodes = k + sum(spine_leaves(self.tree_widths, k)) if drafter else 0
+        trees = (j + sum(leaves) for j in range(1, k + 1)
+                 for leaves in tree_shapes(self.tree_widths, self.tree_budget, j))
+        nodes = max(k, max(trees, default=0)) if drafter else 0
         self.ensure_capacity(len(prompt) + max_new + nodes + 1, drafter,
                              steps=nodes + 1 if drafter else 1)
         # How attention cuts the cache into splits fixes how its partial sums are added, so it
@@ -237,7 +256,8 @@ class Engine:
         # decoding's tokens) nor from the cache's size, which earlier, longer requests set.
         self.cache.split_len = kernels.split_length(len(prompt) + max_new)
         req = _Request(prompt, params, max_new, drafter, k, metrics, self.eos_token_ids,
-                       self.device, self.costs if self.adaptive else None, self.tree_widths)
+                       self.device, self.costs if self.adaptive else None, self.tree_widths,
+                       self.tree_budget)
         if self.decode_kernel == "megakernel" and drafter is None and params.greedy:
             req.megakernel = self.megakernel
 
@@ -346,8 +366,10 @@ class Engine:
                 m.predicted_per_step.append(round(req.policy.predicted, 3))
         step = req.commit(new)  # the drafter is told which tokens
         if req.policy is not None:
+            tree = draft.tree
             req.policy.after_step(n_draft, n, time.perf_counter() - began,
-                                  None if draft.tree is None else result[1] >= 0)
+                                  None if tree is None else result[1] >= 0,
+                                  None if tree is None else tree.leaves)
         return step, next_token.view(1, 1), hidden
 
     def _decode_plainly(self, req: "_Request", last: torch.Tensor):
@@ -445,9 +467,14 @@ class Engine:
         """The request's drafter's draft of at most k tokens (none where k <= 0)."""
         if k <= 0:
             return Draft(torch.empty(1, 0, dtype=torch.long, device=self.device))
-        tree = req.policy is None or req.policy.tree  # else the planner chose the chain
+        # The tree the planner chose (None: the chain), or without a planner the first there is.
+        if req.policy is not None:
+            leaves = req.policy.leaves
+        else:
+            leaves = next(iter(req.trees(k)), None) if req.trees is not None else None
+        widths = () if leaves is None else tuple(m + 1 for m in leaves)
         return req.drafter.propose(DraftContext(req.tokens, req.params, req.seed, hidden,
-                                                req.tree_widths if tree else ()), k)
+                                                widths), k)
 
 
 class _Request:
@@ -457,7 +484,8 @@ class _Request:
     def __init__(self, prompt: list[int], params: SamplingParams, max_new: int,
                  drafter: Drafter | None, k: int, metrics: RequestMetrics,
                  eos_token_ids: tuple[int, ...], device: torch.device,
-                 costs: CostModel | None, tree_widths: tuple[int, ...] = ()):
+                 costs: CostModel | None, tree_widths: tuple[int, ...] = (),
+                 tree_budget: int = 0):
         self.tokens, self.n_prompt = list(prompt), len(prompt)
         self.params, self.max_new, self.metrics = params, max_new, metrics
         self.stop_ids = set(params.stop_token_ids) | (
@@ -468,16 +496,17 @@ class _Request:
                      else int(torch.randint(0, 2 ** 62, (1,))))
         self.drafter, self.k = drafter, k
         self.hidden_layers = drafter.hidden_layers if drafter is not None else ()
-        # Token trees where the engine verifies them and the drafter builds them; the planner
-        # chooses between its tree and its chain each step.
-        self.tree_widths = (tree_widths if drafter is not None and any(w > 1 for w in tree_widths)
-                            and getattr(drafter, "builds_trees", False) else ())
-        tree_leaves = ((lambda k: spine_leaves(self.tree_widths, k)) if self.tree_widths
-                       else None)
+        # Token trees where the engine verifies them and the drafter builds them: trees(k), the
+        # leaves a depth of each tree of k spine tokens, which the planner chooses among and
+        # against the chain each step.
+        self.trees = None
+        if (drafter is not None and getattr(drafter, "builds_trees", False)
+                and (tree_budget or any(w > 1 for w in tree_widths))):
+            self.trees = lambda k: tree_shapes(tree_widths, tree_budget, k)
         # Drafters that read the target's hidden states need every step to be theirs.
         # A seeded sampled request's choices follow from its tokens alone (reproducible).
         timed = params.greedy or params.seed is None
-        self.policy = (SpeculationPlanner(costs, drafter, timed, tree_leaves)
+        self.policy = (SpeculationPlanner(costs, drafter, timed, self.trees)
                        if drafter is not None and costs is not None and not drafter.hidden_layers
                        else None)
         self.reader = TokenReader(device)  # plain decoding's, kept for every stretch

@@ -14,13 +14,29 @@ plain decoding (k = 0) when no k beats 1 / p. Everything is measured while it ru
   that the ones before it were accepted: running estimates per drafter, and per request
   (started from the drafter's), which follow a prompt's own acceptance within a few steps.
 
-Token trees (`tree.SpineTree`, where the engine has tree widths and the drafter builds them)
-are one more choice a step: a tree of k spine tokens gives E_tree(k) = 1 + Σ_{i ≤ k} Π_{j < i}
-α_j · (α_i + (1 - α_i) · β_i), with β_i the chance that one of depth i's leaves is kept where
-its spine token was not (0 at depths without leaves), and costs s_tree(k): its own line through
-the tree steps' wall times (before the first, the chain's plus NODE_COST plain steps a leaf).
-Both are measured like the chain's, so a tree that does not pay for its extra nodes is dropped
-for the chain, and a chain that keeps missing by one token takes the tree.
+Token trees (`tree.SpineTree`, where the engine has tree widths or a node budget and the
+drafter builds them) are one more choice a step: a tree of k spine tokens with m_i leaves at
+depth i gives E_tree(k) = 1 + Σ_{i ≤ k} Π_{j < i} α_j · (α_i + (1 - α_i) · β_i(m_i)), with
+β_i(m) the chance that one of depth i's m leaves is kept where its spine token was not (0 for
+m = 0). The leaves are the drafter's next best tokens, and a next best token is rarely the
+target's as often as the one before it: β_i(m) = min(1, β_i · (1 + r + … + r^(m-1))), r =
+LEAF_DECAY, with β_i the first leaf's chance, which each tree step's outcome at depth i
+estimates (kept or not, over 1 + r + … of its leaves, so that steps of any width add to one
+estimate). A tree step costs s_tree(k, L) = s(k) + c + d · L for L leaves: a line through the
+tree steps' wall times over their chain's, against L (before the first, NODE_COST plain steps a
+leaf). Both are measured like the chain's, so a tree that does not pay for its extra nodes is
+dropped for the chain, and a chain that keeps missing by one token takes the tree.
+
+With fixed widths (`--tree-widths 3,2,2`) each k has one tree. With a node budget
+(`--tree-widths auto`, `--tree-budget N`: spine and leaves together at most N nodes) the planner
+also chooses the widths, among few shapes: CUDA graphs are captured per shape, and a shape that
+runs once is a capture lost. For each k the candidates are the AUTO_TREE_PROFILES (one
+alternative to the first token; most of the budget at the first depths, where a spine of low
+acceptance breaks; a middle one; one alternative at every depth, for a spine that breaks late),
+each trimmed from its deepest depth to fit the budget: at most four trees a k, beside its chain,
+and the best E / s of them all (plain decoding included) is taken. Where no planner chooses
+(adaptive speculation off, a drafter that reads the target's hidden states) the first profile,
+the middle one, is verified.
 
 Estimates of cost and acceptance are kept per engine and drafter (`CostModel`): the same
 model on the same GPU costs the same for every request, and for every engine of the same setup.
@@ -62,7 +78,12 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
+
+import torch
+
+from .tree import spine_leaves
 
 # How fast old observations fade: per step for acceptance (a request's, the drafter's), per
 # sample for the step-time fits.
@@ -70,7 +91,12 @@ REQUEST_DECAY, DRAFTER_DECAY, TIME_DECAY = 0.7, 0.95, 0.98
 PRIOR_ACCEPTANCE = 0.6  # before a drafter's first step
 DEFAULT_COST_HINT = 0.02  # a drafter's cost a token over the target's, where it states none
 FIRST_STRETCH, LONGEST_STRETCH = 4, 64
-PRIOR_LEAF = 0.3  # a tree's β before its first tree step
+PRIOR_LEAF = 0.3  # a depth's first leaf's β before its first tree step
+LEAF_DECAY = 0.5  # each next best alternative at a depth is kept this much as often as the last
+# Trees a node budget chooses among (as tree widths: candidates a depth), the first where no
+# planner chooses: a middle one, one alternative to the first token, most of the budget where a
+# spine of low acceptance breaks, one alternative at every depth for a spine that breaks late.
+AUTO_TREE_PROFILES = ((3, 2, 2, 2), (2,), (4, 3), (2,) * 64)
 NODE_COST = 0.01  # a leaf's verification cost in plain steps, before tree steps are timed
 # A plain step this many times the estimate is a one-off (a graph captured, the host busy),
 # unless OUTLIER_RUN of them come in a row: then the estimate itself is wrong (a saved one
@@ -79,7 +105,7 @@ OUTLIER, OUTLIER_RUN = 4.0, 4
 # The step-cost cache (StepCostCache): timings between writes, the weight in samples that a
 # saved line starts with, the setups a file keeps (the least recently saved go first).
 SAVE_EVERY, RESTORED_WEIGHT, SAVED_SETUPS = 64, 8.0, 64
-STEP_COST_FORMAT = 1  # the file's version; a file of another version is started afresh
+STEP_COST_FORMAT = 2  # the file's version; a file of another version is started afresh
 
 
 class Ema:
@@ -159,8 +185,9 @@ class DrafterCosts:
     cost_hint: float  # its cost a drafted token, over the target's plain step
     steps: LineFit = field(default_factory=LineFit)  # step seconds against k
     acceptance: list[Ema] = field(default_factory=list)  # α_j, j = 1 …
-    tree_steps: LineFit = field(default_factory=LineFit)  # a tree step's seconds against k
-    leaf: list[Ema] = field(default_factory=list)  # β_j, j = 1 …
+    # a tree step's seconds over its chain's (s(k)), against its leaves
+    tree_steps: LineFit = field(default_factory=LineFit)
+    leaf: list[Ema] = field(default_factory=list)  # β_j, j = 1 …: of a depth's first leaf
 
 
 def weight_bytes(module) -> int:
@@ -171,8 +198,6 @@ def weight_bytes(module) -> int:
 
 def device_kind(device) -> str:
     """The GPU's name (its step costs are the GPU's), or "cpu"."""
-    import torch
-
     device = torch.device(device)
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
@@ -341,9 +366,17 @@ class CostModel:
         self.plain.add(seconds)
         self.unsaved += 1
 
-    def add_step(self, costs: DrafterCosts, k: int, seconds: float, tree: bool = False) -> None:
-        """A speculative step's wall time: a chain of k drafts, or a tree of k spine tokens."""
-        (costs.tree_steps if tree else costs.steps).add(k, seconds)
+    def add_step(self, costs: DrafterCosts, k: int, seconds: float,
+                 leaves: tuple[int, ...] | None = None) -> None:
+        """A speculative step's wall time: a chain of k drafts, or (leaves: a depth's leaves) a
+        tree of k spine tokens, timed over its chain (once there is a plain step to guess the
+        chain from)."""
+        if leaves is None:
+            costs.steps.add(k, seconds)
+        elif self.plain.value is not None:
+            costs.tree_steps.add(sum(leaves), seconds - self.step_time(costs, k))
+        else:
+            return
         self.unsaved += 1
 
     def save(self) -> None:
@@ -367,40 +400,90 @@ class CostModel:
             self.save()
 
     def step_time(self, costs: DrafterCosts, k: int, timed: bool = True, leaves: int = 0) -> float:
-        """s(k) in seconds of a chain, or of a tree with `leaves` leaves; timed=False: the
-        guess below, in plain steps (no measurement)."""
+        """s(k) in seconds of a chain, or s_tree(k, leaves) of a tree with `leaves` leaves;
+        timed=False: the guess below, in plain steps (no measurement)."""
         p = self.plain.value if timed else 1.0
-        if leaves and timed and costs.tree_steps.seen:
-            a, b = costs.tree_steps.line(costs.cost_hint * p)
-            return a + b * k
         if not timed or not costs.steps.seen:  # a guess: the target's step, wider, and k drafted tokens
             chain = p * (1.1 + (costs.cost_hint + 0.02) * k)
         else:
             a, b = costs.steps.line(costs.cost_hint * p)
             chain = a + b * k
-        return chain + p * NODE_COST * leaves
+        if not leaves:
+            return chain
+        c, d = self.leaf_line(costs, timed)
+        return chain + c + d * leaves
+
+    def leaf_line(self, costs: DrafterCosts, timed: bool = True) -> tuple[float, float]:
+        """(c, d): a tree of L leaves costs c + d · L seconds over its chain (timed=False, or
+        before tree steps are timed: NODE_COST plain steps a leaf)."""
+        p = self.plain.value if timed else 1.0
+        if timed and costs.tree_steps.seen:
+            return costs.tree_steps.line(p * NODE_COST)
+        return 0.0, p * NODE_COST
+
+
+def path_odds(alphas: list[float], k: int) -> tuple[list[float], list[float]]:
+    """(kept, missed) at depths i = 1 … k: kept[i - 1] = Π_{j ≤ i} α_j, the chance that d_i is
+    accepted; missed[i - 1] = Π_{j < i} α_j · (1 - α_i), that d_i is the first rejected (the
+    last α stands for the depths past alphas; the prior, for all where there is none)."""
+    kept, missed, run = [], [], 1.0
+    for i in range(k):
+        a = alphas[i] if i < len(alphas) else (alphas[-1] if alphas else PRIOR_ACCEPTANCE)
+        missed.append(run * (1 - a))
+        run *= a
+        kept.append(run)
+    return kept, missed
 
 
 def expected_tokens(alphas: list[float], k: int, betas: list[float] | None = None) -> float:
     """E(k) = 1 + Σ_{i ≤ k} Π_{j ≤ i} α_j (the bonus or recovered token included); with betas
-    (a tree's β_i, 0 where depth i has no leaves), E_tree(k)."""
-    total, run = 1.0, 1.0
-    for i in range(k):
-        a = alphas[i] if i < len(alphas) else (alphas[-1] if alphas else PRIOR_ACCEPTANCE)
-        if betas is not None and i < len(betas):
-            total += run * (1 - a) * betas[i]  # a leaf kept at depth i + 1 ends the path there
-        run *= a
-        total += run
-    return total
+    (a tree's β_i, 0 where depth i has no leaves), E_tree(k): a leaf kept at depth i ends the
+    path there, one token more than the spine's i - 1."""
+    kept, missed = path_odds(alphas, k)
+    return 1.0 + sum(kept) + sum(m * b for m, b in zip(missed, betas or ()))
+
+
+def leaf_share(leaves: int) -> float:
+    """1 + r + … + r^(leaves - 1): a depth's leaves' chance of a keep over its first leaf's."""
+    return (1 - LEAF_DECAY ** leaves) / (1 - LEAF_DECAY)
+
+
+def leaf_keep(first: float, leaves: int) -> float:
+    """β(m): the chance that one of a depth's m leaves is kept (its spine token rejected), where
+    the first is kept with chance `first`."""
+    return min(1.0, first * leaf_share(leaves)) if leaves else 0.0
+
+
+@lru_cache(maxsize=None)
+def tree_shapes(widths: tuple[int, ...], budget: int, k: int) -> tuple[tuple[int, ...], ...]:
+    """The leaves at depths 1 … k of each tree a step of k spine tokens may verify: with a
+    node budget (budget > 0), the AUTO_TREE_PROFILES trimmed from their deepest depths to at most
+    `budget` nodes (spine and leaves), the first profile's first; else widths' tree (none where
+    widths make a chain)."""
+    if not budget:
+        leaves = spine_leaves(widths, k)
+        return (leaves,) if any(leaves) else ()
+    shapes = []
+    for profile in AUTO_TREE_PROFILES:
+        leaves = list(spine_leaves(profile, k))
+        depth = k - 1
+        while k + sum(leaves) > budget and depth >= 0:
+            if leaves[depth]:
+                leaves[depth] -= 1
+            else:
+                depth -= 1
+        if any(leaves) and tuple(leaves) not in shapes:
+            shapes.append(tuple(leaves))
+    return tuple(shapes)
 
 
 def best_k(alphas: list[float], step_time, plain_s: float, k_max: int
            ) -> tuple[int, float, float]:
     """(k, E(k), its rate in tokens/s) maximising E(k) / step_time(k) over 1 … k_max, or
     (0, 1, 1 / plain_s) where plain decoding is at least as fast."""
-    best = (0, 1.0, 1.0 / plain_s)
-    for k in range(1, k_max + 1):
-        e = expected_tokens(alphas, k)
+    best, e = (0, 1.0, 1.0 / plain_s), 1.0
+    for k, kept in enumerate(path_odds(alphas, k_max)[0], 1):
+        e += kept  # E(k)
         rate = e / step_time(k)
         if rate > best[2]:
             best = (k, e, rate)
@@ -416,13 +499,12 @@ class SpeculationPlanner:
     planner.resume(tokens)             after each plain token: draft again from the next?
     """
 
-    def __init__(self, model: CostModel, drafter, timed: bool = True,
-                 tree_leaves=None):
-        """tree_leaves: where steps may be trees, leaves(k) -> the leaves at depths 1 … k of
-        the tree of k spine tokens (`tree.spine_leaves` of the engine's widths)."""
+    def __init__(self, model: CostModel, drafter, timed: bool = True, trees=None):
+        """trees: where steps may be trees, trees(k) -> the leaves at depths 1 … k of each tree
+        of k spine tokens to choose among (`tree_shapes` of the engine's widths or budget)."""
         self.model, self.costs, self.timed = model, model.of(drafter), timed
-        self.tree_leaves = tree_leaves
-        self.tree = False  # whether the step chosen last is a tree
+        self.trees = trees
+        self.leaves: tuple[int, ...] | None = None  # the step chosen last's tree (None: a chain)
         self.betas = ([Ema(REQUEST_DECAY, b.value, 1.0) for b in self.costs.leaf]
                       if timed else [])
         self.probe = getattr(drafter, "can_propose", None)
@@ -446,14 +528,11 @@ class SpeculationPlanner:
     def _step_time(self, k: int) -> float:
         return self.model.step_time(self.costs, k, self.timed)
 
-    def _tree_rate(self, k: int) -> tuple[float, float]:
-        """(E_tree(k), its rate per second) for the tree of k spine tokens."""
-        leaves = self.tree_leaves(k)
-        seen = [b.value for b in self.betas]  # None at depths never tested
-        betas = [((seen[i] if i < len(seen) and seen[i] is not None else PRIOR_LEAF)
-                  if m else 0.0) for i, m in enumerate(leaves)]
-        e = expected_tokens(self.acceptance(), k, betas)
-        return e, e / self.model.step_time(self.costs, k, self.timed, sum(leaves))
+    @property
+    def tree(self) -> bool:
+        """Whether the step chosen last is a tree."""
+        return self.leaves is not None
+
 
     @property
     def _plain_s(self) -> float:
@@ -462,37 +541,65 @@ class SpeculationPlanner:
     def choose(self, k_max: int) -> int:
         """k for the next step (>= 1; plain decoding is chosen by after_step's stretches)."""
         # A probe after a plain stretch drafts too: the best k as if plain were not an option.
-        k, self.predicted, self.tree = self._best(k_max, float("inf"))
+        k, self.predicted, self.leaves = self._best(k_max, float("inf"))
         return k
 
-    def _best(self, k_max: int, plain_s: float) -> tuple[int, float, bool]:
-        """(k, E, tree?) of the fastest step of at most k_max drafts, chain or tree; k = 0:
-        plain decoding (at plain_s a token) is at least as fast."""
-        k, e, rate = best_k(self.acceptance(), self._step_time, plain_s, k_max)
-        tree = False
-        if self.tree_leaves is not None:
-            for j in range(1, k_max + 1):
-                if any(self.tree_leaves(j)):
-                    e_j, r = self._tree_rate(j)
-                    if r > rate:
-                        k, e, rate, tree = j, e_j, r, True
+    def _best(self, k_max: int, plain_s: float) -> tuple[int, float, tuple[int, ...] | None]:
+        """(k, E, the tree's leaves a depth or None for a chain) of the fastest step of at most
+        k_max drafts, chain or tree; k = 0: plain decoding (at plain_s a token) is at least as
+        fast."""
+        alphas = self.acceptance()
+        k, e, rate = best_k(alphas, self._step_time, plain_s, k_max)
+        tree = None
+        if self.trees is None:
+            return k, e, tree
+        # E_tree and s_tree of each candidate from per-depth terms found once (every step
+        # weighs up to four trees a k): E(j) plus, at each depth with leaves, the chance that
+        # its spine token is the first rejected times β(m); s(j) plus the leaves' line.
+        kept, missed = path_odds(alphas, k_max)
+        first = [PRIOR_LEAF if b.value is None else b.value for b in self.betas]
+        first += [PRIOR_LEAF] * (k_max - len(first))
+        gains = {}  # (depth, leaves) -> that depth's part of E_tree
+        c, d = self.model.leaf_line(self.costs, self.timed)
+        chain_e = 1.0
+        for j in range(1, k_max + 1):
+            chain_e += kept[j - 1]
+            chain_s = self._step_time(j)
+            for leaves in self.trees(j):
+                e_j, n = chain_e, 0
+                for i, m in enumerate(leaves):
+                    if m:
+                        g = gains.get((i, m))
+                        if g is None:
+                            g = gains[i, m] = missed[i] * leaf_keep(first[i], m)
+                        e_j, n = e_j + g, n + m
+                r = e_j / (chain_s + c + d * n)
+                if r > rate:
+                    k, e, rate, tree = j, e_j, r, leaves
         return k, e, tree
 
     def after_step(self, drafted: int, accepted: int, seconds: float,
-                   leaf: bool | None = None) -> None:
+                   leaf: bool | None = None, leaves: tuple[int, ...] | None = None) -> None:
         """drafted: k (a tree's spine); accepted: the path's length; leaf: for a tree step,
-        whether the path ended in a leaf (None: a chain)."""
+        whether the path ended in a leaf (None: a chain); leaves: that tree's leaves a depth
+        (None: the tree chosen last, or the first of trees(drafted))."""
         if drafted == 0:  # nothing to draft: a plain token, then ask the drafter again
             self.stretch = 1
             return
-        self.model.add_step(self.costs, drafted, seconds, tree=leaf is not None)
+        if leaf is not None and leaves is None:
+            leaves = self.leaves
+            if leaves is None or len(leaves) != drafted:
+                leaves = next(iter(self.trees(drafted) if self.trees else ()), (0,) * drafted)
+        self.model.add_step(self.costs, drafted, seconds, None if leaf is None else leaves)
         spine = accepted - 1 if leaf else accepted  # the spine tokens kept
-        if leaf is not None and spine < drafted and self.tree_leaves(drafted)[spine]:
+        if leaf is not None and spine < drafted and leaves[spine]:
             # depth spine + 1 had leaves and its spine token was rejected: was a leaf kept?
+            # (counted over the depth's leaves' share: an estimate of its first leaf's β)
+            kept = (1.0 if leaf else 0.0) / leaf_share(leaves[spine])
             for betas, decay in ((self.betas, REQUEST_DECAY), (self.costs.leaf, DRAFTER_DECAY)):
                 while len(betas) <= spine:
                     betas.append(Ema(decay))
-                betas[spine].add(1.0 if leaf else 0.0)
+                betas[spine].add(kept)
         for j in range(min(drafted, spine + 1)):  # positions that were tested
             kept = 1.0 if j < spine else 0.0
             if len(self.alphas) <= j:
@@ -505,7 +612,7 @@ class SpeculationPlanner:
         # A step that beat plain decoding itself is trusted over the estimates: drafting goes
         # on (and the estimates catch up) where the text has turned predictable.
         guess = self.model.step_time(self.costs, drafted, False,
-                                     0 if leaf is None else sum(self.tree_leaves(drafted)))
+                                     0 if leaf is None else sum(leaves))
         paid = (accepted + 1) * self._plain_s >= (seconds if self.timed else guess)
         if k == 0 and not paid:  # plain, longer each time the probe after loses too
             self.stretch = self.backoff

@@ -3,8 +3,9 @@ import json
 
 import pytest
 
-from flashdraft.scheduling import (FIRST_STRETCH, LONGEST_STRETCH, CostModel, Ema,
-                                   SpeculationPlanner, best_k, expected_tokens)
+from flashdraft.scheduling import (FIRST_STRETCH, LONGEST_STRETCH, REQUEST_DECAY, CostModel,
+                                   Ema, SpeculationPlanner, best_k, expected_tokens, leaf_keep,
+                                   leaf_share, tree_shapes)
 
 P = 0.010  # seconds a plain token
 
@@ -153,9 +154,8 @@ def test_an_untimed_planner_chooses_from_its_own_drafts_alone(tmp_path):
     assert choices(CostModel(), [P] * 10) == choices(restored, [P * 5] * 10)
 
 
-def leaves_of(widths):
-    from flashdraft.tree import spine_leaves
-    return lambda k: spine_leaves(widths, k)
+def trees_of(widths=(), budget=0):
+    return lambda k: tree_shapes(widths, budget, k)
 
 
 def test_expected_tokens_of_a_tree():
@@ -175,7 +175,7 @@ def test_planner_takes_the_tree_where_it_pays(tree_s, beta, want_tree):
     model, d = CostModel(), Drafter()
     for _ in range(10):
         model.add_plain(P)
-    planner = SpeculationPlanner(model, d, tree_leaves=leaves_of((3, 3, 3, 3)))
+    planner = SpeculationPlanner(model, d, trees=trees_of((3, 3, 3, 3)))
     for i in range(40):  # chain steps of k = 4 and 3 keeping 2, tree steps keeping 2 + a leaf
         k = 4 if i % 2 else 3
         planner.after_step(k, 2, 1.5 * P + 0.1 * P * k)
@@ -183,18 +183,111 @@ def test_planner_takes_the_tree_where_it_pays(tree_s, beta, want_tree):
         planner.after_step(k, 3 if leaf else 2, 1.5 * P + 0.1 * P * k + tree_s, leaf=leaf)
     k = planner.choose(4)
     assert k > 0 and planner.tree == want_tree
-    assert planner.costs.leaf[2].value == pytest.approx(beta, abs=0.25)
+    # the depth's two leaves were kept with chance beta: its first leaf's β times 1 + r
+    assert leaf_keep(planner.costs.leaf[2].value, 2) == pytest.approx(beta, abs=0.25)
 
 
 def test_a_tree_step_records_spine_acceptance_and_the_leaf():
     model, d = CostModel(), Drafter()
     model.add_plain(P)
-    planner = SpeculationPlanner(model, d, tree_leaves=leaves_of((2, 2)))
+    planner = SpeculationPlanner(model, d, trees=trees_of((2, 2)))
     planner.after_step(3, 2, P, leaf=True)  # spine 1 kept, rejected at depth 2, its leaf kept
     assert [a.value for a in planner.alphas] == [1.0, 0.0]
     assert planner.betas[1].value == 1.0 and len(planner.betas) == 2
     planner.after_step(3, 2, P, leaf=False)  # spine 2 kept, depth 3 has no leaves: no β
     assert planner.betas[1].value == 1.0 and len(planner.costs.leaf) == 2
+
+
+
+# -- tree shapes under a node budget ---------------------------------------------------------
+
+def test_tree_shapes_under_a_budget_are_few_and_fit():
+    assert tree_shapes((3, 2), 0, 3) == ((2, 1, 0),)  # fixed widths: their one tree
+    assert tree_shapes((), 0, 3) == tree_shapes((1, 1), 0, 3) == ()  # chains
+    shapes = {k: tree_shapes((), 16, k) for k in range(1, 17)}
+    assert shapes[4][0] == (2, 1, 1, 1)  # the middle profile first: where no planner chooses
+    assert shapes[1] == ((2,), (1,), (3,)) and shapes[16] == ()  # no room for a leaf
+    for k, trees in shapes.items():
+        assert len(trees) <= 4 and len(set(trees)) == len(trees)
+        assert all(len(t) == k and k + sum(t) <= 16 and any(t) for t in trees)
+    assert (1,) * 8 in shapes[8]  # one alternative a depth, 16 nodes
+    # each profile trimmed from its deepest depth to 5 nodes; (4, 3)'s trim is (3, 2)'s twin
+    assert tree_shapes((), 5, 3) == ((2, 0, 0), (1, 0, 0), (1, 1, 0))
+    assert leaf_keep(0.3, 0) == 0 and leaf_keep(0.3, 1) == 0.3
+    assert leaf_keep(0.3, 2) == pytest.approx(0.45) and leaf_keep(0.8, 8) == 1.0
+    assert leaf_share(3) == pytest.approx(1.75)
+
+
+def injected(alpha, first_leaf, leaf_s, budget=16, k_max=8):
+    """A planner choosing trees under `budget` nodes: plain steps of P, chain steps of
+    P (1.1 + k / 10), leaves of leaf_s seconds each, acceptance alpha at every depth and a
+    first-leaf β first_leaf at every depth."""
+    model, d = CostModel(), Drafter()
+    for _ in range(10):
+        model.add_plain(P)
+    costs = model.of(d)
+    for k in range(1, 9):
+        model.add_step(costs, k, P * (1.1 + 0.1 * k))
+    for leaves in range(1, 9):
+        model.add_step(costs, 2, model.step_time(costs, 2) + leaf_s * leaves, leaves=(leaves, 0))
+    planner = SpeculationPlanner(model, d, trees=trees_of(budget=budget))
+    planner.alphas = [Ema(REQUEST_DECAY, alpha, 1.0) for _ in range(k_max)]
+    planner.betas = [Ema(REQUEST_DECAY, first_leaf, 1.0) for _ in range(k_max)]
+    k = planner.choose(k_max)
+    if planner.leaves is not None:  # its E is E_tree's definition
+        betas = [leaf_keep(first_leaf, m) for m in planner.leaves]
+        assert planner.predicted == pytest.approx(expected_tokens([alpha] * k_max, k, betas))
+    return k, planner.leaves
+
+
+@pytest.mark.parametrize("alpha, first_leaf, leaf_s, want", [
+    # leaves that cost a plain step each cannot pay for what they catch: the chain
+    (0.6, 0.4, P, "chain"),
+    # leaves never kept: the chain, however cheap (ties go to it)
+    (0.6, 0.0, 0.001 * P, "chain"),
+    # a spine that is always kept needs no alternatives: the chain
+    (1.0, 0.4, 0.001 * P, "chain"),
+    # middling acceptance, cheap leaves, often kept: a tree with many leaves
+    (0.6, 0.4, 0.001 * P, "many"),
+    # low acceptance: the alternatives go where the spine breaks, at the first depths
+    (0.3, 0.4, 0.001 * P, "front"),
+    # high acceptance and cheap leaves: one alternative at (nearly) every depth
+    (0.9, 0.4, 0.001 * P, "spread"),
+])
+def test_a_node_budget_shapes_the_tree_by_acceptance_and_leaf_cost(alpha, first_leaf, leaf_s,
+                                                                    want):
+    k, leaves = injected(alpha, first_leaf, leaf_s)
+    assert k >= 1
+    if want == "chain":
+        assert leaves is None
+        return
+    assert leaves is not None and k + sum(leaves) <= 16
+    if want == "many":
+        assert sum(leaves) >= 4
+    if want == "front":
+        assert leaves[0] >= 2 and sum(leaves[2:]) == 0
+    if want == "spread":
+        assert k >= 6 and sum(1 for m in leaves if m) >= k - 1
+
+
+def test_dearer_leaves_never_mean_more_of_them():
+    counts = []
+    for leaf_s in (0.0, 0.002 * P, 0.01 * P, 0.05 * P, 0.2 * P, P):
+        _, leaves = injected(0.6, 0.4, leaf_s)
+        counts.append(sum(leaves or ()))
+    assert counts == sorted(counts, reverse=True) and counts[0] > counts[-1] == 0
+
+
+def test_a_tree_step_of_any_width_estimates_the_first_leaf():
+    """Steps of two leaves at a depth kept with chance 0.45 (= 0.3 · (1 + r)): the first leaf's
+    β comes out near 0.3, and a step of one leaf there is predicted at that."""
+    model, d = CostModel(), Drafter()
+    model.add_plain(P)
+    planner = SpeculationPlanner(model, d, trees=trees_of(budget=16))
+    for i in range(200):  # depth 1's spine token always rejected; a leaf kept 9 times in 20
+        kept = i * 9 % 20 < 9  # spread over the 20
+        planner.after_step(2, 1 if kept else 0, P, leaf=kept, leaves=(2, 0))
+    assert planner.costs.leaf[0].value == pytest.approx(0.3, abs=0.05)
 
 
 # -- step costs kept across engines (StepCostCache) ------------------------------------------
@@ -212,14 +305,16 @@ def cached_model(path, setup=SETUP, drafter=None, name="model:/d"):
 
 
 def run_steps(model, drafter):
-    """Plain tokens of P and chain and tree steps on distinct lines."""
+    """Plain tokens of P, chain steps of P (1 + k / 4), tree steps of k leaves P (0.5 + k / 20)
+    over their chain's."""
     for _ in range(10):
         model.add_plain(P)
     costs = model.of(drafter)
     for k in (2, 4, 6, 8) * 3:
         model.add_step(costs, k, P * (1.0 + 0.25 * k))
-        model.add_step(costs, k, P * (1.5 + 0.3 * k), tree=True)
         costs.acceptance.append(Ema(0.9, 1.0))  # acceptance: never kept
+    for k in (2, 4, 6, 8) * 3:
+        model.add_step(costs, k, P * (1.5 + 0.3 * k), leaves=(1,) * k)
 
 
 def test_step_costs_round_trip_through_the_cache(tmp_path):
@@ -235,7 +330,7 @@ def test_step_costs_round_trip_through_the_cache(tmp_path):
     assert second.plain.value == pytest.approx(P)
     costs = second.of(d2)
     assert second.step_time(costs, 5) == pytest.approx(P * 2.25)
-    assert second.step_time(costs, 5, leaves=3) == pytest.approx(P * 3.0)
+    assert second.step_time(costs, 5, leaves=3) == pytest.approx(P * 2.9)
     assert costs.acceptance == [] and costs.steps.w <= 8.0  # fresh samples take over quickly
     # the planner starts speculating at once: p is known
     assert not SpeculationPlanner(second, d2).plain
@@ -264,14 +359,15 @@ def test_step_costs_of_another_setup_or_drafter_are_not_reused(tmp_path):
     assert not unnamed.of(d).steps.seen
 
 
-@pytest.mark.parametrize("text", ["{not json", '{"format": 1, "setups": []}',
-                                  '{"format": 1, "setups": {"%s": {"plain": ["x", 1]}}}'])
+@pytest.mark.parametrize("text", ["{not json", '{"format": F, "setups": []}',
+                                  '{"format": F, "setups": {"%s": {"plain": ["x", 1]}}}'])
 def test_a_corrupt_step_cost_file_warns_once_and_starts_afresh(tmp_path, text):
-    from flashdraft.scheduling import StepCostCache
+    from flashdraft.scheduling import STEP_COST_FORMAT, StepCostCache
 
     path, d = tmp_path / "step_costs.json", Drafter()
     key = StepCostCache(SETUP).key
-    path.write_text(text.replace("%s", key.replace('"', '\\"')))
+    path.write_text(text.replace("%s", key.replace('"', '\\"'))
+                    .replace("F", str(STEP_COST_FORMAT)))
     with pytest.warns(UserWarning, match="step-cost cache") as seen:
         model = cached_model(path, drafter=d)
         run_steps(model, d)

@@ -15,13 +15,13 @@ from flashdraft.verify import SpineTreeGreedy, SpineTreeVerify
 from tests.test_speculative import PROMPTS, plain, target  # noqa: E402,F401
 
 
-def generate(target, draft, k, widths, params, adaptive=False):
+def generate(target, draft, k, widths, params, adaptive=False, budget=0):
     engine = target.engine
-    engine.adaptive, engine.tree_widths = adaptive, widths
+    engine.adaptive, engine.tree_widths, engine.tree_budget = adaptive, widths, budget
     try:
         return target.generate(PROMPTS, params, draft=draft, num_speculative_tokens=k)
     finally:
-        engine.adaptive, engine.tree_widths = True, ()
+        engine.adaptive, engine.tree_widths, engine.tree_budget = True, (), 0
 
 
 @pytest.mark.parametrize("drafter", ["perfect", "poor"])
@@ -55,6 +55,43 @@ def test_the_planner_choosing_tree_chain_or_plain_changes_no_token(target, plain
     for name in (tiny_models["qwen2-draft"], "ngram+" + tiny_models["qwen2-draft"]):
         outs = generate(target, name, 4, (4, 3), params, adaptive=True)
         assert [o.token_ids for o in outs] == plain
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_trees_shaped_under_a_node_budget_change_no_token(target, plain, tiny_models, adaptive,
+                                                          monkeypatch):
+    """tree_budget: the planner chooses each step's widths among scheduling.tree_shapes (or,
+    without a planner, takes the first); greedy output is plain decoding's."""
+    from flashdraft.scheduling import tree_shapes
+
+    drafter = target.get_drafter(tiny_models["qwen2-draft"])
+    asked, propose = [], drafter.propose
+    monkeypatch.setattr(drafter, "propose",
+                        lambda ctx, k: asked.append((k, ctx.tree_widths)) or propose(ctx, k))
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs = generate(target, tiny_models["qwen2-draft"], 5, (), params, adaptive, budget=9)
+    assert [o.token_ids for o in outs] == plain
+    for k, widths in asked:  # the drafter is asked for the chain or one of k's shapes
+        assert widths == () or tuple(w - 1 for w in widths) in tree_shapes((), 9, k)
+    if not adaptive:  # every step the middle profile's tree, trimmed to 9 nodes
+        assert {w for k, w in asked if k == 5} == {(3, 2, 2, 1, 1)}
+
+
+def test_tree_budget_settings():
+    from flashdraft.cli import build_parser, tree_widths_from
+
+    cfg = EngineConfig(model="m", tree_widths="auto")
+    assert cfg.tree_widths == () and cfg.tree_budget == 16
+    assert EngineConfig(model="m", tree_widths="auto", tree_budget=8).tree_budget == 8
+    assert EngineConfig(model="m", tree_budget=8).tree_widths == ()
+    with pytest.raises(ValueError, match="give one of the two"):
+        EngineConfig(model="m", tree_widths=(3, 2), tree_budget=8)
+    for bad in (1, 63, -2, True, "8"):
+        with pytest.raises(ValueError, match="tree_budget must be"):
+            EngineConfig(model="m", tree_budget=bad)
+    assert tree_widths_from("auto") == "auto" and tree_widths_from("3,2") == (3, 2)
+    args = build_parser().parse_args(["generate", "--model", "m", "--tree-budget", "12", "x"])
+    assert args.tree_budget == 12
 
 
 def test_tree_shapes_and_alternatives():
@@ -136,4 +173,6 @@ def test_a_hybrid_target_refuses_trees(tmp_path):
     llm = LLM(str(path), device="cpu", dtype="float32")
     with pytest.raises(ValueError, match="verifies chains only"):
         llm.engine.tree_widths = (2,)
+    with pytest.raises(ValueError, match="verifies chains only"):
+        llm.engine.tree_budget = 16
     llm.engine.tree_widths = (1, 1)  # no leaves: chains, as ever
