@@ -113,3 +113,11 @@ def test_bad_settings_say_what_to_do():
             TrainSettings(**base, **bad)
     with pytest.raises(FileNotFoundError, match="--data"):
         load_training_prompts("/no/such/prompts.jsonl")
+
+
+def test_many_passes_over_the_data_say_to_give_it_more():
+    from flashdraft.tools.train_drafter import overfit_hint
+
+    hint = overfit_hint(80.4, TrainSettings(target="t", output="o", responses_per_prompt=4,
+                                            temperature=0.8))
+    assert "data 80 times" in hint and "--responses-per-prompt 8" in hint and "--data" in hint

@@ -531,7 +531,24 @@ def train_drafter(s: TrainSettings, out=None) -> TrainResult:
     bar.close()
     log(f"{result.steps} steps in {elapsed / 60:.1f} min; held-out τ estimate "
         f"{result.tau:.2f}; saved {result.output}")
+    passes = result.train_tokens / max(1, sum(len(x) for x in train.tokens))
+    if passes > MANY_PASSES:
+        log(overfit_hint(passes, s))
     return result
+
+
+MANY_PASSES = 10  # passes over the training sequences past which a drafter learns them by heart
+
+
+def overfit_hint(passes: float, s: TrainSettings) -> str:
+    """What to do where training went over its data many times (the held-out τ stalls while the
+    loss keeps falling): more data, not more minutes."""
+    more = max(2 * s.responses_per_prompt, 8)
+    return (f"note: training went over its data {passes:.0f} times; the drafter learns these "
+            f"sequences rather than the target, and more minutes will not raise τ much. Give it "
+            f"more data: "
+            f"--responses-per-prompt {more} --temperature 0.8 (with --generation-batch 256 where "
+            f"the GPU's memory allows), or --data with prompts of your own")
 
 
 def write_log(result: TrainResult, s: TrainSettings, losses: list[dict],
