@@ -21,8 +21,8 @@
 #                engine's end-to-end chi-square, which tests-engine-sampling runs (minutes)
 # sampling-step  sampling_step.py (what sampling adds to a step), flat and peaked rows, with
 #                each post's kernels by time
-# sampled        plain decoding and the 0.5B draft model at k = 5, at T = 0 and at T = 0.7
-#                top-p 0.95 in one run; the seed prompts at T = 0.8 with the 0.5B draft model
+# sampled        plain decoding and the 0.5B draft model at k = 5 (every step, and under the
+#                cost model), at T = 0 and at T = 0.7 top-p 0.95 in one run; the seed prompts at T = 0.8 with the 0.5B draft model
 #                (k = 3, 5); with BASE=DIR that version's seed run first
 # dflash-train   `flashdraft train-drafter` for the target (MINUTES, default 8; RESPONSES of
 #                the target a training prompt, default 16, GEN_BATCH of them generated together,
@@ -118,7 +118,7 @@ for phase in "$@"; do
     ;;
   sampled)
     bench t07 "$PWD" --temperature 0,0.7 --top-p 0.95 --seed 0 --draft $DRAFT \
-      --num-speculative-tokens 5
+      --num-speculative-tokens 5 --adaptive-speculation both
     for side in ${BASE:+base} new; do
       path=$PWD; [ $side = base ] && path=$PWD/$BASE
       PROMPTS=seed bench seed-t08-$side "$path" --temperature 0.8 --seed 0 --draft $DRAFT \
