@@ -89,6 +89,13 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
                         "`flashdraft tune`'s results over it); off: the shape rule")
 
 
+def add_parallel_arg(p: argparse.ArgumentParser, command: str) -> None:
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help=f"spread the model over N GPUs, one process each: start it with "
+                        f"`torchrun --nproc-per-node N -m flashdraft.cli {command} "
+                        f"--tensor-parallel N ...` (dense models, full precision; default 1)")
+
+
 def kernel_config_from(args):
     from .config import KernelConfig
 
@@ -213,9 +220,13 @@ def cmd_models(args) -> None:
 def cmd_bench(args) -> None:
     import shlex
 
+    from .parallel import TensorParallel, torchrun_command
     from .tools.bench import BenchSettings, run_bench
 
     if args.random_weights:
+        if args.tensor_parallel > 1:
+            raise SystemExit("error: --random-weights times one GPU's steps; leave "
+                             "--tensor-parallel out")
         from .tools.shapes import SHAPES, format_shape_bench, run_shape_bench
 
         if args.shape not in SHAPES:
@@ -234,7 +245,7 @@ def cmd_bench(args) -> None:
     except ValueError:
         raise SystemExit(f"error: --temperature takes comma-separated numbers, e.g. 0,0.7; "
                          f"got {args.temperature!r}")
-    run_bench(BenchSettings(
+    settings = BenchSettings(
         model=args.model, drafts=tuple(args.draft or ()),
         num_speculative_tokens=parse_ints(args.num_speculative_tokens, "--num-speculative-tokens"),
         prompts=args.prompts, raw_prompts=args.raw_prompts, num_prompts=args.num_prompts,
@@ -247,9 +258,15 @@ def cmd_bench(args) -> None:
         adaptive_speculation={"on": (True,), "off": (False,), "both": (True, False)}[
             args.adaptive_speculation],
         draft_quantization=args.draft_quantization, decode_kernel=args.decode_kernel,
-        kernels=kernel_config_from(args), command=shlex.join(sys.argv),
+        kernels=kernel_config_from(args),
+        command=(torchrun_command(args.tensor_parallel, sys.argv[1:]) if args.tensor_parallel > 1
+                 else shlex.join(sys.argv)),
         step_curve=parse_ints(args.step_curve, "--step-curve"), progress=not args.no_progress,
-        tree_widths=tuple(parse_ints(w, "--tree-widths") for w in args.tree_widths or ())))
+        tree_widths=tuple(parse_ints(w, "--tree-widths") for w in args.tree_widths or ()),
+        tensor_parallel=args.tensor_parallel)
+    run_bench(settings)
+    if settings.tensor_parallel > 1:  # the group run_bench's ranks joined, as generate leaves it
+        TensorParallel.join(settings.tensor_parallel, settings.device).leave()
 
 
 def cmd_serve(args) -> None:
@@ -309,10 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(g)
     add_sampling_args(g)
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
-    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
-                   help="spread the model over N GPUs, one process each: start it with "
-                        "`torchrun --nproc-per-node N -m flashdraft.cli generate "
-                        "--tensor-parallel N ...` (dense models, full precision; default 1)")
+    add_parallel_arg(g, "generate")
     g.add_argument("prompt", nargs="+")
     g.set_defaults(func=cmd_generate)
 
@@ -380,6 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--peer", default=None, choices=["transformers"],
                    help="also time transformers' generate on the same weights and prompts "
                         "(plain, assisted with each draft model, prompt lookup)")
+    add_parallel_arg(b, "bench")
     b.add_argument("--note", default=None,
                    help="a line recorded with the results, e.g. 'random weights: speed only'")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -490,6 +505,10 @@ def main(argv: list[str] | None = None) -> None:
     from .loading.examples import ModelError
 
     try:
+        if hasattr(args, "tensor_parallel"):
+            from .parallel import check_launch
+
+            check_launch(args.tensor_parallel, sys.argv[1:] if argv is None else argv)
         args.func(args)
     except (ValueError, FileNotFoundError, ModelError) as e:
         sys.exit(f"error: {e}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,32 @@ class TensorParallel:
     @property
     def process_group(self):
         return dist.group.WORLD if self.group is None else self.group
+
+
+def check_launch(size: int, command: list[str]) -> None:
+    """A user's error, before anything loads, where this process is not one of `size` ranks
+    started by torchrun; command: the flashdraft command line (sys.argv[1:]), so that the fix
+    it names is the user's own command."""
+    world = os.environ.get("WORLD_SIZE")  # torchrun's
+    started = int(world) if world else 1
+    if started == size:
+        return
+    fix = torchrun_command(size, command)
+    if size == 1:
+        raise ValueError(f"torchrun started {started} processes, but --tensor-parallel is 1: "
+                         f"each would run the whole model (a server would bind its port "
+                         f"{started} times); pass --tensor-parallel {started}, or run flashdraft "
+                         f"without torchrun")
+    if world is None:
+        raise ValueError(f"--tensor-parallel {size} runs one process per GPU, started by "
+                         f"torchrun: {fix}")
+    raise ValueError(f"--tensor-parallel {size}, but torchrun started {started} processes: "
+                     f"{fix}")
+
+
+def torchrun_command(size: int, command: list[str]) -> str:
+    """The line that starts flashdraft `command` (its arguments) on `size` ranks."""
+    return f"torchrun --nproc-per-node {size} -m flashdraft.cli {shlex.join(command)}"
 
 
 def _wants_cuda(device: str | None) -> bool:
@@ -188,3 +215,4 @@ def load_shard(ref: str, dtype: torch.dtype, device, tp: TensorParallel,
     loaded = load_model(ref, dtype, torch.device("cpu"), kernel_config=kernel_config)
     loaded.model = shard(loaded.model, tp).to(device)
     return loaded
+

@@ -1,8 +1,14 @@
 """Tensor parallelism (flashdraft.parallel) at TP = 2 against TP = 1: two CPU processes, gloo.
+The engine and `flashdraft bench` (rank 0 reports); torchrun's launch checked before anything
+loads.
 
 NCCL on GPUs takes the same code path; only the backend differs."""
+import contextlib
 import datetime
+import io
+import json
 import os
+import re
 import socket
 import sys
 
@@ -11,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from flashdraft import LLM, SamplingParams
+from flashdraft import LLM, SamplingParams, cli
 from flashdraft.config import EngineConfig
 from flashdraft.loading import load_model
 from flashdraft.parallel import TensorParallel, shard
@@ -69,16 +75,21 @@ def _check_generation(path: str, rank: int) -> None:
     assert seen[0] == seen[1]
 
 
-def _rank(rank: int, port: int, paths: list[str]) -> None:
+def _check_engine(rank: int, paths: list[str]) -> None:
+    tp = TensorParallel.join(WORLD, "cpu")
+    assert (tp.rank, tp.world_size) == (rank, WORLD)
+    for path in paths:
+        _check_logits(path, tp)
+    _check_generation(paths[0], rank)
+
+
+def _rank(rank: int, port: int, check, args: tuple) -> None:
+    """One rank of WORLD: check(rank, *args) in the process group."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD, timeout=datetime.timedelta(seconds=60))
     try:
-        tp = TensorParallel.join(WORLD, "cpu")
-        assert (tp.rank, tp.world_size) == (rank, WORLD)
-        for path in paths:
-            _check_logits(path, tp)
-        _check_generation(paths[0], rank)
+        check(rank, *args)
         dist.barrier()  # both ranks done before either tears its group down
     finally:
         dist.destroy_process_group()
@@ -90,7 +101,8 @@ def _rank(rank: int, port: int, paths: list[str]) -> None:
 
 def test_tensor_parallel_matches_one_process(tiny_models):
     """qwen2 (q/k/v biases sliced with their rows) and qwen3 (per-head q/k norms)."""
-    mp.spawn(_rank, args=(_free_port(), [tiny_models["qwen2"], tiny_models["qwen3"]]),
+    mp.spawn(_rank, args=(_free_port(), _check_engine,
+                          ([tiny_models["qwen2"], tiny_models["qwen3"]],)),
              nprocs=WORLD, join=True)
 
 
@@ -114,3 +126,77 @@ def test_tensor_parallel_settings_are_checked():
         EngineConfig(model="m", tensor_parallel=2, decode_kernel="megakernel")
     with pytest.raises(ValueError, match="whole number"):
         EngineConfig(model="m", tensor_parallel=0)
+
+
+# -- bench -------------------------------------------------------------------------------------
+
+def _bench_settings(path: str, root, ranks: int):
+    from flashdraft.tools.bench import BenchSettings
+
+    return BenchSettings(model=path, drafts=("ngram",), num_speculative_tokens=(3,),
+                         prompts=str(root / "prompts.jsonl"), max_tokens=12, warmup=0, device="cpu",
+                         dtype="float32", adaptive_speculation=(False,), progress=False,
+                         output=str(root / f"out-{ranks}"), tensor_parallel=ranks)
+
+
+def _tokens(results: dict) -> dict:
+    return {c["name"]: [r["token_ids"] for r in c["requests"]] for c in results["configurations"]}
+
+
+def _check_bench(rank: int, path: str, root, want: dict) -> None:
+    from flashdraft.tools.bench import run_bench
+
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(io.StringIO()):
+        results = run_bench(_bench_settings(path, root, WORLD), out=printed)
+    assert _tokens(results) == want, rank  # every rank ran every configuration alike
+    if rank == 0:
+        written = json.loads((root / f"out-{WORLD}" / "results.json").read_text())
+        assert _tokens(written) == want
+        assert written["environment"]["tensor_parallel"] == {"ranks": WORLD, "backend": "gloo"}
+        assert "× 2 (tensor parallel)" in printed.getvalue()
+    else:
+        assert results["environment"] is None and printed.getvalue() == ""
+
+
+def test_bench_at_two_ranks_reports_one_process_tokens(tiny_models, tmp_path):
+    """Rank 0 prints and writes the results, with the same tokens as one process's run."""
+    from flashdraft.tools.bench import run_bench
+
+    path = tiny_models["qwen2"]
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": PROMPT}) + "\n"
+                                            + json.dumps({"prompt": "The quick brown fox"}) + "\n")
+    with contextlib.redirect_stderr(io.StringIO()):
+        single = run_bench(_bench_settings(path, tmp_path, 1), out=io.StringIO())
+    assert single["environment"]["tensor_parallel"] == {"ranks": 1, "backend": None}
+    want = _tokens(single)
+    assert set(want) == {"plain", "ngram k=3 every step"}
+    mp.spawn(_rank, args=(_free_port(), _check_bench, (path, tmp_path, want)), nprocs=WORLD,
+             join=True)
+
+
+# -- the launch --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, world, message", [
+    (["bench", "--model", "M", "--tensor-parallel", "2"], None,
+     r"torchrun --nproc-per-node 2 -m flashdraft.cli bench --model M --tensor-parallel 2"),
+    (["bench", "--model", "M", "--tensor-parallel", "2"], "4",
+     r"torchrun started 4 processes: torchrun --nproc-per-node 2 -m flashdraft.cli bench"),
+    (["generate", "--model", "M", "p"], "2", r"--tensor-parallel is 1.* pass --tensor-parallel 2"),
+    (["bench", "--model", "M", "--draft", "ngram", "--tensor-parallel", "2"], "2",
+     "pass --adaptive-speculation off"),
+    (["bench", "--model", "M", "--peer", "transformers", "--tensor-parallel", "2"], "2",
+     "leave --peer out"),
+    (["bench", "--random-weights", "--shape", "qwen3-8b", "--tensor-parallel", "2"], "2",
+     "leave --tensor-parallel out"),
+])
+def test_launch_errors_name_the_fix(argv, world, message, monkeypatch, capsys):
+    """Refused before any model loads (M is no model), with what to run instead."""
+    if world is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world)
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert re.search(message, str(e.value)), str(e.value)
+    assert not dist.is_initialized()

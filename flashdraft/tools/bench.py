@@ -1,6 +1,8 @@
 """`flashdraft bench`: plain decoding against every speculative configuration, same run.
 
-One process loads the target once; plain decoding and each (drafter, k, temperature)
+One process (or, with tensor parallelism, each rank of one under torchrun: the same
+configurations over the same prompts in the same order, rank 0 reporting) loads the target
+once; plain decoding and each (drafter, k, temperature)
 configuration run over the same prompts after their own warm-up, so every speedup is a
 ratio of two rates measured on the same weights, precision and machine (BENCHMARKS.md).
 Optionally transformers' `generate` runs on the same weights and prompts as a peer.
@@ -27,6 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ..config import KernelConfig, SamplingParams, check_decode_kernel, check_tree_widths
 from ..drafters.registry import parse_drafter_spec
@@ -57,7 +60,8 @@ DEFINITIONS = {
     "stats": "median, p10 and p90 are over prompts (linear interpolation)",
     "peak_memory_bytes": "torch.cuda.max_memory_allocated over the timed requests, and the "
                          "most device memory NVML saw in use; everything resident counts (the "
-                         "target, the drafters, and in peer runs both libraries' weights)",
+                         "target, the drafters, and in peer runs both libraries' weights); "
+                         "with tensor parallelism, rank 0's GPU",
     "gpu_utilisation_percent": "NVML's utilisation samples over the timed requests",
     "timed_graph_captures": "CUDA graphs the target and the draft model captured during the "
                             "timed requests (timed_graph_capture_s: their time, which the "
@@ -109,6 +113,8 @@ class BenchSettings:
     # token-tree shapes run beside each draft model's chain (EngineConfig.tree_widths), e.g.
     # ((3, 2, 2),); () : chains only
     tree_widths: tuple[tuple[int, ...], ...] = ()
+    # GPUs the target is spread over, one rank each under torchrun (flashdraft.parallel)
+    tensor_parallel: int = 1
     note: str | None = None  # printed with the results, e.g. "random weights: speed only"
     command: str | None = None  # the exact command line, recorded in results.json
     progress: bool = True
@@ -164,6 +170,21 @@ class BenchSettings:
         check_decode_kernel(self.decode_kernel, "--decode-kernel")
         if self.prompt_lookup_tokens < 1:
             raise ValueError(f"prompt_lookup_tokens must be >= 1, got {self.prompt_lookup_tokens}")
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        n = self.tensor_parallel
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"--tensor-parallel must be a whole number >= 1 (GPUs), got {n!r}")
+        if n == 1:
+            return
+        if self.drafts and True in self.adaptive_speculation:
+            raise ValueError(f"--tensor-parallel {n} with a drafter: the cost model chooses k "
+                             f"from each rank's own timings, and every rank must run the same "
+                             f"steps; pass --adaptive-speculation off")
+        if self.peer is not None:
+            raise ValueError(f"--tensor-parallel {n}: the --peer {self.peer} run loads the "
+                             f"whole model on one GPU; leave --peer out")
 
 
 @dataclass(frozen=True)
@@ -516,6 +537,9 @@ def environment(s: BenchSettings, llm, monitor: GpuMonitor) -> dict:
         "transformers": transformers.__version__,
         "python": platform.python_version(), "platform": platform.platform(),
         "cpu_count": os.cpu_count(), "nvml": monitor.available,
+        # one rank a GPU (CPU processes in tests); the figures of device and memory are rank 0's
+        "tensor_parallel": {"ranks": s.tensor_parallel,
+                            "backend": str(dist.get_backend()) if llm.parallel else None},
         # Other work on the machine skews absolute rates (CPU runs especially).
         "load_average_start": list(os.getloadavg()),
         "models": models,
@@ -776,21 +800,27 @@ def run_bench(s: BenchSettings, out=None) -> dict:
     from tqdm import tqdm
 
     from ..api import LLM
+    from ..parallel import TensorParallel
 
-    out = out or sys.stdout
-    log = lambda msg: tqdm.write(msg, file=sys.stderr)
     prompts = load_prompts(s.prompts, s.raw_prompts, s.num_prompts)  # refuse bad input first
+    # Under tensor parallelism every rank runs all that follows alike (each step's collectives
+    # must match); rank 0 alone prints and writes.
+    lead = s.tensor_parallel == 1 or TensorParallel.join(s.tensor_parallel, s.device).rank == 0
+    out = out or sys.stdout
+    log = (lambda msg: tqdm.write(msg, file=sys.stderr)) if lead else (lambda msg: None)
     if s.num_prompts and len(prompts) < s.num_prompts:
         log(f"--prompts {s.prompts} holds {len(prompts)} prompts; using all of them")
-    outdir = Path(s.output) if s.output else None
+    outdir = Path(s.output) if s.output and lead else None
     if outdir is not None:
         outdir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(s.seed)
-    log(f"loading {s.model}")
+    log(f"loading {s.model}" + (f" over {s.tensor_parallel} ranks" if s.tensor_parallel > 1
+                                else ""))
     llm = LLM(s.model, dtype=s.dtype, device=s.device, max_model_len=s.max_model_len,
               ngram_sizes=s.ngram_sizes, cuda_graphs=s.cuda_graphs, compile=s.compile,
               quantization=s.quantization, draft_quantization=s.draft_quantization,
-              decode_kernel=s.decode_kernel, kernels=s.kernels)
+              decode_kernel=s.decode_kernel, kernels=s.kernels,
+              tensor_parallel=s.tensor_parallel)
     for d in s.drafts:  # load (and check) every drafter before anything is timed
         log(f"loading drafter {d}")
         llm.get_drafter(d)
@@ -815,7 +845,7 @@ def run_bench(s: BenchSettings, out=None) -> dict:
     monitor = GpuMonitor(llm.device)
     results = {
         "schema": SCHEMA, "complete": False, "interrupted": False,
-        "settings": asdict(s), "environment": environment(s, llm, monitor),
+        "settings": asdict(s), "environment": environment(s, llm, monitor) if lead else None,
         "definitions": DEFINITIONS,
         "prompts": [{"index": i, "id": p.id, "format": "chat" if p.messages else "raw",
                      "prompt_tokens": len(x)} for i, (p, x) in enumerate(zip(prompts, ids))],
@@ -826,7 +856,7 @@ def run_bench(s: BenchSettings, out=None) -> dict:
     warmups = sum(len(warmup_indices(ids, s, c.k or 0)) for c in configs) + \
         (len(peer_modes(s)) * s.warmup if s.peer else 0)
     bar = tqdm(total=warmups + runs * len(prompts), unit="request", file=sys.stderr,
-               disable=None if s.progress else True, dynamic_ncols=True)
+               disable=None if s.progress and lead else True, dynamic_ncols=True)
     try:
         plain = None
         for cfg in configs:
@@ -848,7 +878,8 @@ def run_bench(s: BenchSettings, out=None) -> dict:
         results["interrupted"] = True
     finally:
         bar.close()
-    finish(results, out, outdir)
+    if lead:
+        finish(results, out, outdir)
     if results["interrupted"]:
         raise KeyboardInterrupt
     return results
@@ -952,6 +983,12 @@ def _bytes(n) -> str:
     return "—" if n is None else f"{n / 2**30:.2f} GiB"
 
 
+def devices(env: dict) -> str:
+    """What ran the target: the device's name, times the ranks of tensor parallelism."""
+    ranks = (env.get("tensor_parallel") or {}).get("ranks", 1)
+    return env["device_name"] + (f" × {ranks} (tensor parallel)" if ranks > 1 else "")
+
+
 def format_markdown(results: dict, full: bool = False) -> str:
     env, s = results["environment"], results["settings"]
     n = len(results["prompts"])
@@ -959,7 +996,7 @@ def format_markdown(results: dict, full: bool = False) -> str:
     commit = env["commit"] or "no commit"
     if env["commit_dirty"]:
         commit += " (with uncommitted changes)"
-    lines = [f"## flashdraft bench: {s['model']} on {env['device_name']}, {env['dtype']}", "",
+    lines = [f"## flashdraft bench: {s['model']} on {devices(env)}, {env['dtype']}", "",
              f"commit {commit}; prompts {s['prompts']} ({n}, {' + '.join(formats)}); max tokens "
              f"{s['max_tokens']}; warm-up {s['warmup']} request(s) per configuration, plus those "
              f"that capture every CUDA graph the timed ones replay; torch "
@@ -1113,7 +1150,7 @@ def write_plots(results: dict, outdir: Path) -> list[str]:
     configs = [c for c in results["configurations"] if c["summary"] and c["requests"]]
     spec = [c for c in configs if c["drafter"]]
     env, s = results["environment"], results["settings"]
-    where = f"{Path(s['model'].rstrip('/')).name}, {env['device_name']}, {env['dtype']}"
+    where = f"{Path(s['model'].rstrip('/')).name}, {devices(env)}, {env['dtype']}"
     curve = results.get("step_curve")
     if curve:
         fig = Figure(figsize=(7.5, 4.8), layout="constrained")
