@@ -277,7 +277,10 @@ def cmd_serve(args) -> None:
     settings = ServerSettings(served_model_name=args.served_model_name or args.model,
                               api_key=args.api_key or os.environ.get("FLASHDRAFT_API_KEY") or None,
                               max_queue=args.max_queue)
-    serve(build_llm(args), settings, host=args.host, port=args.port)
+    llm = build_llm(args)
+    serve(llm, settings, host=args.host, port=args.port)  # rank 0 serves, the others follow
+    if llm.parallel is not None:
+        llm.parallel.leave()
 
 
 def cmd_tune(args) -> None:
@@ -414,6 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests that may wait behind the running one; more get 503 "
                         "(default 64)")
+    add_parallel_arg(s, "serve")
     s.set_defaults(func=cmd_serve)
 
     t = sub.add_parser("tune", help="measure the product kernel's launch parameters for a "

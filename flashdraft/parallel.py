@@ -16,13 +16,19 @@ Every rank holds a slice of each block and runs the same program on the same inp
 
 torchrun starts the ranks (`torchrun --nproc-per-node N -m flashdraft.cli generate
 --tensor-parallel N ...`); NCCL on CUDA, gloo on CPUs (the tests), one code path.
+
+A front end that only rank 0 has (the HTTP server) keeps the ranks in step with `Lockstep`:
+rank 0 announces each request and each of its steps, the others run them as they hear them.
 """
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import logging
 import os
 import shlex
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -30,6 +36,8 @@ from torch import nn
 
 from .config import KernelConfig
 from .model import Transformer
+
+log = logging.getLogger("flashdraft.parallel")
 
 
 @dataclass(frozen=True)
@@ -216,3 +224,90 @@ def load_shard(ref: str, dtype: torch.dtype, device, tp: TensorParallel,
     loaded.model = shard(loaded.model, tp).to(device)
     return loaded
 
+
+START, STEP, STOP = 2, 1, 0  # Lockstep's words: a request follows, run its next step, leave
+# A follower waits for the next request as long as the server is idle: far beyond the
+# process group's default timeout (30 minutes), which would end an idle server's followers.
+IDLE_TIMEOUT = datetime.timedelta(days=365)
+
+
+class Lockstep:
+    """Requests of an api.LLM run on every rank at rank 0's word, for a front end that only
+    rank 0 has (the HTTP server): rank 0 `lead`s each request, the other ranks `follow`.
+
+    Every collective call must be matched on every rank, so a follower runs exactly the steps
+    rank 0 runs: rank 0 says START (then the prompt's ids and its SamplingParams) before a
+    request and STEP before each of its stream's deltas. Rank 0 alone decides when a request
+    ends early (its client went away): it just says nothing more about it, and a follower
+    closes its stream when it hears the next START or STOP, as rank 0 closed its own. What
+    rank 0 refuses before a request starts (a bad body, a full queue) is never announced.
+    Tokens need no broadcast: every rank computes the same logits (`shard`).
+
+    The words go over a gloo group of their own, on the CPUs: a follower waits on its host
+    without holding a GPU stream, and the model's NCCL collectives are left alone.
+    """
+
+    def __init__(self, llm):
+        if llm.parallel is None:
+            raise ValueError("Lockstep keeps the ranks of a tensor-parallel LLM together; this "
+                             "LLM has tensor_parallel=1")
+        self.llm, self.rank = llm, llm.parallel.rank
+        self.group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)  # every rank calls it
+        self._word = torch.zeros(1, dtype=torch.int64)
+
+    def _say(self, word: int) -> None:
+        self._word.fill_(word)
+        dist.broadcast(self._word, src=0, group=self.group)
+
+    def _hear(self) -> int:
+        dist.broadcast(self._word, src=0, group=self.group)
+        return int(self._word)
+
+    def lead(self, prompt_ids: list[int], params) -> Iterator:
+        """Rank 0: `llm.stream` of one request (its StreamDeltas), each step run on every rank.
+        Closing it early ends the request on every rank."""
+        self._say(START)
+        dist.broadcast_object_list([prompt_ids, params], src=0, group=self.group)
+        stream = self.llm.stream({"prompt_token_ids": prompt_ids}, params)
+        try:
+            while True:
+                self._say(STEP)
+                delta = next(stream, None)
+                if delta is None:
+                    return
+                yield delta
+                if delta.output is not None:
+                    return
+        finally:
+            stream.close()
+
+    def stop(self) -> None:
+        """Rank 0: the followers leave `follow`."""
+        self._say(STOP)
+
+    def follow(self) -> None:
+        """Every rank but 0: run the requests and steps rank 0 announces, until it says STOP.
+        A request that fails here fails alike on rank 0, which starts no more of its steps."""
+        stream = None
+        try:
+            while (word := self._hear()) != STOP:
+                if word == START:
+                    if stream is not None:
+                        stream.close()
+                    request = [None, None]
+                    dist.broadcast_object_list(request, src=0, group=self.group)
+                    prompt_ids, params = request
+                    stream = self.llm.stream({"prompt_token_ids": prompt_ids}, params)
+                elif stream is None:
+                    raise RuntimeError(f"rank {self.rank}: rank 0 ran a step of a request that "
+                                       f"ended here; the ranks no longer run the same steps")
+                else:
+                    try:
+                        if next(stream, None) is None:
+                            stream = None
+                    except Exception as e:  # rank 0's request fails alike
+                        log.debug("rank %d: the request failed: %s", self.rank, e)
+                        stream = None
+        finally:
+            if stream is not None:
+                stream.close()

@@ -1,6 +1,6 @@
 """Tensor parallelism (flashdraft.parallel) at TP = 2 against TP = 1: two CPU processes, gloo.
-The engine and `flashdraft bench` (rank 0 reports); torchrun's launch checked before anything
-loads.
+The engine, `flashdraft bench` (rank 0 reports) and `flashdraft serve` (rank 0 serves, rank 1
+follows its steps); torchrun's launch checked before anything loads.
 
 NCCL on GPUs takes the same code path; only the backend differs."""
 import contextlib
@@ -9,8 +9,10 @@ import io
 import json
 import os
 import re
+import signal
 import socket
 import sys
+import time
 
 import pytest
 import torch
@@ -175,14 +177,97 @@ def test_bench_at_two_ranks_reports_one_process_tokens(tiny_models, tmp_path):
              join=True)
 
 
+# -- serve -------------------------------------------------------------------------------------
+
+MAX_LEN = 256
+FAILS = 13  # a request of this max_tokens fails in the engine, on every rank alike
+
+
+def _serve(rank: int, path: str, port: int) -> None:
+    from flashdraft.serving.server import ServerSettings, serve
+
+    llm = LLM(path, device="cpu", dtype="float32", tensor_parallel=WORLD, max_model_len=MAX_LEN)
+    stream = llm.stream
+
+    def failing(prompt, params, **kwargs):  # the second step of a FAILS request raises
+        for i, delta in enumerate(stream(prompt, params, **kwargs)):
+            if params.max_tokens == FAILS and i == 1:
+                raise RuntimeError("the engine failed")
+            yield delta
+
+    llm.stream = failing
+    serve(llm, ServerSettings(served_model_name="tiny"), port=port, log_level="critical")
+
+
+def _post(client, body: dict) -> dict:
+    r = client.post("/v1/completions", json={"model": "tiny", "temperature": 0, **body})
+    return r.status_code, r.json()
+
+
+def test_serve_at_two_ranks(tiny_models):
+    """Rank 0 serves and rank 1 follows: greedy answers equal one process's server, before and
+    after a request refused before it starts, one that fails in the engine and a stream its
+    client left; Ctrl-C (which a terminal sends to both) shuts both down cleanly."""
+    httpx = pytest.importorskip("httpx")
+    from fastapi.testclient import TestClient
+
+    from flashdraft.serving.server import ServerSettings, create_app
+
+    path, port = tiny_models["qwen2"], _free_port()
+    procs = mp.start_processes(_rank, args=(_free_port(), _serve, (path, port)), nprocs=WORLD,
+                               join=False, start_method="spawn")
+    bodies = [{"prompt": PROMPT, "max_tokens": 16}, {"prompt": "The quick", "max_tokens": 9}]
+    single = LLM(path, device="cpu", dtype="float32", max_model_len=MAX_LEN)
+    with TestClient(create_app(single, ServerSettings(served_model_name="tiny"))) as local:
+        want = [_post(local, b) for b in bodies]
+    assert all(code == 200 and answer["choices"][0]["text"] for code, answer in want)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert procs.processes[0].is_alive() and time.monotonic() < deadline
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.1)
+        with httpx.Client(base_url=url, timeout=30) as client:
+            texts = lambda answers: [(c, a["choices"][0]["text"]) for c, a in answers]
+            assert texts([_post(client, bodies[0])]) == texts(want[:1])
+            code, answer = _post(client, {"prompt": "x", "max_tokens": MAX_LEN})  # refused
+            assert code == 400 and answer["error"]["param"] == "max_tokens"
+            code, answer = _post(client, {"prompt": PROMPT, "max_tokens": FAILS})
+            assert code == 500 and "the engine failed" in answer["error"]["message"]
+            with client.stream("POST", "/v1/completions",
+                               json={"prompt": PROMPT, "max_tokens": MAX_LEN - 64, "stream": True,
+                                     "ignore_eos": True}) as r:
+                assert r.status_code == 200
+                next(r.iter_lines())  # its client leaves after the first chunk
+            assert texts([_post(client, b) for b in bodies]) == texts(want)
+            # the stream ended a few steps in, of 192 (rank 0's metrics), and rank 1 with it,
+            # or the answers after it would not have come
+            assert 'finished_total{finish_reason="cancelled"} 1.0' in client.get("/metrics").text
+        for p in reversed(procs.processes):  # rank 1 waits for rank 0's word to leave
+            os.kill(p.pid, signal.SIGINT)
+        deadline = time.monotonic() + 60
+        while not procs.join(1):  # True once every rank is gone, False after each exit or 1 s
+            assert time.monotonic() < deadline, "the ranks did not shut down"
+        assert [p.exitcode for p in procs.processes] == [0, 0]
+    finally:
+        for p in procs.processes:
+            if p.is_alive():
+                p.kill()
+
+
 # -- the launch --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, world, message", [
     (["bench", "--model", "M", "--tensor-parallel", "2"], None,
      r"torchrun --nproc-per-node 2 -m flashdraft.cli bench --model M --tensor-parallel 2"),
-    (["bench", "--model", "M", "--tensor-parallel", "2"], "4",
-     r"torchrun started 4 processes: torchrun --nproc-per-node 2 -m flashdraft.cli bench"),
-    (["generate", "--model", "M", "p"], "2", r"--tensor-parallel is 1.* pass --tensor-parallel 2"),
+    (["serve", "--model", "M", "--tensor-parallel", "2"], "4",
+     r"torchrun started 4 processes: torchrun --nproc-per-node 2 -m flashdraft.cli serve"),
+    (["serve", "--model", "M"], "2", r"--tensor-parallel is 1.* pass --tensor-parallel 2"),
+    (["serve", "--model", "M", "--draft", "ngram", "--tensor-parallel", "2"], "2",
+     "pass --no-adaptive-speculation"),
     (["bench", "--model", "M", "--draft", "ngram", "--tensor-parallel", "2"], "2",
      "pass --adaptive-speculation off"),
     (["bench", "--model", "M", "--peer", "transformers", "--tensor-parallel", "2"], "2",

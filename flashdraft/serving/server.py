@@ -22,6 +22,13 @@ How a request flows:
 
 The tokenizer is shared by the handlers (encoding) and the worker (decoding); both only
 read it, which the Rust tokenizers allow from several threads at once.
+
+Under tensor parallelism (`flashdraft serve --tensor-parallel N` under torchrun) rank 0 runs
+the server, and its worker leads each job on every rank (`parallel.Lockstep`): the other
+ranks run no server, only the steps rank 0 announces. A request refused by a handler never
+reaches the worker, so it is never announced; a job cancelled while queued is skipped before
+it is; one cancelled while running ends on every rank between two steps. Shutting the server
+down tells the other ranks to leave once the worker has stopped.
 """
 from __future__ import annotations
 
@@ -219,8 +226,9 @@ class Job:
 class Worker:
     """The one thread that runs the engine, serving a bounded FIFO queue of jobs."""
 
-    def __init__(self, llm, max_queue: int, metrics: "ServerMetrics"):
+    def __init__(self, llm, max_queue: int, metrics: "ServerMetrics", lockstep=None):
         self.llm, self.metrics, self.max_queue = llm, metrics, max_queue
+        self.lockstep = lockstep  # parallel.Lockstep on rank 0 of a tensor-parallel LLM
         # Unbounded underneath: the limit is checked in submit() (the event loop is the only
         # producer, so checking then putting cannot race), and stop() can always add its None.
         self.queue: queue.Queue[Job | None] = queue.Queue()
@@ -260,7 +268,9 @@ class Worker:
             self.running.cancelled = True
         self.queue.put(None)
         if self.thread is not None:
-            self.thread.join(timeout)
+            # The other ranks of a tensor-parallel LLM leave only when the worker, once its
+            # step is done, tells them: waiting is the only way not to strand them.
+            self.thread.join(None if self.lockstep is not None else timeout)
 
     def _loop(self) -> None:
         while (job := self.queue.get()) is not None:
@@ -275,11 +285,14 @@ class Worker:
                 log.exception("the worker failed outside a request")
             finally:
                 self.running = None
+        if self.lockstep is not None:  # after the last step: no word of the worker's follows
+            self.lockstep.stop()
 
     def _run(self, job: Job) -> None:
         m = self.metrics
         m.prompt_tokens.inc(len(job.prompt_ids))
-        stream = self.llm.stream({"prompt_token_ids": job.prompt_ids}, job.params)
+        stream = (self.lockstep.lead(job.prompt_ids, job.params) if self.lockstep is not None
+                  else self.llm.stream({"prompt_token_ids": job.prompt_ids}, job.params))
         first = True
         try:
             for delta in stream:
@@ -419,10 +432,11 @@ class _JobStream(StreamingResponse):
             self.job.cancelled = True  # a no-op once the job has finished
 
 
-def create_app(llm, settings: ServerSettings) -> FastAPI:
-    """The ASGI app over `llm` (an api.LLM); the engine worker runs while the app does."""
+def create_app(llm, settings: ServerSettings, lockstep=None) -> FastAPI:
+    """The ASGI app over `llm` (an api.LLM); the engine worker runs while the app does.
+    lockstep: rank 0's parallel.Lockstep where `llm` is tensor-parallel (`serve` makes it)."""
     metrics = ServerMetrics()
-    worker = Worker(llm, settings.max_queue, metrics)
+    worker = Worker(llm, settings.max_queue, metrics, lockstep)
     metrics.queue_length.set_function(worker.queue.qsize)
     metrics.running.set_function(lambda: 0 if worker.running is None else 1)
     created = int(time.time())
@@ -710,12 +724,35 @@ def _is_loopback(host: str) -> bool:
 
 def serve(llm, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info") -> None:
-    """Run the server until interrupted (Ctrl-C or SIGTERM)."""
+    """Run the server until interrupted (Ctrl-C or SIGTERM). On the ranks of a tensor-parallel
+    `llm` (every one calls this): rank 0 serves, the others follow its steps until it stops."""
     import uvicorn
 
+    lockstep = None
+    if llm.parallel is not None:
+        from ..parallel import Lockstep
+
+        lockstep = Lockstep(llm)
+        if llm.rank != 0:
+            _follow(lockstep)
+            return
     if not _is_loopback(host) and settings.api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach this address can "
                     "use the model", host)
-    app = create_app(llm, settings)
+    app = create_app(llm, settings, lockstep)
     # A bounded graceful shutdown: streams still open after it are cut, not waited for.
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+def _follow(lockstep) -> None:
+    """A follower's part of `serve`. Ctrl-C (which a terminal sends to every rank) and
+    torchrun's SIGTERM are rank 0's to act on: its server shuts down and then tells this rank
+    to leave, which a follower that died first would leave it unable to do."""
+    import signal
+
+    kept = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        lockstep.follow()
+    finally:
+        for sig, handler in kept.items():
+            signal.signal(sig, handler)
