@@ -57,7 +57,11 @@ def pick_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.devi
 
 
 class Detokenizer:
-    """Incremental decoding: text grows by whole characters only (no half UTF-8 sequences)."""
+    """Incremental decoding: text grows by whole characters only (no half UTF-8 sequences).
+    Tokens are taken one at a time, so the text follows from the tokens alone, never from how
+    steps grouped them (a speculative step's several tokens read as plain decoding's one by
+    one: where a step ended in half a character, the whole step's text would wait for the rest,
+    and be lost where the request ended there)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -67,7 +71,10 @@ class Detokenizer:
         self._read = 0
 
     def add(self, ids: list[int]) -> str:
-        self.ids.extend(ids)
+        return "".join([self._add(t) for t in ids])
+
+    def _add(self, token: int) -> str:
+        self.ids.append(token)
         decode = lambda a, b: self.tokenizer.decode(self.ids[a:b], skip_special_tokens=True)
         before = decode(self._prefix, self._read)
         window = decode(self._prefix, len(self.ids))

@@ -148,6 +148,28 @@ def test_streaming_text_equals_final_text(target):
     assert sum(len(d.token_ids) for d in deltas) == len(deltas[-1].output.token_ids) == 30
 
 
+def test_text_follows_from_the_tokens_not_from_how_steps_grouped_them(target):
+    """A speculative step commits several tokens at once; its text must be plain decoding's,
+    one token at a time, also where a step ends in half a character (the tiny tokenizer's
+    byte tokens often do) and the request ends there."""
+    import random
+
+    from flashdraft.api import Detokenizer
+
+    rng = random.Random(0)
+    vocab = target.target.config.vocab_size
+    for _ in range(100):
+        ids = [rng.randrange(vocab) for _ in range(10)]
+        plain = Detokenizer(target.tokenizer)
+        one_by_one = "".join(plain.add([t]) for t in ids)
+        grouped, i, text = Detokenizer(target.tokenizer), 0, ""
+        while i < len(ids):
+            n = rng.randint(1, 4)
+            text += grouped.add(ids[i:i + n])
+            i += n
+        assert text == grouped.text == one_by_one == plain.text
+
+
 def test_sampling_is_reproducible_with_a_seed(target, tiny_models):
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=20, seed=123)
     for draft in (None, "ngram", tiny_models["qwen2-draft"]):
