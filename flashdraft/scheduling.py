@@ -212,7 +212,7 @@ def step_cost_path() -> Path:
 class StepCostCache:
     """One engine setup's step costs in the JSON file that all setups share:
 
-        {"format": 1, "setups": {KEY: {"saved": unix time, "plain": [mean, weight],
+        {"format": STEP_COST_FORMAT, "setups": {KEY: {"saved": unix time, "plain": [mean, weight],
                                        "drafters": {DRAFTER KEY: {"steps": [5 sums],
                                                                   "tree_steps": [5 sums]}}}}}
 

@@ -278,18 +278,23 @@ def test_adaptive_speculation_both_ways_in_one_run(target, tmp_path):
     assert "| plain steps |" in table and "| ngram k=3 every step | 0 |" in table
 
 
+def bench_on_cpu(tmp_path, prompts, *args) -> dict:
+    """`flashdraft bench ARGS` on the CPU over `prompts`, quietly: its results.json."""
+    path = write_jsonl(tmp_path / "prompts.jsonl", prompts)
+    argv = ["bench", *args, "--prompts", str(path), "--output", str(tmp_path / "out"),
+            "--device", "cpu", "--dtype", "float32", "--no-progress"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        cli.main(argv)
+    return json.loads((tmp_path / "out" / "results.json").read_text())
+
+
 def test_trees_run_beside_the_chain(target, tiny_models, tmp_path):
     """--tree-widths: each draft model × k also as token trees, named apart, with the same
     greedy tokens; n-gram lookup builds no trees, so it runs its chain only."""
-    prompts = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
-    argv = ["bench", "--model", target, "--draft", tiny_models["qwen2-draft"], "--draft",
-            "ngram", "--num-speculative-tokens", "3", "--tree-widths", "3,2",
-            "--adaptive-speculation", "off", "--prompts", str(prompts), "--max-tokens", "16",
-            "--output", str(tmp_path / "out"), "--device", "cpu", "--dtype", "float32",
-            "--no-progress"]
-    with contextlib.redirect_stdout(io.StringIO()):
-        cli.main(argv)
-    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    results = bench_on_cpu(tmp_path, PROMPTS, "--model", target, "--draft",
+                           tiny_models["qwen2-draft"], "--draft", "ngram",
+                           "--num-speculative-tokens", "3", "--tree-widths", "3,2",
+                           "--adaptive-speculation", "off", "--max-tokens", "16")
     names = [c["name"] for c in results["configurations"]]
     assert names == ["plain", "draft:qwen2-draft k=3 every step",
                      "draft:qwen2-draft k=3 tree 3,2 every step", "ngram k=3 every step"]
@@ -420,14 +425,8 @@ def test_warmup_covers_every_graph_shape_the_timed_requests_meet():
 def test_a_combined_drafter_names_its_model_once(target, tiny_models, tmp_path):
     """A drafter spec that is no path (ngram+MODEL, dflash:DIR) names the weights it loads in
     the results' environment, each model once."""
-    prompts = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS[:1])
     draft = tiny_models["qwen2-draft"]
-    argv = ["bench", "--model", target, "--draft", f"ngram+{draft}", "--draft", draft,
-            "--num-speculative-tokens", "2", "--prompts", str(prompts), "--max-tokens", "4",
-            "--output", str(tmp_path / "out"), "--device", "cpu", "--dtype", "float32",
-            "--no-progress"]
-    with contextlib.redirect_stdout(io.StringIO()):
-        cli.main(argv)
-    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    results = bench_on_cpu(tmp_path, PROMPTS[:1], "--model", target, "--draft", f"ngram+{draft}",
+                           "--draft", draft, "--num-speculative-tokens", "2", "--max-tokens", "4")
     drafts = [m for m in results["environment"]["models"] if m["role"] == "draft"]
     assert [m["ref"] for m in drafts] == [draft]

@@ -249,14 +249,13 @@ class StepRunner:
         self._follow(cache)
         kv_len = self.kv_len_for(start + n, cache)
         key = ("catch-up", n, kv_len, cache.split_len, post)
-        padded = torch.zeros(1, n, dtype=tokens.dtype, device=self.device)
-        padded[:, :t] = tokens
         g = self._graphs.get(key)
         if g is None:
+            padded = torch.zeros(1, n, dtype=tokens.dtype, device=self.device)
             at = torch.full((1,), t - 1, dtype=torch.long, device=self.device)
             g = self._graphs[key] = self._capture(padded, start, cache, kv_len, post=post,
                                                   logits_at=at)
-        g.tokens.copy_(padded, non_blocking=True)
+        g.tokens[:, :t].copy_(tokens, non_blocking=True)  # the padding: whatever was there
         torch.arange(start, start + n, out=g.positions[0])
         g.logits_at.fill_(t - 1)
         g.graph.replay()
