@@ -164,6 +164,22 @@ class HybridCache:
             conv_write=conv_positions % self.conv_slots,
             real=None if last is None else torch.arange(t, device=device) <= last)
 
+    def overwritten_inputs(self, start: int, t: int) -> list[torch.Tensor]:
+        """Views of the slots a step of t tokens from `start` reads and then overwrites, which a
+        second run of the same step would read changed (a CUDA graph's warm-up runs each step
+        before it is recorded, and puts these back): the state after start - 1 where the step
+        writes a whole turn of the ring or more (t >= steps: plain decoding's ring of one slot,
+        a verification of `steps` tokens, a chunked step that may land its last state there),
+        and the convolution's window before `start` where a step longer than the ring writes
+        past it (t > steps). Nothing for a step from 0, which reads no slot."""
+        if start == 0:
+            return []
+        views = [self.state[:, :, (start - 1) % self.steps]] if t >= self.steps else []
+        if t > self.steps:
+            views += [self.conv[:, :, p % self.conv_slots]
+                      for p in range(max(0, start - self.kernel + 1), start)]
+        return views
+
     def begin(self, start: int, t: int, real: int | None = None) -> None:
         """Follows a step of t tokens from position `start` (of which the first `real` are not
         padding; None: all) on the host, where the cache is `checked`: refuses it if the state

@@ -48,6 +48,12 @@ class KVCache:
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
+    def overwritten_inputs(self, start: int, t: int) -> list[torch.Tensor]:
+        """What a step of t tokens from `start` reads and then overwrites (`hybrid.HybridCache`'s
+        rings can hold such slots): nothing here, a step writes keys and values it never read,
+        so running it twice is running it once."""
+        return []
+
     def fits(self, max_len: int, steps: int = 1) -> bool:
         """Whether this cache serves sequences of max_len positions (rolled back any number of
         positions: `steps` does not matter here)."""

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from flashdraft import LLM, SamplingParams
-from flashdraft.backends.cuda_graphs import bucketed_kv_len, eager_step
+from flashdraft.backends.cuda_graphs import bucketed_kv_len, eager_step, warm_up
 from flashdraft.loading import load_model
 from tests.tiny import build_qwen35
 
@@ -20,12 +20,14 @@ BUCKET = 16  # kv_len bucket of the recorded steps: most steps read masked posit
 
 
 class Recorded:
-    """A step as StepRunner records it: the same call on the same tensors, replayed."""
+    """A step as StepRunner records it: the same call on the same tensors, warmed up (run twice,
+    the slots it reads and overwrites put back) at its first position, then replayed."""
 
     def __init__(self, model, cache, t: int, kv_len: int, logits_at: torch.Tensor | None = None):
         self.tokens = torch.zeros(1, t, dtype=torch.long)  # [1, T], persistent
         self.positions = torch.zeros(1, t, dtype=torch.long)  # [1, T], persistent
         self.logits_at = logits_at  # [1] int64, persistent (a padded prefill's last real row)
+        self.cache, self.warmed = cache, False
         self.run = lambda: model(self.tokens, self.positions, cache, kv_len=kv_len,
                                  logits_at=self.logits_at)
 
@@ -34,6 +36,9 @@ class Recorded:
         torch.arange(start, start + tokens.shape[1], out=self.positions[0])
         if last is not None:
             self.logits_at.fill_(last)
+        if not self.warmed:
+            warm_up(self.run, self.cache.overwritten_inputs(start, tokens.shape[1]))
+            self.warmed = True
         return self.run()[0]
 
 
@@ -52,13 +57,14 @@ def assert_rings_equal(a, b, end: int):
                                    atol=1e-6)
 
 
-@pytest.mark.parametrize("steps", [K + 1, 17])
+@pytest.mark.parametrize("steps", [1, K + 1, 17])
 @torch.no_grad()
 def test_recorded_steps_replay_the_eager_path(model, steps):
     """A padded prefill (longer than the ring: the chunked rule; or not: every state kept),
     decode steps, verifications of K + 1 tokens committed to fewer (none, some, all) and the
-    steps after them: the replayed calls' logits and ring states are the eager path's, step for
-    step."""
+    steps after them (plain decoding's ring of one slot: decode steps and a longer one): the
+    replayed calls' logits and ring states are the eager path's, step for step, though each
+    recording's warm-up ran its step twice over slots it reads and overwrites."""
     torch.manual_seed(0)
     ids = torch.randint(0, model.cfg.vocab_size, (1, 64))
     eager = model.new_cache(1, 64, torch.float32, "cpu", steps=steps)
@@ -86,9 +92,14 @@ def test_recorded_steps_replay_the_eager_path(model, steps):
     assert_rings_equal(graphed, eager, prompt)
 
     pos = prompt
-    for _ in range(3):
+    for _ in range(3 if steps > 1 else 8):
         step(pos, 1)
         pos += 1
+    if steps == 1:  # and a step longer than the ring (a drafter catching up: chunked)
+        step(pos, 3)
+        step(pos + 3, 1)
+        assert {t for t, _ in recorded} == {1, 3}
+        return
     for accepted in (0, 2, K, 1):
         step(pos, K + 1)  # [last, d_1 … d_K] from pos
         pos += accepted + 1

@@ -117,6 +117,19 @@ def prefill(model, tokens: list[int], cache: KVCache, hidden_layers: tuple[int, 
     return logits, [h[:, :t] for h in hidden]
 
 
+def warm_up(run, keep=(), times: int = 2) -> None:
+    """run() `times` times, as before a graph is recorded (compilation, cuBLAS workspaces, the
+    allocator), putting the tensors `keep` back as they were after each run: what the step
+    advances in place and reads again (an RNG state, the recurrent state slot that a hybrid's
+    step reads and overwrites: the cache's `overwritten_inputs`), so that the replay after the
+    recording finds its inputs as the eager step would."""
+    saved = [x.clone() for x in keep]
+    for _ in range(times):
+        run()
+        for x, before in zip(keep, saved):
+            x.copy_(before)
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -307,31 +320,31 @@ class StepRunner:
                                            logits_at=logits_at, tree=tree)
             return logits, hidden, (post(static_tokens, logits) if post is not None else None)
         # A post's RNG state, which the warm-up advances, is put back (a seed gives the same
-        # tokens whether or not a step was captured on the way).
-        graph, (logits, hidden, post_out) = self._record(run, getattr(post, "state", None))
+        # tokens whether or not a step was captured on the way), and so are the cache slots the
+        # step reads and overwrites.
+        keep = cache.overwritten_inputs(start, t)
+        if getattr(post, "state", None) is not None:
+            keep.append(post.state)
+        graph, (logits, hidden, post_out) = self._record(run, keep)
         return _Graph(graph, static_tokens, positions, logits, list(hidden), post_out, logits_at)
 
-    def _record(self, run, state: torch.Tensor | None = None):
+    def _record(self, run, keep=()):
         """(a CUDA graph of run(), what run() returned in the graph's memory), after two warm-up
-        calls on a side stream (compilation, cuBLAS workspaces, the allocator). The warm-up
-        writes the same keys and values at the same positions as the replay that follows, so it
-        changes nothing the step would not; `state` (a tensor the step advances, e.g. an RNG
-        state) is put back as it was."""
+        calls on a side stream (`warm_up`). The warm-up writes the same keys and values at the
+        same positions as the replay that follows, so it changes nothing the step would not;
+        `keep` (tensors the step advances in place: an RNG state, recurrent state slots it
+        reads and overwrites) is put back as it was after each call."""
         began = time.perf_counter()
-        saved = state.clone() if state is not None else None
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for _ in range(2):
-                run()
+            warm_up(run, keep)
         torch.cuda.current_stream(self.device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             outputs = run()
-        if saved is not None:
-            state.copy_(saved)
         torch.cuda.synchronize(self.device)
         self.stats.captures += 1
         self.stats.capture_s += time.perf_counter() - began
