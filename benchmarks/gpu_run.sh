@@ -33,8 +33,8 @@
 #                at k = 5 and 15 (on HumanEval also as token trees of widths 3,2,2);
 #                DFLASH_SEED=no: HumanEval only
 # trees          HumanEval by chat template (NUM_PROMPTS, default 20), greedy: plain, the 0.5B
-#                draft model's chains and token trees at k = 5, 8; the seed prompts at T = 0.8
-#                with a tree at k = 5
+#                draft model's chains and token trees at k = 5, 8 (fixed widths, and the cost
+#                model's under 16 nodes); the seed prompts at T = 0.8 with a tree at k = 5
 # auto           the cost model's choice of k (up to 8) or plain decoding for the 0.5B draft
 #                model, n-gram and both combined, on HumanEval, the seed prompts and the
 #                code-and-prose set (NUM_PROMPTS each, default 10; SETS: others), at T = 0 and 0.8
@@ -144,7 +144,7 @@ for phase in "$@"; do
   trees)
     bench trees-humaneval "$PWD" --prompts humaneval --num-prompts ${NUM_PROMPTS:-20} \
       --draft $DRAFT --num-speculative-tokens 5,8 --tree-widths 3,2,2 \
-      --tree-widths 4,3,3,2,2,2,2,2
+      --tree-widths 4,3,3,2,2,2,2,2 --tree-widths auto
     PROMPTS=seed bench trees-seed-t08 "$PWD" --temperature 0.8 --seed 0 --draft $DRAFT \
       --num-speculative-tokens 5 --tree-widths 3,2,2
     ;;

@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 
-from .config import DECODE_KERNELS, KERNEL_BACKENDS
+from .config import AUTO_TREE_BUDGET, DECODE_KERNELS, KERNEL_BACKENDS
 
 
 def add_model_args(p: argparse.ArgumentParser, draft: bool = True,
@@ -245,6 +245,7 @@ def cmd_bench(args) -> None:
     except ValueError:
         raise SystemExit(f"error: --temperature takes comma-separated numbers, e.g. 0,0.7; "
                          f"got {args.temperature!r}")
+    trees = [w.strip() for w in args.tree_widths or ()]  # W,W,... or auto
     settings = BenchSettings(
         model=args.model, drafts=tuple(args.draft or ()),
         num_speculative_tokens=parse_ints(args.num_speculative_tokens, "--num-speculative-tokens"),
@@ -262,8 +263,9 @@ def cmd_bench(args) -> None:
         command=(torchrun_command(args.tensor_parallel, sys.argv[1:]) if args.tensor_parallel > 1
                  else shlex.join(sys.argv)),
         step_curve=parse_ints(args.step_curve, "--step-curve"), progress=not args.no_progress,
-        tree_widths=tuple(parse_ints(w, "--tree-widths") for w in args.tree_widths or ()),
-        tensor_parallel=args.tensor_parallel)
+        tree_widths=tuple(parse_ints(w, "--tree-widths") for w in trees if w != "auto"),
+        tree_budget=args.tree_budget or (AUTO_TREE_BUDGET if "auto" in trees else 0),
+        step_cost_cache=args.step_cost_cache, tensor_parallel=args.tensor_parallel)
     run_bench(settings)
     if settings.tensor_parallel > 1:  # the group run_bench's ranks joined, as generate leaves it
         TensorParallel.join(settings.tensor_parallel, settings.device).leave()
@@ -367,9 +369,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "drafts), e.g. 1,2,4,8,16,32,64; a table and step-curve.png")
     b.add_argument("--ngram-sizes", default="4,3,2",
                    help="n-gram sizes for --draft ngram, tried longest first (default 4,3,2)")
-    b.add_argument("--tree-widths", action="append", default=None, metavar="W,W,...",
+    b.add_argument("--tree-widths", action="append", default=None, metavar="W,W,...|auto",
                    help="also run each draft model × k with token trees of these candidates "
-                        "per draft position (e.g. 3,2,2), beside its chain; repeatable")
+                        "per draft position (e.g. 3,2,2), beside its chain; auto: trees the "
+                        "cost model shapes each step under --tree-budget; repeatable")
+    b.add_argument("--tree-budget", type=int, default=0, metavar="N",
+                   help="the node budget of --tree-widths auto's trees (default 16)")
+    b.add_argument("--no-step-cost-cache", dest="step_cost_cache", action="store_false",
+                   default=None,
+                   help="every configuration measures the cost model's step costs afresh "
+                        "(default on CUDA: from the cache directory's step_costs.json)")
     b.add_argument("--adaptive-speculation", default="on", choices=["on", "off", "both"],
                    help="decode plainly while drafts keep failing (on, the default, as "
                         "generate and serve do), draft at every step (off), or run each "

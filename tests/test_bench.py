@@ -305,6 +305,27 @@ def test_trees_run_beside_the_chain(target, tiny_models, tmp_path):
         BenchSettings(model="m", tree_widths=((2, 9),))
 
 
+def test_trees_the_cost_model_shapes_run_beside_the_chain(target, tiny_models, tmp_path):
+    """--tree-widths auto: each draft model × k also with the trees the cost model shapes under
+    --tree-budget, where the cost model runs (not "every step"), with the same greedy tokens;
+    --no-step-cost-cache reaches the engine."""
+    results = bench_on_cpu(tmp_path, PROMPTS[:1], "--model", target, "--draft",
+                           tiny_models["qwen2-draft"], "--num-speculative-tokens", "3",
+                           "--tree-widths", "auto", "--tree-budget", "8",
+                           "--adaptive-speculation", "both", "--no-step-cost-cache",
+                           "--max-tokens", "16")
+    names = [c["name"] for c in results["configurations"]]
+    assert names == ["plain", "draft:qwen2-draft k=3", "draft:qwen2-draft k=3 every step",
+                     "draft:qwen2-draft k=3 tree auto <= 8"]
+    tree = results["configurations"][3]
+    assert tree["tree_budget"] == 8 and tree["tree_widths"] == []
+    assert tree["summary"]["identical_to_plain"] == tree["summary"]["compared_with_plain"] > 0
+    assert results["settings"]["step_cost_cache"] is False
+    assert BenchSettings(model="m", tree_budget=0).tree_budget == 0
+    with pytest.raises(ValueError, match="--tree-budget"):
+        BenchSettings(model="m", tree_budget=1)
+
+
 def test_step_curve_table_and_plot(target, tmp_path):
     out = tmp_path / "out"
     settings = BenchSettings(model=target, prompts=str(write_jsonl(tmp_path / "p.jsonl",

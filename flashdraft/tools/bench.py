@@ -31,9 +31,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config import KernelConfig, SamplingParams, check_decode_kernel, check_tree_widths
+from ..config import (KernelConfig, SamplingParams, check_decode_kernel, check_tree_budget,
+                      check_tree_widths)
 from ..drafters.registry import parse_drafter_spec
-from ..tree import spine_leaves, spine_tree
+from ..scheduling import tree_shapes
+from ..tree import spine_tree
 
 PROMPT_SETS = ("humaneval", "seed")
 PEERS = ("transformers",)
@@ -113,6 +115,12 @@ class BenchSettings:
     # token-tree shapes run beside each draft model's chain (EngineConfig.tree_widths), e.g.
     # ((3, 2, 2),); () : chains only
     tree_widths: tuple[tuple[int, ...], ...] = ()
+    # also trees whose widths the cost model chooses each step under this node budget
+    # (EngineConfig.tree_budget; `--tree-widths auto`), beside each draft model's chain; 0: none
+    tree_budget: int = 0
+    # the cost model's step costs kept across runs (EngineConfig.step_cost_cache); None: on
+    # for CUDA. Off: every configuration's engine measures them afresh
+    step_cost_cache: bool | None = None
     # GPUs the target is spread over, one rank each under torchrun (flashdraft.parallel)
     tensor_parallel: int = 1
     note: str | None = None  # printed with the results, e.g. "random weights: speed only"
@@ -138,6 +146,7 @@ class BenchSettings:
         object.__setattr__(self, "step_curve", curve)
         trees = tuple(dict.fromkeys(check_tree_widths(w, "--tree-widths") for w in self.tree_widths))
         object.__setattr__(self, "tree_widths", tuple(w for w in trees if any(x > 1 for x in w)))
+        check_tree_budget(self.tree_budget, "--tree-budget")
         temps = tuple(dict.fromkeys(float(t) for t in self.temperatures))
         if not temps or any(math.isnan(t) or t < 0 for t in temps):
             raise ValueError(f"--temperature takes numbers >= 0 (0 is greedy), e.g. 0,0.7; "
@@ -202,18 +211,21 @@ class Configuration:
     label: str  # the drafter's short name, "plain" for plain decoding
     adaptive: bool = True  # the cost model (flashdraft.scheduling) on (False: a draft at every step)
     tree: tuple[int, ...] = ()  # the token trees' widths (EngineConfig.tree_widths); (): chains
+    tree_budget: int = 0  # trees the cost model shapes under this node budget; 0: none
 
     @property
     def name(self) -> str:
         if self.drafter is None:
             return self.label
-        tree = f" tree {','.join(map(str, self.tree))}" if self.tree else ""
+        tree = (f" tree auto <= {self.tree_budget}" if self.tree_budget else
+                f" tree {','.join(map(str, self.tree))}" if self.tree else "")
         return f"{self.label} k={self.k}{tree}" + ("" if self.adaptive else " every step")
 
     @property
     def nodes(self) -> int:
         """The most draft tokens one of its steps verifies."""
-        return self.k + sum(spine_leaves(self.tree, self.k))
+        return max((j + sum(leaves) for j in range(1, self.k + 1)
+                    for leaves in tree_shapes(self.tree, self.tree_budget, j)), default=self.k)
 
 
 # -- prompts ---------------------------------------------------------------------------------
@@ -563,11 +575,16 @@ def configurations(s: BenchSettings) -> list[Configuration]:
     for t in s.temperatures:
         out.append(Configuration(None, 0, t, "plain" if s.decode_kernel != "megakernel" or t > 0
                                  else "plain (megakernel)"))
-        # Trees where the drafter builds them (a draft model's next best tokens).
-        out += [Configuration(d, k, t, draft_label(d), adaptive, tree)
-                for d in s.drafts for k in s.num_speculative_tokens
-                for tree in ((),) + (s.tree_widths if parse_drafter_spec(d).builds_trees else ())
-                for adaptive in s.adaptive_speculation]
+        # Trees where the drafter builds them (a draft model's next best tokens); the cost
+        # model's own trees only where it runs.
+        for d in s.drafts:
+            trees = [((), 0)]
+            if parse_drafter_spec(d).builds_trees:
+                trees += [(w, 0) for w in s.tree_widths]
+                trees += [((), s.tree_budget)] if s.tree_budget else []
+            out += [Configuration(d, k, t, draft_label(d), adaptive, tree, budget)
+                    for k in s.num_speculative_tokens for tree, budget in trees
+                    for adaptive in s.adaptive_speculation if adaptive or not budget]
     return out
 
 
@@ -607,6 +624,7 @@ def run_configuration(s: BenchSettings, llm, cfg: Configuration, prompts, ids, p
     so that an interruption leaves the requests that finished."""
     entry = {"name": cfg.name, "drafter": cfg.drafter, "label": cfg.label, "k": cfg.k,
              "adaptive": cfg.adaptive, "tree_widths": list(cfg.tree),
+             "tree_budget": cfg.tree_budget,
              "temperature": cfg.temperature, "requests": [], "summary": None}
     entries.append(entry)
     draft = dict(draft=cfg.drafter, num_speculative_tokens=cfg.k or None)
@@ -618,8 +636,9 @@ def run_configuration(s: BenchSettings, llm, cfg: Configuration, prompts, ids, p
     start = time.perf_counter()
     # this entry's way of drafting, then back
     engine = llm.engine
-    saved = engine.adaptive, engine.tree_widths
+    saved = engine.adaptive, engine.tree_widths, engine.tree_budget
     engine.adaptive, engine.tree_widths = cfg.adaptive, cfg.tree
+    engine.tree_budget = cfg.tree_budget
     try:
         bar.set_description(f"{cfg.name} T={cfg.temperature:g} warm-up")
         for j in warmup_indices(ids, s, cfg.nodes):
@@ -648,7 +667,7 @@ def run_configuration(s: BenchSettings, llm, cfg: Configuration, prompts, ids, p
                 entry["requests"].append(rec)
                 bar.update()
     finally:
-        engine.adaptive, engine.tree_widths = saved
+        engine.adaptive, engine.tree_widths, engine.tree_budget = saved
         entry["wall_time_s"] = time.perf_counter() - start
         entry["summary"] = {**summarize(entry["requests"], plain, len(prompts), cfg.k),
                             **monitor.figures()}
@@ -820,7 +839,7 @@ def run_bench(s: BenchSettings, out=None) -> dict:
               ngram_sizes=s.ngram_sizes, cuda_graphs=s.cuda_graphs, compile=s.compile,
               quantization=s.quantization, draft_quantization=s.draft_quantization,
               decode_kernel=s.decode_kernel, kernels=s.kernels,
-              tensor_parallel=s.tensor_parallel)
+              tensor_parallel=s.tensor_parallel, step_cost_cache=s.step_cost_cache)
     for d in s.drafts:  # load (and check) every drafter before anything is timed
         log(f"loading drafter {d}")
         llm.get_drafter(d)
