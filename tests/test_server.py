@@ -509,3 +509,22 @@ def test_engine_failure_is_a_json_500_and_the_server_goes_on(slow, llm):
                      timeout=30).json()
     want = llm.generate("hi", SamplingParams(temperature=0, max_tokens=2), draft=None)[0]
     assert got["choices"][0]["text"] == want.text
+
+
+def test_the_worker_saves_the_step_costs_when_it_stops():
+    """Shutting the server down closes the LLM (its step costs saved for the next start) on
+    the engine's own thread, after its last step; a failure to save is logged, not raised."""
+    from flashdraft.serving.server import ServerMetrics, Worker
+
+    class Closing:
+        closed = 0
+
+        def close(self):
+            self.closed += 1
+            raise OSError("read-only cache directory")
+
+    llm = Closing()
+    worker = Worker(llm, max_queue=1, metrics=ServerMetrics())
+    worker.start()
+    worker.stop()
+    assert not worker.alive() and llm.closed == 1

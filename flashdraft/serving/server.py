@@ -287,6 +287,10 @@ class Worker:
                 self.running = None
         if self.lockstep is not None:  # after the last step: no word of the worker's follows
             self.lockstep.stop()
+        try:  # on the engine's own thread, after its last step: the step costs it measured
+            self.llm.close()
+        except Exception:
+            log.exception("could not save the step costs")
 
     def _run(self, job: Job) -> None:
         m = self.metrics

@@ -897,6 +897,7 @@ def run_bench(s: BenchSettings, out=None) -> dict:
         results["interrupted"] = True
     finally:
         bar.close()
+        llm.close()  # the step costs it measured, for the next run (EngineConfig.step_cost_cache)
     if lead:
         finish(results, out, outdir)
     if results["interrupted"]:
