@@ -152,7 +152,9 @@ def test_token_counts_add_up(run, target):
     # The target drafting for itself: every draft accepted, so each pass commits k + 1.
     for c in configs(results, target).values():
         assert c["summary"]["acceptance_rate"] == 1.0
-        assert all(a == 1.0 for a in c["summary"]["per_position_acceptance"])
+        # (None past the longest k the cost model chose: no step drafted that far)
+        first, *rest = c["summary"]["per_position_acceptance"]
+        assert first == 1.0 and all(a in (1.0, None) for a in rest)
         assert c["summary"]["tau"] > 1.0
 
 
