@@ -147,6 +147,11 @@ def test_token_counts_add_up(run, target):
         assert sum(s["accepted_tokens_histogram"]) == hist_steps
         assert s["generated_tokens"] == sum(r["metrics"]["generated_tokens"] for r in c["requests"])
         assert s["tau"] == pytest.approx(s["generated_tokens"] / s["target_passes"])
+        # every step after a prefill by the k it verified (0: plain decoding's)
+        chosen = s["chosen_k_histogram"]
+        assert sum(chosen) == s["target_passes"] - len(c["requests"])
+        assert sum(chosen[1:]) == sum(1 for r in c["requests"]
+                                      for d in r["metrics"]["drafted_per_step"] if d)
     plain = configs(results)["plain"]
     assert plain["summary"]["tau"] == 1.0 and plain["summary"]["drafted_tokens"] == 0
     # The target drafting for itself: every draft accepted, so each pass commits k + 1.
@@ -216,6 +221,7 @@ def test_terminal_table_and_results_md(run):
     assert results["summary_line"].startswith("summary: T=0: best ")
     md = (out / "results.md").read_text()
     assert "Per-position acceptance" in md and "random weights: speed only" in md
+    assert "The cost model's choice of k" in md and "| ngram k=3 | 0 | " in md
     assert all(f"]({p})" in md for p in PLOTS)
     assert "ran through the megakernel" not in md
     # the same results as a --decode-kernel megakernel run would label them (that needs a GPU)

@@ -42,7 +42,8 @@ PEERS = ("transformers",)
 HUMANEVAL_TEMPLATE = ("Write a solution to the following problem and make sure that it "
                       "passes the tests:\n```python\n{prompt}\n```")
 SCHEMA = "flashdraft-bench/1"
-PLOTS = ("tokens_per_s_vs_k.png", "tau_vs_k.png", "accepted_length_histogram.png")
+PLOTS = ("tokens_per_s_vs_k.png", "tau_vs_k.png", "accepted_length_histogram.png",
+         "chosen_k.png")
 DEFINITIONS = {
     "tokens_per_s": "(generated tokens - 1) / decode time per request, i.e. 1 / TPOT; the "
                     "decode phase starts at the first generated token",
@@ -56,6 +57,8 @@ DEFINITIONS = {
                                "position i in which it was accepted, pooled over the prompts",
     "accepted_tokens_histogram": "entry n: speculative steps that accepted n draft tokens "
                                  "(each committed n + 1 tokens with the bonus)",
+    "chosen_k_histogram": "entry k: target steps after the prefill that verified k drafts (a "
+                          "tree: k spine tokens); entry 0: plain decoding's steps",
     "speedup": "median tokens/s of the configuration / median tokens/s of plain decoding at "
                "the same temperature, same prompts, same run",
     "e2e_speedup": "the same ratio for e2e_tokens_per_s",
@@ -390,6 +393,11 @@ def summarize(requests: list[dict], plain: dict | None, planned: int, k: int) ->
         # the cost model's choices: k drafted per speculative step, and the tokens it expected
         # of them against what they gave (n + 1)
         "drafted_histogram": [sum(1 for d in drafted if d == j) for j in range(width + 1)],
+        # every step after the prefill by the k it verified; entry 0: plain decoding's steps
+        # (the cost model's plain stretches, and steps whose drafter had nothing to propose)
+        "chosen_k_histogram": [passes - sum(1 for m in metrics if m["target_passes"])
+                               - sum(1 for d in drafted if d)]
+                              + [sum(1 for d in drafted if d == j) for j in range(1, width + 1)],
         "predicted_step_tokens": mean([e for m in metrics for e in m.get("predicted_per_step", [])]),
         "achieved_step_tokens": mean([n + 1 for m in metrics if m.get("predicted_per_step")
                                       for n in m["accepted_per_step"]]),
@@ -1089,6 +1097,11 @@ def format_markdown(results: dict, full: bool = False) -> str:
                for c in configs if c["drafter"]]
         lines += ["", "Per-position acceptance (draft position 1, 2, …):", "",
                   *table(["configuration", "T", "per-position acceptance"], pos)]
+        chosen = [[c["name"], f"{c['temperature']:g}", chosen_k_text(c["summary"])]
+                  for c in configs if c["drafter"] and c.get("adaptive", True)]
+        if chosen:
+            lines += ["", "The cost model's choice of k (share of the steps; k = 0: plain "
+                          "decoding):", "", *table(["configuration", "T", "k: steps"], chosen)]
     curve = results.get("step_curve")
     if curve:
         rows = [[str(r["tokens"]), f"{r['ms']:.3f}", f"{r['ms'] / r['tokens']:.3f}",
@@ -1120,6 +1133,13 @@ def format_markdown(results: dict, full: bool = False) -> str:
     if full and results.get("plots"):
         lines += [""] + [f"![{p}]({p})" for p in results["plots"]]
     return "\n".join(lines)
+
+
+def chosen_k_text(summary: dict) -> str:
+    """"0: 58% · 3: 12% · 5: 30%": each k the steps verified, with its share of them."""
+    hist = summary.get("chosen_k_histogram") or []
+    steps = sum(hist)
+    return " · ".join(f"{k}: {n / steps:.0%}" for k, n in enumerate(hist) if n) or "—"
 
 
 def table(head: list[str], rows: list[list[str]]) -> list[str]:
@@ -1258,4 +1278,21 @@ def write_plots(results: dict, outdir: Path) -> list[str]:
     fig.supylabel("fraction of speculative steps")
     fig.suptitle(f"accepted length per speculative step\n{where}")
     save(fig, PLOTS[2])
+
+    chosen = [c for c in spec if c.get("adaptive", True) and sum(
+        c["summary"].get("chosen_k_histogram") or [])]
+    if chosen:  # the cost model's k, a group of bars per k
+        fig = Figure(figsize=(7.5, 4.8), layout="constrained")
+        ax = fig.add_subplot()
+        width = 0.8 / len(chosen)
+        for i, c in enumerate(chosen):
+            hist = c["summary"]["chosen_k_histogram"]
+            ax.bar([k - 0.4 + (i + 0.5) * width for k in range(len(hist))],
+                   [n / sum(hist) for n in hist], width,
+                   label=f"{c['name']}, T={c['temperature']:g}")
+        ax.set(xlabel="k verified a step (0: plain decoding)", ylabel="fraction of steps",
+               ylim=(0, 1), title=f"the cost model's choice of k — {where}",
+               xticks=range(max(len(c["summary"]["chosen_k_histogram"]) for c in chosen)))
+        ax.legend(fontsize="small")
+        save(fig, PLOTS[3])
     return curve_plot + written
