@@ -205,9 +205,9 @@ class Engine:
 
     def _refuse_trees(self, asked: str) -> None:
         if not getattr(self.model, "supports_trees", False):
-            raise ValueError(f"{asked}: token trees need a target whose cache is attention's "
-                             f"alone (a dense model); {type(self.model).__name__} verifies "
-                             f"chains only")
+            raise ValueError(f"{asked}: token trees need a target whose forward verifies "
+                             f"them (the dense models and the hybrid); "
+                             f"{type(self.model).__name__} verifies chains only")
 
     def ensure_capacity(self, length: int, drafter: Drafter | None = None,
                         steps: int = 1) -> None:

@@ -29,6 +29,13 @@ already in its slot: rolling back moves a length (`HybridCache.commit`), with no
 re-run. Steps longer than `steps` (a prefill) run the chunked form of the rule and keep only
 their last position's state.
 
+A token tree (`tree.SpineTree`: a chain of drafts with other candidates beside each) is
+verified in one pass too: its chain as above, each leaf one update past its parent's state in
+the ring, with the leaf's inputs to the rule and the convolution kept aside (a few vectors a
+leaf, not a state). Where the accepted path ends in a leaf, `HybridCache.compact` makes its
+state from its parent's and those inputs and puts it in the leaf's slot: one update for all
+layers at once.
+
 Memory: the ring holds `steps` states of [v_heads, d_k, d_v] float32 for each DeltaNet layer
 (Qwen3.5-27B: 48 layers × 48 × 128 × 128 × 4 bytes = 151 MB a position); `steps` is the
 longest verification the engine runs, k + 1.
@@ -59,6 +66,7 @@ from .config import KernelConfig, ModelConfig
 from .kv_cache import KVCache
 from .model import (MLP, SMALL_T, attention_mask, grouped_attention, rope_cos_sin,
                     rope_frequencies)
+from .tree import TreeMask
 
 # Tokens per chunk of the chunked gated delta rule (prefill), as in the reference
 CHUNK = 64
@@ -82,6 +90,42 @@ class StepSlots:
     conv_rows: torch.Tensor
     conv_write: torch.Tensor  # [w] int64: … and their conv slots
     real: torch.Tensor | None  # [t] bool: tokens before a padded prefill's padding; None: all
+    leaves: "LeafSlots | None" = None  # a token tree's leaves after the step's chain; None: none
+
+
+@dataclass
+class LeafSlots:
+    """A token tree's leaves (`HybridCache.tree_slots`): the L rows after a verification's chain
+    of c rows (its root and spine), each a child of one chain row. A leaf's state is its
+    parent's after one more update; it is not written to the ring, which holds the chain's,
+    but its inputs are kept (the cache's leaf stash, at the leaf's slot modulo the ring) so
+    that `HybridCache.compact` can put the state of an accepted leaf in its place."""
+    chain: int  # c
+    parent_slots: torch.Tensor  # [L] int64: the ring slots of the parents' states
+    conv_rows: torch.Tensor  # [L, kernel - 1] int64: rows of [window, chain] before each leaf
+    stash: torch.Tensor  # [L] int64: where each leaf's inputs are kept
+
+
+_SPINES: dict = {}  # TreeMask -> (c, the leaves' parent rows [L] on the tree's device)
+
+
+def spine_of(tree: TreeMask) -> tuple[int, torch.Tensor]:
+    """(c, parents [L]) of a tree the hybrid verifies: a chain of c nodes (the root and the
+    spine, each the child of the one before) and then L leaves, each a child of a chain node
+    (`tree.SpineTree`'s shape), or a user's error naming the parents. Kept per tree, so that the
+    tensor exists before a CUDA graph records a step over it."""
+    found = _SPINES.get(tree)
+    if found is None:
+        parents = tree.parents
+        c = next((i for i, p in enumerate(parents) if p != i - 1), len(parents))
+        if any(p < 0 or p >= c for p in parents[c:]):
+            raise ValueError(f"the hybrid verifies trees of a chain and leaves beside it (each "
+                             f"leaf a child of a chain node), not parents {list(parents)}: a "
+                             f"recurrent state follows one path, and a leaf's is one update "
+                             f"past its parent's")
+        found = _SPINES[tree] = (c, torch.tensor(parents[c:], dtype=torch.int64,
+                                                 device=tree.depth.device))
+    return found
 
 
 class HybridCache:
@@ -127,6 +171,16 @@ class HybridCache:
         self.conv_slots = self.steps + self.kernel - 1
         self.conv = torch.zeros(n_lin, batch, self.conv_slots, conv_dim, dtype=dtype,
                                 device=device)
+        # A token tree's leaves' inputs to the rule (k normalised, v, g, β per value head) and
+        # to the convolution, at the leaf's slot modulo the ring (`LeafSlots`): a few vectors a
+        # leaf, from which `compact` makes an accepted leaf's state
+        lead = (n_lin, batch, self.steps, v_heads)
+        self.leaf_k = torch.zeros(*lead, dk, dtype=torch.float32, device=device)
+        self.leaf_v = torch.zeros(*lead, dv, dtype=torch.float32, device=device)
+        self.leaf_g = torch.zeros(lead, dtype=torch.float32, device=device)
+        self.leaf_beta = torch.zeros(lead, dtype=torch.float32, device=device)
+        self.leaf_conv = torch.zeros(n_lin, batch, self.steps, conv_dim, dtype=dtype,
+                                     device=device)
         self.checked = torch.device(device).type == "cpu"
         self.end = self.kept_from = 0
         # Positions one attention program reads on the GPU; the engine sets it per request.
@@ -163,6 +217,44 @@ class HybridCache:
             conv_rows=conv_positions - start + self.kernel - 1,
             conv_write=conv_positions % self.conv_slots,
             real=None if last is None else torch.arange(t, device=device) <= last)
+
+    def tree_slots(self, positions: torch.Tensor, tree: TreeMask) -> StepSlots:
+        """Where a token tree's verification at slots positions [batch, T] reads and writes: its
+        chain (`spine_of`) as a step of c tokens, which keeps every state (c <= steps), and its
+        leaves (`LeafSlots`)."""
+        c, parents = spine_of(tree)
+        if c > self.steps:
+            raise ValueError(f"a tree of a {c}-node chain needs a cache of steps >= {c}, this "
+                             f"one has steps={self.steps}")
+        slots = self.slots(positions[:, :c])
+        row = positions[0]
+        slots.leaves = LeafSlots(
+            chain=c, parent_slots=(row[0] + parents) % self.steps,
+            conv_rows=parents[:, None] + torch.arange(1, self.kernel, device=row.device),
+            stash=row[c:] % self.steps)
+        return slots
+
+    def compact(self, start: int, path) -> None:
+        """After a tree's verification whose accepted path ends in a leaf: the leaf, written at
+        slot start + path[0], is the token at position `start` (`KVCache.compact`'s arguments,
+        as the engine passes them: the chain before it is in place). Its keys and values move
+        there, and its state (its parent's, at start - 1, after the leaf's update, from the
+        inputs the pass kept) and its convolution input take that position's slots, in every
+        layer at once. An empty path, or a path of the chain alone, changes nothing."""
+        path = list(path)
+        if not path or path == list(range(len(path))):
+            return
+        if len(path) != 1 or start < 1:
+            raise ValueError(f"the hybrid compacts one leaf after its chain (a path [leaf] from "
+                             f"slot >= 1), not path {path} from slot {start}")
+        self.kv.compact(start, path)
+        j, here = (start + path[0]) % self.steps, start % self.steps
+        state = self.state[:, :, (start - 1) % self.steps]  # [layers, batch, h, d_k, d_v]
+        k, v = self.leaf_k[:, :, j], self.leaf_v[:, :, j]
+        state = state * self.leaf_g[:, :, j, :, None, None].exp()
+        delta = (v - (state * k[..., None]).sum(-2)) * self.leaf_beta[:, :, j, :, None]
+        self.state[:, :, here] = state + k[..., None] * delta[..., None, :]
+        self.conv[:, :, start % self.conv_slots] = self.leaf_conv[:, :, j]
 
     def overwritten_inputs(self, start: int, t: int) -> list[torch.Tensor]:
         """Views of the slots a step of t tokens from `start` reads and then overwrites, which a
@@ -213,7 +305,9 @@ class HybridCache:
         self.end = length
 
     def nbytes(self) -> int:
-        return self.kv.nbytes() + sum(x.numel() * x.element_size() for x in (self.state, self.conv))
+        return self.kv.nbytes() + sum(x.numel() * x.element_size() for x in (
+            self.state, self.conv, self.leaf_k, self.leaf_v, self.leaf_g, self.leaf_beta,
+            self.leaf_conv))
 
 
 # -- the gated delta rule ---------------------------------------------------------------------
@@ -327,7 +421,8 @@ class GatedDeltaNet(nn.Module):
         proj = kernels.linear(x, self.w_in, kc)
         mixed, z, beta, a = proj.split([self.conv_dim, self.value_dim, self.v_heads,
                                         self.v_heads], dim=-1)
-        mixed = self._convolve(mixed, cache.conv[cache.linear_index[layer]], slots)
+        lin = cache.linear_index[layer]
+        mixed = self._convolve(mixed, cache.conv[lin], slots, cache.leaf_conv[lin])
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
 
         def heads(y, d):  # [batch, seq, n * d] -> [batch, n, seq, d] (a view)
@@ -337,25 +432,65 @@ class GatedDeltaNet(nn.Module):
         g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)).transpose(1, 2)
         if slots.real is not None:  # a padded prefill: with β = g = 0 padding changes no state
             beta, g = beta * slots.real, g * slots.real
-        out = self.rule(heads(q, self.dk), heads(k, self.dk), heads(v, self.dv), g, beta,
-                        cache.state[cache.linear_index[layer]], slots, kc)
+        q, k, v = heads(q, self.dk), heads(k, self.dk), heads(v, self.dv)
+        leaves = slots.leaves
+        c = t if leaves is None else leaves.chain
+        out = self.rule(q[:, :, :c], k[:, :, :c], v[:, :, :c], g[:, :, :c], beta[:, :, :c],
+                        cache.state[lin], slots, kc)
+        if leaves is not None:  # after the chain, whose states the leaves' parents' are
+            out = torch.cat([out, self._leaf_rule(q[:, :, c:], k[:, :, c:], v[:, :, c:],
+                                                  g[:, :, c:], beta[:, :, c:], cache, lin,
+                                                  leaves)], dim=2)
         out = gated_rms_norm(out.transpose(1, 2).to(x.dtype), z.view(b, t, self.v_heads, self.dv),
                              self.norm_weight, self.eps)
         return kernels.linear(out.reshape(b, t, self.value_dim), self.w_out, kc)
 
-    def _convolve(self, mixed: torch.Tensor, ring: torch.Tensor, slots: StepSlots) -> torch.Tensor:
+    def _convolve(self, mixed: torch.Tensor, ring: torch.Tensor, slots: StepSlots,
+                  stash: torch.Tensor) -> torch.Tensor:
         """The causal depthwise convolution and SiLU of mixed [batch, seq, conv_dim], after the
         inputs of the positions before the step (from `ring` [batch, conv_slots, conv_dim]),
-        whose slots then take this step's inputs."""
+        whose slots then take this step's inputs. A tree's leaves (the rows after its chain)
+        each see the chain's inputs before their own, and are kept in `stash` [batch, steps,
+        conv_dim] instead of the ring."""
+        leaves = slots.leaves
+        chain = mixed if leaves is None else mixed[:, :leaves.chain]
         window = ring[:, slots.window] * slots.window_valid[:, None].to(ring.dtype)
-        inputs = torch.cat([window, mixed.to(ring.dtype)], dim=1)  # [batch, kernel - 1 + seq, C]
+        inputs = torch.cat([window, chain.to(ring.dtype)], dim=1)  # [batch, kernel - 1 + c, C]
         kept = inputs.index_select(1, slots.conv_rows.clamp(min=0))  # [batch, w, C]
         if slots.real is not None:  # rows before the window: positions whose inputs stay
             kept = torch.where((slots.conv_rows >= 0)[:, None], kept,
                                ring.index_select(1, slots.conv_write))
         ring.index_copy_(1, slots.conv_write, kept)
-        out = F.conv1d(inputs.transpose(1, 2), self.conv, groups=self.conv_dim)
-        return F.silu(out).transpose(1, 2).to(mixed.dtype)
+        out = F.conv1d(inputs.transpose(1, 2), self.conv, groups=self.conv_dim).transpose(1, 2)
+        if leaves is not None:
+            own = mixed[:, leaves.chain:].to(ring.dtype)  # [batch, L, C]
+            stash.index_copy_(1, leaves.stash, own)
+            taps = torch.cat([inputs[:, leaves.conv_rows], own[:, :, None]], dim=2)
+            out = torch.cat([out, (taps * self.conv[:, 0].t()).sum(2)], dim=1)
+        return F.silu(out).to(mixed.dtype)
+
+    @staticmethod
+    def _leaf_rule(q, k, v, g, beta, cache: HybridCache, lin: int,
+                   leaves: LeafSlots) -> torch.Tensor:
+        """A tree's leaves through the rule (arguments as `rule`'s, for the L leaf rows): each
+        one update past its parent's state, which the chain just wrote to the ring; their
+        inputs are kept for `HybridCache.compact`. Returns [batch, v_heads, L, d_v] float32."""
+        scale, group = q.shape[-1] ** -0.5, v.shape[1] // k.shape[1]
+
+        def rows(y, repeat=1):  # [batch, heads, L, d] -> [batch, L, heads · repeat, d] float32
+            y = y.float()
+            return (y.repeat_interleave(repeat, dim=1) if repeat > 1 else y).transpose(1, 2)
+
+        q, k, v = l2_normalize(rows(q, group)) * scale, l2_normalize(rows(k, group)), rows(v)
+        g, beta = g.transpose(1, 2), beta.transpose(1, 2)  # [batch, L, v_heads]
+        for kept, x in ((cache.leaf_k, k), (cache.leaf_v, v), (cache.leaf_g, g),
+                        (cache.leaf_beta, beta)):
+            kept[lin].index_copy_(1, leaves.stash, x)
+        state = cache.state[lin].index_select(1, leaves.parent_slots)  # [b, L, h, d_k, d_v]
+        state = state * g.exp()[..., None, None]
+        delta = (v - (state * k[..., None]).sum(-2)) * beta[..., None]
+        state = state + k[..., None] * delta[..., None, :]
+        return (state * q[..., None]).sum(-2).transpose(1, 2)
 
     @staticmethod
     def rule(q, k, v, g, beta, ring: torch.Tensor, slots: StepSlots,
@@ -476,6 +611,12 @@ class HybridTransformer(nn.Module):
     # A step's slots come from its positions on the device (`HybridCache.slots`): StepRunner
     # records decode, verification and padded prefill steps as CUDA graphs.
     cuda_graphs = True
+    # forward(tree=) verifies a chain with leaves beside it (`spine_of`), the trees drafters
+    # build; HybridCache.compact moves an accepted leaf into place
+    supports_trees = True
+    # a padded step's extra positions would advance recurrent states: padding runs only where
+    # the step says which rows are real (logits_at)
+    pads_freely = False
 
     def __init__(self, cfg: ModelConfig, kernel_config: KernelConfig = kernels.DEFAULT):
         super().__init__()
@@ -512,21 +653,25 @@ class HybridTransformer(nn.Module):
         cache (a CPU's): the same call, recorded once, serves a step of its shape at every
         position.
         Returns logits [batch, seq (1 with last_only, r with logits_at), vocab] (float32) and
-        the requested layers' outputs [batch, seq, hidden]. tree: None (the recurrent states
-        follow one sequence: token trees are refused, as `supports_trees` says)."""
-        if tree is not None:
-            raise ValueError("token trees need a target whose cache is attention's alone: the "
-                             "hybrid verifies chains only")
+        the requested layers' outputs [batch, seq, hidden]. tree: a token tree's verification
+        pass, as `Transformer.forward` takes it, of a chain (the root and the spine) and leaves
+        beside it (`spine_of`: a `tree.SpineTree`'s shape); its chain keeps every state, and
+        `HybridCache.compact` puts an accepted leaf's in place."""
         t = tokens.shape[1]
         last = None if logits_at is None else logits_at.max()
         if kv_len is None:
             kv_len = int(positions[0, -1]) + 1
-        if cache.checked:
-            cache.begin(int(positions[0, 0]), t, None if last is None else int(last) + 1)
-        slots = cache.slots(positions, last)
+        if tree is not None:
+            tree.check(tokens)
+        slots = cache.slots(positions, last) if tree is None else cache.tree_slots(positions, tree)
+        if cache.checked:  # (a tree's leaves write no slot of the rings)
+            cache.begin(int(positions[0, 0]), t if tree is None else slots.leaves.chain,
+                        None if last is None else int(last) + 1)
         x = self.embed(tokens)  # [batch, seq, hidden]: the residual stream
-        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
-        mask = attention_mask(positions, kv_len, x.dtype)
+        rope = positions if tree is None else tree.rope_positions(positions)
+        cos, sin = rope_cos_sin(rope, self.inv_freq, x.dtype)
+        mask = attention_mask(positions, kv_len, x.dtype,
+                              None if tree is None else tree.visible(positions, kv_len))
         hidden = [x] if 0 in hidden_layers else []
         for i, block in enumerate(self.layers):
             x = block(x, cos, sin, positions, mask, cache, i, kv_len, slots, self.kernel_config)

@@ -272,6 +272,8 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     supports_trees = True  # forward(tree=): its cache is attention's alone (KVCache.compact)
+    # a step may run padded past its real tokens: their keys and values land past them, unread
+    pads_freely = True
 
     def __init__(self, cfg: ModelConfig, kernel_config: KernelConfig = kernels.DEFAULT):
         super().__init__()

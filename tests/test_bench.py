@@ -354,6 +354,21 @@ def test_step_curve_table_and_plot(target, tmp_path):
         BenchSettings(model="m", step_curve=(0, 4))
 
 
+def test_the_step_curve_of_a_hybrid_target(tmp_path):
+    """The hybrid's passes over n tokens keep their states as its verifications do, after a
+    context that was prefilled, and it verifies trees too."""
+    from tests.tiny import build_qwen35
+
+    path = build_qwen35(tmp_path / "hybrid")
+    settings = BenchSettings(model=str(path), prompts=str(write_jsonl(tmp_path / "p.jsonl",
+                                                                      PROMPTS[:1])),
+                             max_tokens=4, device="cpu", dtype="float32", output=None,
+                             step_curve=(1, 4, 8), progress=False)
+    rows = run_bench(settings, out=io.StringIO())["step_curve"]["rows"]
+    assert [r["tokens"] for r in rows] == [1, 4, 8]
+    assert all(r["ms"] > 0 for r in rows) and rows[1]["tree_ms"] > 0
+
+
 def test_prompt_file_with_a_bad_line_is_refused_with_its_line_number(tmp_path):
     good = json.dumps(PROMPTS[0])
     cases = {'{"promt": "typo"}': "either \"prompt\"", "{not json": "not valid JSON",

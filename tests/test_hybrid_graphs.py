@@ -148,11 +148,11 @@ def engine_models(tmp_path_factory):
     return str(target), str(draft)
 
 
-def generate(path, graphs: bool, draft, k: int):
+def generate(path, graphs: bool, draft, k: int, widths=()):
     """Greedy tokens of PROMPTS on an engine of its own (its graphs recorded against one cache),
     and how many graph replays its steps took."""
     llm = LLM(path, device="cuda", dtype="float32", cuda_graphs=graphs,
-              adaptive_speculation=False)
+              adaptive_speculation=False, tree_widths=widths)
     outs = llm.generate(PROMPTS, GREEDY, draft=draft, num_speculative_tokens=k or None)
     runner = llm.engine.runner
     return [o.token_ids for o in outs], (runner.stats.replays if runner is not None else 0)
@@ -160,12 +160,13 @@ def generate(path, graphs: bool, draft, k: int):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("drafter,k", [(None, 0), ("ngram", 3), ("model", 2), ("model", 5)])
-def test_graphs_give_the_eager_engines_tokens(engine_models, drafter, k):
+@pytest.mark.parametrize("drafter,k,widths", [(None, 0, ()), ("ngram", 3, ()), ("model", 2, ()),
+                                              ("model", 5, ()), ("model", 4, (3, 2, 2))])
+def test_graphs_give_the_eager_engines_tokens(engine_models, drafter, k, widths):
     target, draft = engine_models
     draft = draft if drafter == "model" else drafter
-    eager, replays = generate(target, False, draft, k)
+    eager, replays = generate(target, False, draft, k, widths)
     assert replays == 0
-    graphed, replays = generate(target, True, draft, k)
+    graphed, replays = generate(target, True, draft, k, widths)
     assert replays > 0
     assert graphed == eager

@@ -182,6 +182,106 @@ def test_a_step_without_its_state_is_refused(checkpoints):
             model(ids[:, 12:13], torch.tensor([[12]]), cache)  # past the committed length
 
 
+# -- token trees: a chain with leaves beside it ------------------------------------------------
+
+TREES = {"one leaf": (3, (1, 0, 0)), "leaves at every depth": (4, (2, 1, 1, 3)),
+         "a leaf beside the root only": (1, (3,)), "no leaves": (3, (0, 0, 0))}
+
+
+def tree_step(model, ids, p: int, k: int, leaves, steps: int):
+    """A cache holding the prompt ids[:p] and one verification over [ids[p], d_1 … d_k, the
+    leaves] (draft tokens from ids after p): (the cache, the pass's tokens [1, T], the tree,
+    its logits)."""
+    from flashdraft.tree import spine_tree
+
+    tree = spine_tree(k, leaves, "cpu")
+    tokens = ids[:, p:p + 1 + tree.size]
+    cache = model.new_cache(1, 64, torch.float32, "cpu", steps=steps)
+    model(ids[:, :p], torch.arange(p)[None], cache)
+    logits, _ = model(tokens, torch.arange(p, p + tree.size + 1)[None], cache, tree=tree.mask)
+    return cache, tokens, tree, logits
+
+
+def causal(model, ids, p: int, path_tokens: torch.Tensor):
+    """A cache of ids[:p] then path_tokens [1, n] decoded as a chain from p: (cache, logits)."""
+    cache = model.new_cache(1, 64, torch.float32, "cpu", steps=path_tokens.shape[1] + 1)
+    model(ids[:, :p], torch.arange(p)[None], cache)
+    logits, _ = model(path_tokens, torch.arange(p, p + path_tokens.shape[1])[None], cache)
+    return cache, logits
+
+
+@pytest.mark.parametrize("shape", list(TREES))
+@torch.no_grad()
+def test_every_tree_node_equals_its_path_decoded_causally(checkpoints, shape):
+    """Each node of a verification over a chain with leaves (the root, the spine, then the
+    leaves depth by depth) has the logits of its path from the root decoded as a chain."""
+    model = load_model(checkpoints["hybrid"], torch.float32, "cpu").model
+    k, leaves = TREES[shape]
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
+    p = 12
+    _, tokens, tree, logits = tree_step(model, ids, p, k, leaves, steps=1 + tree_size(k, leaves))
+    parents = tree.mask.parents
+    for node in range(tree.size + 1):
+        path, i = [], node
+        while i >= 0:
+            path.append(i)
+            i = parents[i]
+        _, want = causal(model, ids, p, tokens[:, path[::-1]])
+        assert rel_err(logits[:, node], want[:, -1]) <= 1e-5, node
+
+
+def tree_size(k, leaves) -> int:
+    return k + sum(leaves)
+
+
+@pytest.mark.parametrize("n, leaf", [(0, 0), (0, 1), (1, 0), (2, 1), (3, 0), (2, -1), (4, -1)])
+@torch.no_grad()
+def test_a_tree_compacted_to_its_accepted_path_decodes_as_that_path(checkpoints, n, leaf):
+    """Committing n spine tokens and then (leaf >= 0) the leaf-th leaf beside d_{n+1}, as the
+    engine does (`compact`, then `commit`): the recurrent states, conv inputs and keys the next
+    steps read are those of decoding that path, and so are their logits."""
+    model = load_model(checkpoints["hybrid"], torch.float32, "cpu").model
+    k, leaves = 4, (2, 1, 2, 1)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(4))
+    p = 12
+    cache, tokens, tree, _ = tree_step(model, ids, p, k, leaves, steps=1 + tree_size(k, leaves))
+    offset = 1 + k + sum(leaves[:n]) + leaf  # the leaf's row in the pass
+    rows = list(range(1 + n)) + ([offset] if leaf >= 0 else [])
+    if leaf >= 0:
+        assert tree.mask.parents[offset] == n  # beside d_{n+1}: a child of d_n (or the root)
+        cache.compact(p + 1 + n, [offset - 1 - n])
+    cache.commit(p + len(rows))
+    ref, _ = causal(model, ids, p, tokens[:, rows])
+    last = p + len(rows) - 1
+    slot = last % cache.steps
+    assert rel_err(cache.state[:, :, slot], ref.state[:, :, last % ref.steps]) <= 1e-5
+    for j in range(model.cfg.linear_conv_kernel_dim - 1):
+        assert rel_err(cache.conv[:, :, (last - j) % cache.conv_slots],
+                       ref.conv[:, :, (last - j) % ref.conv_slots]) <= 1e-5
+    torch.testing.assert_close(cache.k[:, :, :, :last + 1], ref.k[:, :, :, :last + 1])
+    nxt = torch.tensor([[7, 3]])
+    a, _ = model(nxt, torch.tensor([[last + 1, last + 2]]), cache)
+    b, _ = model(nxt, torch.tensor([[last + 1, last + 2]]), ref)
+    assert rel_err(a, b) <= 1e-5
+
+
+def test_a_tree_the_hybrid_cannot_follow_is_refused(checkpoints):
+    from flashdraft.tree import TreeMask
+
+    model = load_model(checkpoints["hybrid"], torch.float32, "cpu").model
+    cache = model.new_cache(1, 64, torch.float32, "cpu", steps=8)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 20))
+    with torch.no_grad():
+        model(ids[:, :8], torch.arange(8)[None], cache)
+        bad = TreeMask.from_parents([-1, 0, 1, 1, 3])  # a child of a leaf: two paths
+        with pytest.raises(ValueError, match="a chain and leaves beside it"):
+            model(ids[:, 8:13], torch.arange(8, 13)[None], cache, tree=bad)
+        with pytest.raises(ValueError, match="steps >= 6"):
+            small = model.new_cache(1, 64, torch.float32, "cpu", steps=3)
+            model(ids[:, 8:14], torch.arange(8, 14)[None], small,
+                  tree=TreeMask.from_parents([-1, 0, 1, 2, 3, 4]))
+
+
 # -- the engine over a hybrid target ------------------------------------------------------------
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps", "for i in range(10):\n    print(i)\nfor"]
@@ -269,11 +369,35 @@ def test_a_hybrid_draft_model_changes_no_token(checkpoints, target, plain, k):
     assert any(n < k for n in accepted)  # some drafts were rejected
 
 
+@pytest.mark.parametrize("widths, budget", [((3, 2, 2), 0), ((), 12)])
+def test_token_trees_over_the_hybrid_change_no_token(checkpoints, target, plain, widths, budget):
+    """Trees of the draft models' spines and next best tokens (fixed widths, and the cost
+    model's under a node budget), verified by the hybrid: plain decoding's tokens, with leaves
+    accepted where the spine missed (a leaf's state then put in place)."""
+    engine = target.engine
+    engine.tree_widths, engine.tree_budget, engine.adaptive = widths, budget, bool(budget)
+    try:
+        for draft in (checkpoints["draft"], checkpoints["hybrid-draft"]):
+            outs = target.generate(PROMPTS, GREEDY, draft=draft, num_speculative_tokens=4)
+            assert [o.token_ids for o in outs] == plain
+            if not budget:
+                assert sum(o.metrics.leaf_steps for o in outs) > 0
+    finally:
+        engine.tree_widths, engine.tree_budget, engine.adaptive = (), 0, False
+
+
 def test_dflash_over_the_hybrid_target_changes_no_token(checkpoints, target, plain, tmp_path):
     """A (random) DFlash drafter reading the hybrid's hidden states from each verification."""
     drafter = build_dflash_drafter(tmp_path / "dflash", checkpoints["engine"],
                                    target_layer_ids=(1, 2), block_size=4)
     outs = target.generate(PROMPTS, GREEDY, draft=f"dflash:{drafter}", num_speculative_tokens=3)
+    assert [o.token_ids for o in outs] == plain
+    target.engine.tree_widths = (3, 2)  # and as trees of its block's next best tokens
+    try:
+        outs = target.generate(PROMPTS, GREEDY, draft=f"dflash:{drafter}",
+                               num_speculative_tokens=3)
+    finally:
+        target.engine.tree_widths = ()
     assert [o.token_ids for o in outs] == plain
 
 
@@ -328,19 +452,27 @@ def exact_joint(model, params):
     return torch.einsum("a,ab,abc->bc", p1, p2, p3)
 
 
-def test_sampled_speculation_samples_from_the_target():
-    """Tokens 2 and 3 come from one speculative step of k = 2 (the draft model's own q), over
-    2000 seeds; chi-square against the exact joint distribution."""
+@pytest.mark.parametrize("widths", [(), (3, 2)])
+def test_sampled_speculation_samples_from_the_target(widths):
+    """Tokens 2 and 3 come from one speculative step of k = 2 (the draft model's own q; as a
+    chain, and as a tree with the draft model's next best tokens beside each draft), over 2000
+    seeds; chi-square against the exact joint distribution."""
     target, draft = tiny_pair()
     params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
-    engine = Engine(target, torch.device("cpu"), torch.float32, 64, (), adaptive=False)
+    engine = Engine(target, torch.device("cpu"), torch.float32, 64, (), adaptive=False,
+                    tree_widths=widths)
     drafter = DraftModelDrafter(draft, torch.device("cpu"), torch.float32, V)
     counts = torch.zeros(V * V, dtype=torch.float64)
-    n = 2000
+    n, leaf_steps = 2000, 0
     for seed in range(n):
         p = SamplingParams(**{**params.__dict__, "seed": seed})
-        tokens = [t for s in engine.run(SAMPLED_PROMPT, p, drafter, k=2) for t in s.token_ids]
+        metrics = RequestMetrics()
+        tokens = [t for s in engine.run(SAMPLED_PROMPT, p, drafter, 2, metrics)
+                  for t in s.token_ids]
         counts[tokens[1] * V + tokens[2]] += 1
+        leaf_steps += metrics.leaf_steps
+    if widths:  # the leaves took part: some steps' accepted paths ended in one
+        assert leaf_steps > 0.05 * n
     expected = exact_joint(target, params).flatten() * n
     keep = expected > 5
     obs = torch.cat([counts[keep], counts[~keep].sum()[None]])

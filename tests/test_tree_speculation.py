@@ -160,19 +160,3 @@ def test_sampled_tree_verifier_keeps_the_target_distribution():
     p = torch.softmax(logits[0, 0], -1)
     assert torch.allclose(first / n_draws, p, atol=0.025)
     assert abs(leaf_kept / n_draws - 0.5) < 0.03  # p(2) + p(3): the leaves' whole mass
-
-
-def test_a_hybrid_target_refuses_trees(tmp_path):
-    """The hybrid's recurrent states follow one sequence: it verifies chains only."""
-    from flashdraft import LLM
-    from tests.tiny import build_qwen35
-
-    path = build_qwen35(tmp_path / "hybrid")
-    with pytest.raises(ValueError, match="token trees need a target"):
-        LLM(str(path), device="cpu", dtype="float32", tree_widths=(3, 2))
-    llm = LLM(str(path), device="cpu", dtype="float32")
-    with pytest.raises(ValueError, match="verifies chains only"):
-        llm.engine.tree_widths = (2,)
-    with pytest.raises(ValueError, match="verifies chains only"):
-        llm.engine.tree_budget = 16
-    llm.engine.tree_widths = (1, 1)  # no leaves: chains, as ever

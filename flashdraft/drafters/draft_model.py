@@ -63,7 +63,7 @@ class DraftModelDrafter:
                        and getattr(model, "cuda_graphs", True) else None)
         # A catch-up can run padded where the cache holds keys and values alone (the padding's
         # land past the real tokens, unread): not a recurrent model's states.
-        self.pads_freely = getattr(model, "supports_trees", False)
+        self.pads_freely = getattr(model, "pads_freely", False)
         # Checkpoints of one family pad their embeddings differently (e.g. 151,936 vs 152,064
         # rows for one tokenizer): q is cut or padded to the target's width, and sampled from
         # in that form, so that q is exactly the distribution the drafts came from.

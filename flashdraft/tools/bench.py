@@ -919,9 +919,13 @@ def measure_step_curve(llm, sizes: tuple[int, ...], context: int, repeats: int =
     where the target verifies trees, also a tree's pass of n tokens (a spine and one leaf
     beside each of its first positions: attention through the tree's mask)."""
     engine = llm.engine
-    engine.ensure_capacity(context + max(sizes) + 1)
+    # every size a verification that keeps its states (a hybrid's ring: one slot more than the
+    # longest), over a context that a prefill put in the cache
+    engine.ensure_capacity(context + max(sizes) + 1, steps=max(sizes) + 1)
     cuda = engine.device.type == "cuda"
     trees = getattr(engine.model, "supports_trees", False)
+    with torch.inference_mode():
+        engine._forward(torch.randint(0, engine.model.cfg.vocab_size, (1, context)), 0, ())
 
     def median_ms(tokens, tree):
         for _ in range(3):  # a graph's capture and warm-up
