@@ -210,12 +210,13 @@ class Engine:
                              f"{type(self.model).__name__} verifies chains only")
 
     def ensure_capacity(self, length: int, drafter: Drafter | None = None,
-                        steps: int = 1) -> None:
+                        steps: int = 1, tree_nodes: int = 0) -> None:
         """Size the caches for a request before it starts; never on the hot path. steps: the
-        longest step the target's cache may roll back into (verifying k drafts: k + 1)."""
+        longest chain the target's cache may roll back into (verifying k drafts: k + 1);
+        tree_nodes: the most tokens of a token tree's verification (0: no trees)."""
         # Round up so that similar requests reuse one allocation.
         length = min(-(-length // 256) * 256, self.max_model_len + 64)
-        grow_cache(self, length, steps)
+        grow_cache(self, length, steps, tree_nodes)
         if self.decode_kernel == "megakernel" and self.megakernel is None:
             from .backends.megakernel import DecodeMegakernel  # compiled once a shape (NVRTC)
             self.megakernel = DecodeMegakernel(self.model, self.cache)
@@ -246,11 +247,12 @@ class Engine:
             raise ValueError(f"the prompt has {len(prompt)} tokens, which leaves no room to "
                              f"generate within max_model_len={self.max_model_len}")
         # A step verifies at most k drafts, or a tree of k spine tokens and their leaves.
-        trees = (j + sum(leaves) for j in range(1, k + 1)
-                 for leaves in tree_shapes(self.tree_widths, self.tree_budget, j))
+        trees = [j + sum(leaves) for j in range(1, k + 1)
+                 for leaves in tree_shapes(self.tree_widths, self.tree_budget, j)]
         nodes = max(k, max(trees, default=0)) if drafter else 0
         self.ensure_capacity(len(prompt) + max_new + nodes + 1, drafter,
-                             steps=nodes + 1 if drafter else 1)
+                             steps=k + 1 if drafter else 1,
+                             tree_nodes=nodes + 1 if drafter and trees else 0)
         # How attention cuts the cache into splits fixes how its partial sums are added, so it
         # must follow from the request alone: not from k (speculation must return plain
         # decoding's tokens) nor from the cache's size, which earlier, longer requests set.

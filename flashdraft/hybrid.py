@@ -98,7 +98,7 @@ class LeafSlots:
     """A token tree's leaves (`HybridCache.tree_slots`): the L rows after a verification's chain
     of c rows (its root and spine), each a child of one chain row. A leaf's state is its
     parent's after one more update; it is not written to the ring, which holds the chain's,
-    but its inputs are kept (the cache's leaf stash, at the leaf's slot modulo the ring) so
+    but its inputs are kept (the cache's leaf stash, at the leaf's slot modulo tree_nodes) so
     that `HybridCache.compact` can put the state of an accepted leaf in its place."""
     chain: int  # c
     parent_slots: torch.Tensor  # [L] int64: the ring slots of the parents' states
@@ -144,7 +144,7 @@ class HybridCache:
     """
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype,
-                 device: torch.device | str, steps: int = 1):
+                 device: torch.device | str, steps: int = 1, tree_nodes: int = 0):
         kinds = cfg.layer_types
         self.attention_index = {}  # model layer -> its index among the full-attention layers
         self.linear_index = {}  # model layer -> its index among the DeltaNet layers
@@ -172,14 +172,16 @@ class HybridCache:
         self.conv = torch.zeros(n_lin, batch, self.conv_slots, conv_dim, dtype=dtype,
                                 device=device)
         # A token tree's leaves' inputs to the rule (k normalised, v, g, β per value head) and
-        # to the convolution, at the leaf's slot modulo the ring (`LeafSlots`): a few vectors a
-        # leaf, from which `compact` makes an accepted leaf's state
-        lead = (n_lin, batch, self.steps, v_heads)
+        # to the convolution, at the leaf's slot modulo tree_nodes (`LeafSlots`): a few vectors
+        # a leaf, from which `compact` makes an accepted leaf's state. The ring needs a slot
+        # for each chain token only, and a tree verifies at most tree_nodes tokens.
+        self.tree_nodes = max(1, tree_nodes)
+        lead = (n_lin, batch, self.tree_nodes, v_heads)
         self.leaf_k = torch.zeros(*lead, dk, dtype=torch.float32, device=device)
         self.leaf_v = torch.zeros(*lead, dv, dtype=torch.float32, device=device)
         self.leaf_g = torch.zeros(lead, dtype=torch.float32, device=device)
         self.leaf_beta = torch.zeros(lead, dtype=torch.float32, device=device)
-        self.leaf_conv = torch.zeros(n_lin, batch, self.steps, conv_dim, dtype=dtype,
+        self.leaf_conv = torch.zeros(n_lin, batch, self.tree_nodes, conv_dim, dtype=dtype,
                                      device=device)
         self.checked = torch.device(device).type == "cpu"
         self.end = self.kept_from = 0
@@ -192,9 +194,11 @@ class HybridCache:
         return (self.kv.graph_key(), self.state.data_ptr(), tuple(self.state.shape),
                 self.conv.data_ptr(), tuple(self.conv.shape))
 
-    def fits(self, max_len: int, steps: int) -> bool:
-        """Whether this cache serves sequences of max_len positions verified `steps` at a time."""
-        return self.max_len >= max_len and self.steps >= steps
+    def fits(self, max_len: int, steps: int, tree_nodes: int = 0) -> bool:
+        """Whether this cache serves sequences of max_len positions verified `steps` at a time
+        (chains), or as token trees of up to `tree_nodes` tokens."""
+        return (self.max_len >= max_len and self.steps >= steps
+                and self.tree_nodes >= tree_nodes)
 
     def slots(self, positions: torch.Tensor, last: torch.Tensor | None = None) -> StepSlots:
         """Where the step at positions [batch, t] (consecutive, the same in every row) reads and
@@ -223,15 +227,16 @@ class HybridCache:
         chain (`spine_of`) as a step of c tokens, which keeps every state (c <= steps), and its
         leaves (`LeafSlots`)."""
         c, parents = spine_of(tree)
-        if c > self.steps:
-            raise ValueError(f"a tree of a {c}-node chain needs a cache of steps >= {c}, this "
-                             f"one has steps={self.steps}")
+        if c > self.steps or tree.size > self.tree_nodes:
+            raise ValueError(f"a tree of {tree.size} tokens, {c} of them a chain, needs a cache "
+                             f"of steps >= {c} and tree_nodes >= {tree.size}; this one has "
+                             f"steps={self.steps}, tree_nodes={self.tree_nodes}")
         slots = self.slots(positions[:, :c])
         row = positions[0]
         slots.leaves = LeafSlots(
             chain=c, parent_slots=(row[0] + parents) % self.steps,
             conv_rows=parents[:, None] + torch.arange(1, self.kernel, device=row.device),
-            stash=row[c:] % self.steps)
+            stash=row[c:] % self.tree_nodes)
         return slots
 
     def compact(self, start: int, path) -> None:
@@ -248,7 +253,7 @@ class HybridCache:
             raise ValueError(f"the hybrid compacts one leaf after its chain (a path [leaf] from "
                              f"slot >= 1), not path {path} from slot {start}")
         self.kv.compact(start, path)
-        j, here = (start + path[0]) % self.steps, start % self.steps
+        j, here = (start + path[0]) % self.tree_nodes, start % self.steps
         state = self.state[:, :, (start - 1) % self.steps]  # [layers, batch, h, d_k, d_v]
         k, v = self.leaf_k[:, :, j], self.leaf_v[:, :, j]
         state = state * self.leaf_g[:, :, j, :, None, None].exp()
@@ -632,10 +637,11 @@ class HybridTransformer(nn.Module):
         self.norms_folded = False
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device,
-                  steps: int = 1) -> HybridCache:
+                  steps: int = 1, tree_nodes: int = 0) -> HybridCache:
         """A cache for `batch` sequences of up to max_len positions, whose steps may be
-        rolled back to any position of the last `steps` (a verification of k drafts: k + 1)."""
-        return HybridCache(self.cfg, batch, max_len, dtype, device, steps)
+        rolled back to any position of the last `steps` (a verification of k drafts: k + 1),
+        and which verifies token trees of up to `tree_nodes` tokens (0: none)."""
+        return HybridCache(self.cfg, batch, max_len, dtype, device, steps, tree_nodes)
 
     def fold_norms(self) -> None:
         """Nothing is folded: the norms scale by 1 + w in float32, and the products are plain."""

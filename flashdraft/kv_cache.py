@@ -54,9 +54,9 @@ class KVCache:
         so running it twice is running it once."""
         return []
 
-    def fits(self, max_len: int, steps: int = 1) -> bool:
+    def fits(self, max_len: int, steps: int = 1, tree_nodes: int = 0) -> bool:
         """Whether this cache serves sequences of max_len positions (rolled back any number of
-        positions: `steps` does not matter here)."""
+        positions, trees of any size: `steps` and `tree_nodes` do not matter here)."""
         return self.max_len >= max_len
 
     def compact(self, start: int, path: Sequence[int]) -> None:
@@ -81,11 +81,13 @@ class KVCache:
         (`hybrid.HybridCache.commit`) needs."""
 
 
-def grow_cache(owner, length: int, steps: int = 1) -> None:
+def grow_cache(owner, length: int, steps: int = 1, tree_nodes: int = 0) -> None:
     """Give `owner` (the engine or a draft model: its .model, .dtype, .device, .cache and
     .megakernel) a cache of at least `length` positions, from which a step of up to `steps`
-    tokens can be rolled back (`model.new_cache`). A new cache frees the old one and the
+    tokens can be rolled back and token trees of up to `tree_nodes` tokens verified
+    (`model.new_cache`). A new cache frees the old one and the
     megakernel bound to it first, so the two never take GPU memory at once."""
-    if owner.cache is None or not owner.cache.fits(length, steps):
+    if owner.cache is None or not owner.cache.fits(length, steps, tree_nodes):
         owner.cache = owner.megakernel = None
-        owner.cache = owner.model.new_cache(1, length, owner.dtype, owner.device, steps)
+        owner.cache = owner.model.new_cache(1, length, owner.dtype, owner.device, steps,
+                                            tree_nodes)

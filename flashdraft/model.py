@@ -293,9 +293,9 @@ class Transformer(nn.Module):
         self.process_group = None
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device,
-                  steps: int = 1) -> KVCache:
+                  steps: int = 1, tree_nodes: int = 0) -> KVCache:
         """A cache for `batch` sequences of up to max_len positions (any step can be rolled
-        back: `steps` matters to recurrent models only)."""
+        back, any tree verified: `steps` and `tree_nodes` matter to recurrent models only)."""
         return KVCache.for_model(self.cfg, batch, max_len, dtype, device)
 
     @torch.no_grad()

@@ -188,7 +188,7 @@ TREES = {"one leaf": (3, (1, 0, 0)), "leaves at every depth": (4, (2, 1, 1, 3)),
          "a leaf beside the root only": (1, (3,)), "no leaves": (3, (0, 0, 0))}
 
 
-def tree_step(model, ids, p: int, k: int, leaves, steps: int):
+def tree_step(model, ids, p: int, k: int, leaves):
     """A cache holding the prompt ids[:p] and one verification over [ids[p], d_1 … d_k, the
     leaves] (draft tokens from ids after p): (the cache, the pass's tokens [1, T], the tree,
     its logits)."""
@@ -196,7 +196,8 @@ def tree_step(model, ids, p: int, k: int, leaves, steps: int):
 
     tree = spine_tree(k, leaves, "cpu")
     tokens = ids[:, p:p + 1 + tree.size]
-    cache = model.new_cache(1, 64, torch.float32, "cpu", steps=steps)
+    # a ring of one slot a chain token: the leaves' states are never in it
+    cache = model.new_cache(1, 64, torch.float32, "cpu", steps=k + 1, tree_nodes=tree.size + 1)
     model(ids[:, :p], torch.arange(p)[None], cache)
     logits, _ = model(tokens, torch.arange(p, p + tree.size + 1)[None], cache, tree=tree.mask)
     return cache, tokens, tree, logits
@@ -219,7 +220,7 @@ def test_every_tree_node_equals_its_path_decoded_causally(checkpoints, shape):
     k, leaves = TREES[shape]
     ids = torch.randint(0, model.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
     p = 12
-    _, tokens, tree, logits = tree_step(model, ids, p, k, leaves, steps=1 + tree_size(k, leaves))
+    _, tokens, tree, logits = tree_step(model, ids, p, k, leaves)
     parents = tree.mask.parents
     for node in range(tree.size + 1):
         path, i = [], node
@@ -228,10 +229,6 @@ def test_every_tree_node_equals_its_path_decoded_causally(checkpoints, shape):
             i = parents[i]
         _, want = causal(model, ids, p, tokens[:, path[::-1]])
         assert rel_err(logits[:, node], want[:, -1]) <= 1e-5, node
-
-
-def tree_size(k, leaves) -> int:
-    return k + sum(leaves)
 
 
 @pytest.mark.parametrize("n, leaf", [(0, 0), (0, 1), (1, 0), (2, 1), (3, 0), (2, -1), (4, -1)])
@@ -244,7 +241,7 @@ def test_a_tree_compacted_to_its_accepted_path_decodes_as_that_path(checkpoints,
     k, leaves = 4, (2, 1, 2, 1)
     ids = torch.randint(0, model.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(4))
     p = 12
-    cache, tokens, tree, _ = tree_step(model, ids, p, k, leaves, steps=1 + tree_size(k, leaves))
+    cache, tokens, tree, _ = tree_step(model, ids, p, k, leaves)
     offset = 1 + k + sum(leaves[:n]) + leaf  # the leaf's row in the pass
     rows = list(range(1 + n)) + ([offset] if leaf >= 0 else [])
     if leaf >= 0:
@@ -269,14 +266,14 @@ def test_a_tree_the_hybrid_cannot_follow_is_refused(checkpoints):
     from flashdraft.tree import TreeMask
 
     model = load_model(checkpoints["hybrid"], torch.float32, "cpu").model
-    cache = model.new_cache(1, 64, torch.float32, "cpu", steps=8)
+    cache = model.new_cache(1, 64, torch.float32, "cpu", steps=8, tree_nodes=8)
     ids = torch.randint(0, model.cfg.vocab_size, (1, 20))
     with torch.no_grad():
         model(ids[:, :8], torch.arange(8)[None], cache)
         bad = TreeMask.from_parents([-1, 0, 1, 1, 3])  # a child of a leaf: two paths
         with pytest.raises(ValueError, match="a chain and leaves beside it"):
             model(ids[:, 8:13], torch.arange(8, 13)[None], cache, tree=bad)
-        with pytest.raises(ValueError, match="steps >= 6"):
+        with pytest.raises(ValueError, match="steps >= 6 and tree_nodes >= 6"):
             small = model.new_cache(1, 64, torch.float32, "cpu", steps=3)
             model(ids[:, 8:14], torch.arange(8, 14)[None], small,
                   tree=TreeMask.from_parents([-1, 0, 1, 2, 3, 4]))

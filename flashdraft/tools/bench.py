@@ -921,7 +921,8 @@ def measure_step_curve(llm, sizes: tuple[int, ...], context: int, repeats: int =
     engine = llm.engine
     # every size a verification that keeps its states (a hybrid's ring: one slot more than the
     # longest), over a context that a prefill put in the cache
-    engine.ensure_capacity(context + max(sizes) + 1, steps=max(sizes) + 1)
+    engine.ensure_capacity(context + max(sizes) + 1, steps=max(sizes) + 1,
+                           tree_nodes=max(sizes))
     cuda = engine.device.type == "cuda"
     trees = getattr(engine.model, "supports_trees", False)
     with torch.inference_mode():
