@@ -254,11 +254,9 @@ class HybridCache:
                              f"slot >= 1), not path {path} from slot {start}")
         self.kv.compact(start, path)
         j, here = (start + path[0]) % self.tree_nodes, start % self.steps
-        state = self.state[:, :, (start - 1) % self.steps]  # [layers, batch, h, d_k, d_v]
-        k, v = self.leaf_k[:, :, j], self.leaf_v[:, :, j]
-        state = state * self.leaf_g[:, :, j, :, None, None].exp()
-        delta = (v - (state * k[..., None]).sum(-2)) * self.leaf_beta[:, :, j, :, None]
-        self.state[:, :, here] = state + k[..., None] * delta[..., None, :]
+        self.state[:, :, here] = delta_update(  # [layers, batch, h, d_k, d_v]
+            self.state[:, :, (start - 1) % self.steps], self.leaf_k[:, :, j],
+            self.leaf_v[:, :, j], self.leaf_g[:, :, j], self.leaf_beta[:, :, j])
         self.conv[:, :, start % self.conv_slots] = self.leaf_conv[:, :, j]
 
     def overwritten_inputs(self, start: int, t: int) -> list[torch.Tensor]:
@@ -317,6 +315,15 @@ class HybridCache:
 
 # -- the gated delta rule ---------------------------------------------------------------------
 
+def delta_update(state, k, v, g, beta):
+    """One token's gated delta rule: state [..., d_k, d_v] decayed by exp(g) and corrected
+    towards v along k (k [..., d_k], v [..., d_v], g and beta [...]; float32). Returns the new
+    state."""
+    state = state * g[..., None, None].exp()
+    delta = (v - (state * k[..., None]).sum(-2)) * beta[..., None]
+    return state + k[..., None] * delta[..., None, :]
+
+
 def delta_rule_recurrent(q, k, v, g, beta, state, out_states=None):
     """The gated delta rule token by token. q, k: [batch, heads, t, d_k] (normalised, q scaled);
     v: [batch, heads, t, d_v]; g, beta: [batch, heads, t]; state: [batch, heads, d_k, d_v] (all
@@ -324,10 +331,7 @@ def delta_rule_recurrent(q, k, v, g, beta, state, out_states=None):
     Returns the outputs [batch, heads, t, d_v] and the final state."""
     out = torch.empty_like(v)
     for i in range(q.shape[2]):
-        state = state * g[:, :, i, None, None].exp()
-        k_i = k[:, :, i]  # [batch, heads, d_k]
-        delta = (v[:, :, i] - (state * k_i[..., None]).sum(-2)) * beta[:, :, i, None]
-        state = state + k_i[..., None] * delta[..., None, :]
+        state = delta_update(state, k[:, :, i], v[:, :, i], g[:, :, i], beta[:, :, i])
         out[:, :, i] = (state * q[:, :, i, :, None]).sum(-2)
         if out_states is not None:
             out_states(i, state)
@@ -455,7 +459,7 @@ class GatedDeltaNet(nn.Module):
         """The causal depthwise convolution and SiLU of mixed [batch, seq, conv_dim], after the
         inputs of the positions before the step (from `ring` [batch, conv_slots, conv_dim]),
         whose slots then take this step's inputs. A tree's leaves (the rows after its chain)
-        each see the chain's inputs before their own, and are kept in `stash` [batch, steps,
+        each see the chain's inputs before their own, and are kept in `stash` [batch, tree_nodes,
         conv_dim] instead of the ring."""
         leaves = slots.leaves
         chain = mixed if leaves is None else mixed[:, :leaves.chain]
@@ -492,9 +496,7 @@ class GatedDeltaNet(nn.Module):
                         (cache.leaf_beta, beta)):
             kept[lin].index_copy_(1, leaves.stash, x)
         state = cache.state[lin].index_select(1, leaves.parent_slots)  # [b, L, h, d_k, d_v]
-        state = state * g.exp()[..., None, None]
-        delta = (v - (state * k[..., None]).sum(-2)) * beta[..., None]
-        state = state + k[..., None] * delta[..., None, :]
+        state = delta_update(state, k, v, g, beta)
         return (state * q[..., None]).sum(-2).transpose(1, 2)
 
     @staticmethod
