@@ -24,9 +24,10 @@
 # sampled        plain decoding and the 0.5B draft model at k = 5 (every step, and under the
 #                cost model), at T = 0 and at T = 0.7 top-p 0.95 in one run; the seed prompts at T = 0.8 with the 0.5B draft model
 #                (k = 3, 5); with BASE=DIR that version's seed run first
-# dflash-train   `flashdraft train-drafter` for the target (MINUTES, default 8; RESPONSES of
-#                the target a training prompt, default 16, GEN_BATCH of them generated together,
-#                default 256; DFLASH_LAYERS, default 1) into
+# dflash-train   `flashdraft train-drafter` for the target (MINUTES, default 8; DATA, default
+#                builtin, e.g. stdlib,builtin; RESPONSES of the target a training prompt, default
+#                16, at TEMP, default 0.8, GEN_BATCH of them generated together, default 256;
+#                DFLASH_LAYERS, default 1) into
 #                /root/dflash, its train_log.json (the τ-vs-minutes curve) to $OUT
 # dflash-bench   HumanEval by chat template (NUM_PROMPTS, default 20), greedy, and the seed
 #                prompts at T = 0.8: plain, the trained DFlash drafter and the 0.5B draft model
@@ -129,7 +130,8 @@ for phase in "$@"; do
     # a DFlash drafter for the target, trained here (it lives as long as the machine)
     python3 -m flashdraft.cli train-drafter --target $TARGET --output /root/dflash \
       --layers ${DFLASH_LAYERS:-1} --block-size 16 --minutes ${MINUTES:-8} \
-      --responses-per-prompt ${RESPONSES:-16} --temperature 0.8 --max-new-tokens 256 \
+      --data ${DATA:-builtin} --responses-per-prompt ${RESPONSES:-16} \
+      --temperature ${TEMP:-0.8} --max-new-tokens 256 \
       --generation-batch ${GEN_BATCH:-256} --no-progress 2>&1 | grep -v Warn | tail -30
     cp /root/dflash/train_log.json "$OUT/dflash-train-log.json"
     ;;

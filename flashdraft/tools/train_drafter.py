@@ -5,8 +5,9 @@ target's own: its responses to the prompts you supply (generated here, batched),
 cheaper option, the text you supply as it is. Either way each position's label is the
 target's argmax there, the token greedy verification accepts.
 
-One step: a batch of sequences runs through the frozen target once, which gives the hidden
-states of the layers the drafter reads, computed on the fly; in each sequence blocks are
+The frozen target's pass that labels the sequences also gives the hidden states of the layers
+the drafter reads; they are kept in the GPU's memory where they fit (else each step computes
+them again for its batch). One step: a batch of sequences, and in each sequence blocks are
 anchored at random positions a. A block is [token a, MASK × (B - 1)] at positions a … a+B-1;
 it sees the context features strictly before a and, bidirectionally, its own rows, exactly
 as a drafting step sees them (`drafters.dflash`), and its row j (1 … B-1) is scored against
@@ -21,7 +22,9 @@ saved in the public format (`drafters.dflash.save_dflash`) at every estimate and
 with train_log.json (the settings, the τ-vs-minutes curve, the loss).
 
 The default prompt set, flashdraft/data/train_prompts.jsonl, was written for the project
-(its header says so); it holds no HumanEval or other benchmark prompt.
+(its header says so); `--data stdlib` makes thousands more from the docstrings of the Python
+standard library that runs the training (`stdlib_prompts`). Neither holds a HumanEval or other
+benchmark prompt (tests/test_train_drafter.py checks both).
 """
 from __future__ import annotations
 
@@ -44,8 +47,11 @@ from ..sampling import probs_from_logits, sample
 
 SOURCES = ("generate", "text")
 BUILTIN = "builtin"
+STDLIB = "stdlib"
 # Logit rows (positions × vocabulary, float32) one labelling pass may hold at a time.
 LABEL_ROWS = 1 << 27
+# Tokens one labelling pass runs through the target (sequences of similar lengths together).
+LABEL_TOKENS = 1 << 14
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,8 @@ class TrainSettings:
     lr: float = 6e-4
     heldout: float = 0.05  # the share of sequences kept for the τ estimate
     eval_every_s: float = 60.0
+    keep_features: bool = True  # the target's features computed once and kept where they fit
+                                # (`features_fit`); False: computed again each step
     generation_batch: int = 32  # sequences generated together
     seed: int = 0
     device: str | None = None
@@ -142,22 +150,82 @@ def parse_prompts(text: str, name: str) -> list:
 
 
 def load_training_prompts(spec: str) -> list:
-    """The prompts `spec` names: "builtin", a .jsonl or .txt file, or a directory of them."""
+    """The prompts `spec` names: "builtin", "stdlib", a .jsonl or .txt file, or a directory of
+    them; several joined by commas."""
+    if "," in spec:
+        return [p for part in spec.split(",") if part for p in load_training_prompts(part)]
     if spec == BUILTIN:
         from importlib.resources import files
         text = files("flashdraft").joinpath("data/train_prompts.jsonl").read_text("utf-8")
         return parse_prompts(text, "train_prompts.jsonl")
+    if spec == STDLIB:
+        return stdlib_prompts()
     path = Path(spec).expanduser()
     if path.is_dir():
         found = sorted(p for p in path.rglob("*") if p.suffix in (".jsonl", ".txt"))
     elif path.is_file() and path.suffix in (".jsonl", ".txt"):
         found = [path]
     else:
-        raise FileNotFoundError(f"--data {spec!r} is neither {BUILTIN!r} nor a .jsonl / .txt "
-                                f"file or a directory holding them")
+        raise FileNotFoundError(f"--data {spec!r} is neither {BUILTIN!r}, {STDLIB!r} nor a "
+                                f".jsonl / .txt file or a directory holding them")
     prompts = [x for f in found for x in parse_prompts(f.read_text("utf-8"), str(f))]
     if not prompts:
         raise ValueError(f"--data {spec!r} holds no prompts")
+    return prompts
+
+
+# Ways of asking for a function from its signature and docstring, taken in turn.
+STDLIB_ASKS = (
+    "Complete this Python function.\n\n```python\n{sig}\n    \"\"\"{doc}\"\"\"\n```",
+    "Write a Python function `{name}` that does the following: {doc}",
+    "Implement the function below and explain briefly how it works.\n\n```python\n{sig}\n"
+    "    \"\"\"{doc}\"\"\"\n```",
+    "In Python, write `{sig}` — {doc}",
+)
+# Skipped: tests and tools whose docstrings are about the standard library's own workings.
+STDLIB_SKIP = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages",
+               "ensurepip", "turtledemo", "pydoc_data", "__pycache__"}
+# HumanEval's entry points that the standard library defines too (Python 3.11): not asked for,
+# so that no training prompt names a benchmark's function.
+STDLIB_SKIP_NAMES = {"add", "compare", "encode", "is_nested", "median", "multiply", "search",
+                     "unique"}
+
+
+def stdlib_prompts() -> list:
+    """Coding prompts made from the Python standard library of the interpreter running this,
+    so that any machine with Python has thousands of them (origin: CPython's own sources,
+    Python Software Foundation License): each public function or method whose docstring says
+    enough (40 characters or more) becomes a request for that function from its signature and
+    docstring, asked in one of STDLIB_ASKS's ways in turn; duplicates (same name and
+    docstring) once. The same Python version gives the same prompts in the same order."""
+    import ast
+    import sysconfig
+
+    from .bench import BenchPrompt
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py")
+                   if not STDLIB_SKIP & set(p.relative_to(root).parts[:-1]))
+    prompts, seen = [], set()
+    for path in files:
+        try:
+            tree = ast.parse(path.read_text("utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            doc = ast.get_docstring(node)
+            if (node.name.startswith("_") or node.name in STDLIB_SKIP_NAMES or not doc
+                    or len(doc) < 40 or (node.name, doc) in seen):
+                continue
+            seen.add((node.name, doc))
+            sig = f"def {node.name}({ast.unparse(node.args)}):"
+            ask = STDLIB_ASKS[len(prompts) % len(STDLIB_ASKS)]
+            text = ask.format(sig=sig, name=node.name,
+                              doc=doc.strip().replace("\n", "\n    " if "```" in ask else "\n"))
+            prompts.append(BenchPrompt(f"stdlib-{path.stem}-{node.name}",
+                                       messages=[{"role": "user", "content": text}]))
     return prompts
 
 
@@ -219,23 +287,46 @@ def generate_responses(model: Transformer, prompts: list[list[int]], max_new: in
 
 
 @torch.no_grad()
-def argmax_labels(model: Transformer, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
-    """For each sequence [T], the target's argmax after each prefix: labels[p] = argmax of
-    the logits at p - 1 (-1 at p = 0, which nothing predicts)."""
+def label_sequences(model: Transformer, sequences: list[torch.Tensor],
+                    feature_layers: tuple[int, ...] | None = None, rows: int = LABEL_TOKENS
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """(labels, features) of each sequence [T]: labels[p] = the target's argmax after the
+    prefix of p tokens (-1 at p = 0, which nothing predicts), on the CPU; with feature_layers
+    (`hidden_layers` indices, in the order the drafter concatenates them) each position's
+    hidden states of those layers, [T, len · hidden] on the model's device, else None.
+    Sequences of similar lengths run together, right-padded (causal: padding changes no
+    position before it), about `rows` tokens a pass, and their logits in slices."""
     device = model.embed.weight.device
-    labels = []
-    for seq in sequences:
-        t = len(seq)
-        cache = KVCache.for_model(model.cfg, 1, t, model.embed.weight.dtype, device)
-        # One pass a sequence; its logits in slices of rows, so a long one fits.
-        per_pass = max(1, LABEL_ROWS // model.cfg.vocab_size)
-        _, hidden = model(seq[None].to(device), torch.arange(t, device=device)[None], cache,
-                          kv_len=t, hidden_layers=(model.cfg.num_layers,), last_only=True)
-        h = hidden[0][0]  # [T, hidden]: the last layer's output, before the final norm
-        best = torch.cat([model.lm_head(model.norm(h[i:i + per_pass])).argmax(-1)
-                          for i in range(0, t, per_pass)])
-        labels.append(torch.cat([torch.full((1,), -1, device=device), best[:-1]]).cpu())
-    return labels
+    last = model.cfg.num_layers
+    layers = tuple(sorted(set(feature_layers or ()) | {last}))
+    per_slice = max(1, LABEL_ROWS // model.cfg.vocab_size)
+    labels: list = [None] * len(sequences)
+    features: list = [None] * len(sequences)
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    first = 0
+    while first < len(order):
+        group = [order[first]]
+        while (first + len(group) < len(order)
+               and (len(group) + 1) * len(sequences[order[first + len(group)]]) <= rows):
+            group.append(order[first + len(group)])
+        first += len(group)
+        t = len(sequences[group[-1]])  # the longest of the group
+        tokens = torch.zeros(len(group), t, dtype=torch.long)
+        for r, i in enumerate(group):
+            tokens[r, :len(sequences[i])] = sequences[i]
+        cache = KVCache.for_model(model.cfg, len(group), t, model.embed.weight.dtype, device)
+        _, hidden = model(tokens.to(device), torch.arange(t, device=device).expand(len(group), t),
+                          cache, kv_len=t, hidden_layers=layers, last_only=True)
+        h = hidden[layers.index(last)].flatten(0, 1)  # [rows · T, hidden], before the final norm
+        best = torch.cat([model.lm_head(model.norm(h[i:i + per_slice])).argmax(-1)
+                          for i in range(0, len(h), per_slice)]).view(len(group), t).cpu()
+        for r, i in enumerate(group):
+            n = len(sequences[i])
+            labels[i] = torch.cat([torch.full((1,), -1, dtype=torch.long), best[r, :n - 1]])
+            if feature_layers:
+                features[i] = torch.cat([hidden[layers.index(j)][r, :n]
+                                         for j in feature_layers], -1).clone()
+    return labels, (features if feature_layers else None)
 
 
 def default_mask_token(model: Transformer, tokenizer) -> int:
@@ -278,13 +369,16 @@ class Batch:
     labels: torch.Tensor  # [b, T] int64: the target's argmax after each prefix; -1: none
     lengths: torch.Tensor  # [b]
     anchors: torch.Tensor  # [b, m]: each block's first position
+    features: torch.Tensor | None = None  # [b, T, F]: the target's, where they are kept
 
 
-def target_features(target: Transformer, drafter: DFlashModel, tokens: torch.Tensor
-                    ) -> torch.Tensor:
+def target_features(target: Transformer, drafter: DFlashModel, batch: Batch) -> torch.Tensor:
     """The target layers' outputs that the drafter reads, concatenated in its fc order:
-    tokens [b, T] -> [b, T, len(target_layer_ids) · hidden]. Padding past a sequence's end
-    changes no position before it (causal)."""
+    [b, T, len(target_layer_ids) · hidden], the batch's own where kept, else computed now.
+    Padding past a sequence's end changes no position before it (causal)."""
+    if batch.features is not None:
+        return batch.features
+    tokens = batch.tokens
     b, t = tokens.shape
     layers = drafter.cfg.hidden_layers
     cache = KVCache.for_model(target.cfg, b, t, target.embed.weight.dtype, tokens.device)
@@ -355,11 +449,14 @@ def accepted_lengths(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Te
 # -- the loop --------------------------------------------------------------------------------
 
 class Sequences:
-    """Token sequences with their labels and where their anchors may go."""
+    """Token sequences with their labels, where their anchors may go and, where they are kept,
+    the target's features of each position (`label_sequences`)."""
 
     def __init__(self, tokens: list[torch.Tensor], labels: list[torch.Tensor],
-                 starts: list[int], device: torch.device):
+                 starts: list[int], device: torch.device,
+                 features: list[torch.Tensor] | None = None):
         self.tokens, self.labels, self.starts, self.device = tokens, labels, starts, device
+        self.features = features
 
     def __len__(self):
         return len(self.tokens)
@@ -372,8 +469,14 @@ class Sequences:
             tokens[r, :len(self.tokens[i])] = self.tokens[i]
             labels[r, :len(self.labels[i])] = self.labels[i]
         lengths = torch.tensor([len(self.tokens[i]) for i in rows])
+        features = None
+        if self.features is not None:
+            f = self.features[rows[0]]
+            features = f.new_zeros(len(rows), t, f.shape[-1])
+            for r, i in enumerate(rows):
+                features[r, :len(self.tokens[i])] = self.features[i]
         return Batch(tokens.to(self.device), labels.to(self.device), lengths.to(self.device),
-                     torch.tensor(anchors, dtype=torch.long, device=self.device))
+                     torch.tensor(anchors, dtype=torch.long, device=self.device), features)
 
     def random_batch(self, size: int, m: int, rng: random.Random) -> Batch:
         """size sequences, m anchors each, drawn uniformly (a block may run past the end: its
@@ -400,7 +503,7 @@ def estimate_tau(drafter: DFlashModel, target: Transformer, data: Sequences, aut
     for batch in data.eval_batches(drafter.cfg.block_size, 64):
         with autocast():
             logits = block_logits(drafter, target, batch,
-                                  target_features(target, drafter, batch.tokens))
+                                  target_features(target, drafter, batch))
         labels, valid = block_labels(batch, drafter.cfg.block_size)
         accepted = accepted_lengths(logits, labels, valid)
         total += int(accepted.sum())
@@ -433,6 +536,24 @@ def build_sequences(target, tokenizer, s: TrainSettings, prompts: list, log) -> 
     return [t for t, _ in keep], [start for _, start in keep]
 
 
+# The share of the GPU's free memory the kept features may take (the rest: the training step).
+FEATURE_SHARE = 0.5
+FEATURE_BYTES_CPU = 4 << 30
+
+
+def features_fit(target: Transformer, tokens: list[torch.Tensor], layers: int,
+                 device: torch.device, log) -> bool:
+    """Whether the target's features of every training position (layers · hidden each) fit in
+    memory beside training; where not, they are computed again each step (slower)."""
+    need = sum(map(len, tokens)) * layers * target.cfg.hidden_size * target.embed.weight.element_size()
+    room = (torch.cuda.mem_get_info(device)[0] * FEATURE_SHARE if device.type == "cuda"
+            else FEATURE_BYTES_CPU)
+    if need > room:
+        log(f"the target's features would take {need / 2**30:.1f} GiB, more than the "
+            f"{room / 2**30:.1f} GiB they may; computing them again each step instead")
+    return need <= room
+
+
 def train_drafter(s: TrainSettings, out=None) -> TrainResult:
     """Train a DFlash drafter for s.target as the module docstring says; returns what it did."""
     from tqdm import tqdm
@@ -454,16 +575,21 @@ def train_drafter(s: TrainSettings, out=None) -> TrainResult:
     started = time.perf_counter()
     prompts = load_training_prompts(s.data)
     tokens, starts = build_sequences(target, loaded.tokenizer, s, prompts, log)
+    ids = (tuple(s.target_layer_ids) if s.target_layer_ids is not None
+           else build_target_layer_ids(target.cfg.num_layers, s.layers))
+    keep = s.keep_features and features_fit(target, tokens, len(ids), device, log)
     log(f"labelling {len(tokens)} sequences ({sum(map(len, tokens))} tokens) with the "
-        f"target's argmax ...")
-    labels = argmax_labels(target, tokens)
+        f"target's argmax{' and keeping its features' if keep else ''} ...")
+    labels, features = label_sequences(target, tokens, tuple(j + 1 for j in ids) if keep else None)
     order = list(range(len(tokens)))
     rng.shuffle(order)
     n_held = min(len(order) - 1, math.ceil(s.heldout * len(order))) if s.heldout else 0
     split = {"train": order[n_held:], "held": order[:n_held]}
     train, held = (Sequences([tokens[i] for i in rows], [labels[i] for i in rows],
-                             [starts[i] for i in rows], device)
+                             [starts[i] for i in rows], device,
+                             [features[i] for i in rows] if features else None)
                    for rows in (split["train"], split["held"]))
+    del features
     result = TrainResult(Path(s.output), len(train), len(held),
                          generation_s=time.perf_counter() - started)
 
@@ -504,7 +630,7 @@ def train_drafter(s: TrainSettings, out=None) -> TrainResult:
                 0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
         batch = train.random_batch(s.batch_size, s.anchors, rng)
         with autocast():
-            features = target_features(target, drafter, batch.tokens)
+            features = target_features(target, drafter, batch)
             logits = block_logits(drafter, target, batch, features)
             labels_, valid = block_labels(batch, s.block_size)
             loss = weighted_loss(logits, labels_, valid, s.gamma)
