@@ -50,7 +50,8 @@ from .drafters.base import Draft, DraftContext, Drafter
 from .kv_cache import KVCache, grow_cache
 from .model import Transformer
 from .sampling import SampledPick, fused_by_default, make_rng
-from .scheduling import CostModel, SpeculationPlanner, StepCostCache, tree_shapes
+from .scheduling import (CostModel, SpeculationPlanner, StepCostCache, most_tree_nodes,
+                         tree_shapes)
 from .verify import SampledVerify, SpineTreeGreedy, SpineTreeVerify, greedy_result
 
 
@@ -247,12 +248,11 @@ class Engine:
             raise ValueError(f"the prompt has {len(prompt)} tokens, which leaves no room to "
                              f"generate within max_model_len={self.max_model_len}")
         # A step verifies at most k drafts, or a tree of k spine tokens and their leaves.
-        trees = [j + sum(leaves) for j in range(1, k + 1)
-                 for leaves in tree_shapes(self.tree_widths, self.tree_budget, j)]
-        nodes = max(k, max(trees, default=0)) if drafter else 0
+        tree = most_tree_nodes(self.tree_widths, self.tree_budget, k) if drafter else 0
+        nodes = max(k, tree) if drafter else 0
         self.ensure_capacity(len(prompt) + max_new + nodes + 1, drafter,
                              steps=k + 1 if drafter else 1,
-                             tree_nodes=nodes + 1 if drafter and trees else 0)
+                             tree_nodes=nodes + 1 if tree else 0)
         # How attention cuts the cache into splits fixes how its partial sums are added, so it
         # must follow from the request alone: not from k (speculation must return plain
         # decoding's tokens) nor from the cache's size, which earlier, longer requests set.

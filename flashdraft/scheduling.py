@@ -477,6 +477,13 @@ def tree_shapes(widths: tuple[int, ...], budget: int, k: int) -> tuple[tuple[int
     return tuple(shapes)
 
 
+def most_tree_nodes(widths: tuple[int, ...], budget: int, k: int) -> int:
+    """The most draft tokens one step of at most k spine tokens verifies as a tree (spine and
+    leaves, `tree_shapes`); 0 where no step is a tree."""
+    return max((j + sum(leaves) for j in range(1, k + 1)
+                for leaves in tree_shapes(widths, budget, j)), default=0)
+
+
 def best_k(alphas: list[float], step_time, plain_s: float, k_max: int
            ) -> tuple[int, float, float]:
     """(k, E(k), its rate in tokens/s) maximising E(k) / step_time(k) over 1 … k_max, or

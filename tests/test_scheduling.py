@@ -5,7 +5,7 @@ import pytest
 
 from flashdraft.scheduling import (FIRST_STRETCH, LONGEST_STRETCH, REQUEST_DECAY, CostModel,
                                    Ema, SpeculationPlanner, best_k, expected_tokens, leaf_keep,
-                                   leaf_share, tree_shapes)
+                                   leaf_share, most_tree_nodes, tree_shapes)
 
 P = 0.010  # seconds a plain token
 
@@ -213,6 +213,10 @@ def test_tree_shapes_under_a_budget_are_few_and_fit():
     assert (1,) * 8 in shapes[8]  # one alternative a depth, 16 nodes
     # each profile trimmed from its deepest depth to 5 nodes; (4, 3)'s trim is (3, 2)'s twin
     assert tree_shapes((), 5, 3) == ((2, 0, 0), (1, 0, 0), (1, 1, 0))
+    # the most tokens a step verifies, over every k' <= k (what the caches must hold)
+    assert most_tree_nodes((3, 2, 2), 0, 5) == 9 and most_tree_nodes((3, 2), 0, 1) == 3
+    assert most_tree_nodes((1,), 0, 5) == most_tree_nodes((), 0, 5) == 0
+    assert most_tree_nodes((), 16, 8) == 16 and most_tree_nodes((), 16, 16) == 16
     assert leaf_keep(0.3, 0) == 0 and leaf_keep(0.3, 1) == 0.3
     assert leaf_keep(0.3, 2) == pytest.approx(0.45) and leaf_keep(0.8, 8) == 1.0
     assert leaf_share(3) == pytest.approx(1.75)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ..config import (KernelConfig, SamplingParams, check_decode_kernel, check_tree_budget,
                       check_tree_widths)
 from ..drafters.registry import parse_drafter_spec
-from ..scheduling import tree_shapes
+from ..scheduling import most_tree_nodes
 from ..tree import spine_tree
 
 PROMPT_SETS = ("humaneval", "seed")
@@ -227,8 +227,7 @@ class Configuration:
     @property
     def nodes(self) -> int:
         """The most draft tokens one of its steps verifies."""
-        return max((j + sum(leaves) for j in range(1, self.k + 1)
-                    for leaves in tree_shapes(self.tree, self.tree_budget, j)), default=self.k)
+        return max(self.k, most_tree_nodes(self.tree, self.tree_budget, self.k))
 
 
 # -- prompts ---------------------------------------------------------------------------------
