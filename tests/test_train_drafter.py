@@ -85,9 +85,9 @@ def test_labelling_in_batches_gives_each_sequence_its_own(setup):
     layers = (3, 1)
     together, feats = label_sequences(model, seqs, layers, rows=40)  # groups of 1 to 3
     for seq, labels, f in zip(seqs, together, feats):
-        alone, (f1,) = label_sequences(model, [seq], layers)
-        assert labels[0] == -1 and torch.equal(labels, alone[0])
-        torch.testing.assert_close(f, f1[0] if f1.dim() == 3 else f1, rtol=1e-5, atol=1e-5)
+        [alone], [f1] = label_sequences(model, [seq], layers)
+        assert labels[0] == -1 and torch.equal(labels, alone)
+        torch.testing.assert_close(f, f1, rtol=1e-5, atol=1e-5)
         assert f.shape == (len(seq), 2 * model.cfg.hidden_size)
     assert label_sequences(model, seqs)[1] is None
 
