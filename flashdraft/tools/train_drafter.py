@@ -340,14 +340,21 @@ def default_mask_token(model: Transformer, tokenizer) -> int:
     return weight.shape[0] - 1
 
 
+def read_layer_ids(target: Transformer, s: TrainSettings) -> tuple[int, ...]:
+    """The 0-based target layers the new drafter reads: --target-layer-ids, else the
+    reference's spread."""
+    if s.target_layer_ids is not None:
+        return tuple(s.target_layer_ids)
+    return tuple(build_target_layer_ids(target.cfg.num_layers, s.layers))
+
+
 def new_drafter(target: Transformer, s: TrainSettings, mask_token_id: int) -> DFlashModel:
     """A drafter of s.layers Qwen3 layers of the target's shapes, initialised as transformers
     initialises Qwen3 (weights N(0, 0.02), norms 1)."""
     c = target.cfg
     layers = replace(c, arch="qwen3", num_layers=s.layers, qk_norm=True, qkv_bias=False,
                      tie_word_embeddings=False)
-    ids = (tuple(s.target_layer_ids) if s.target_layer_ids is not None
-           else build_target_layer_ids(c.num_layers, s.layers))
+    ids = read_layer_ids(target, s)
     cfg = DFlashConfig(layers=layers, num_target_layers=c.num_layers, target_layer_ids=ids,
                        block_size=s.block_size, mask_token_id=mask_token_id)
     cfg.check_target(c, "the new drafter")  # e.g. --target-layer-ids out of range
@@ -575,8 +582,7 @@ def train_drafter(s: TrainSettings, out=None) -> TrainResult:
     started = time.perf_counter()
     prompts = load_training_prompts(s.data)
     tokens, starts = build_sequences(target, loaded.tokenizer, s, prompts, log)
-    ids = (tuple(s.target_layer_ids) if s.target_layer_ids is not None
-           else build_target_layer_ids(target.cfg.num_layers, s.layers))
+    ids = read_layer_ids(target, s)
     keep = s.keep_features and features_fit(target, tokens, len(ids), device, log)
     log(f"labelling {len(tokens)} sequences ({sum(map(len, tokens))} tokens) with the "
         f"target's argmax{' and keeping its features' if keep else ''} ...")
